@@ -1,0 +1,98 @@
+"""`specroll` command line.
+
+Argument definitions live here (cheap to import); each command's work is imported lazily from the
+module that owns it, so `specroll --help` does not pay for torch or transformers.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import os
+import sys
+
+
+class CliError(Exception):
+    """A user-facing error: printed as one line, exit code 2, no traceback."""
+
+
+def _run(target: str):
+    def call(args):
+        mod, fn = target.split(":")
+        return getattr(importlib.import_module(mod), fn)(args)
+
+    return call
+
+
+def _models(sub):
+    p = sub.add_parser("models", help="pull, list and locate models")
+    s = p.add_subparsers(dest="models_cmd", required=True)
+    pull = s.add_parser("pull", help="fetch and convert a model into the cache")
+    pull.add_argument("model", nargs="?", default="smollm2-135m")
+    pull.add_argument("--force", action="store_true", help="re-pull even if the cache looks complete")
+    s.add_parser("list", help="known aliases and what is cached")
+    path = s.add_parser("path", help="print the cached directory of a model (pulling it if needed)")
+    path.add_argument("model", nargs="?", default="smollm2-135m")
+    p.set_defaults(func=_run("specroll.models.hub:cli"))
+
+
+def _generate(sub):
+    p = sub.add_parser("generate", help="sample completions for a prompt (chat template applied)")
+    p.add_argument("--model", default="smollm2-135m")
+    p.add_argument("--prompt", action="append", help="user message; repeat for several prompts")
+    p.add_argument("--system", default=None, help="system prompt (default: the model's own)")
+    p.add_argument("--raw", action="store_true", help="do not apply the chat template")
+    p.add_argument("-n", type=int, default=1, help="completions per prompt")
+    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--temperature", type=float, default=0.7)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
+    p.add_argument("--json", action="store_true", help="print one JSON object per completion")
+    p.set_defaults(func=_run("specroll.generate:cli"))
+
+
+def _bench(sub):
+    p = sub.add_parser("bench", help="benchmarks that write JSON")
+    s = p.add_subparsers(dest="bench_cmd", required=True)
+    e = s.add_parser("engine", help="engine vs HF generate, side by side, with the roofline")
+    e.add_argument("--model", default="smollm2-135m")
+    e.add_argument("--batch-sizes", default="1,8,32")
+    e.add_argument("--max-new-tokens", type=int, default=64)
+    e.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    e.add_argument("--repeats", type=int, default=3, help="timed repetitions per system and batch (median kept)")
+    e.add_argument("--no-hf", action="store_true", help="skip HF generate (engine only)")
+    e.add_argument("--out", default="bench_engine.json")
+    e.set_defaults(func=_run("specroll.bench.engine:cli"))
+
+
+COMMANDS = [_models, _generate, _bench]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="specroll", description="Speculative rollouts for GRPO / RLVR training.")
+    sub = parser.add_subparsers(dest="command", required=True)
+    for add in COMMANDS:
+        add(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        rc = args.func(args)
+    except (CliError, ValueError, FileNotFoundError) as e:
+        if os.environ.get("SPECROLL_DEBUG"):
+            raise
+        print(f"specroll: error: {e}", file=sys.stderr)
+        print("(set SPECROLL_DEBUG=1 for the traceback)", file=sys.stderr) if not isinstance(e, CliError) else None
+        return 2
+    except KeyboardInterrupt:
+        print("specroll: interrupted", file=sys.stderr)
+        return 130
+    return int(rc or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,141 @@
+"""Preallocated KV cache with per-row lengths.
+
+Layout: ``k, v``: (L, B_max, KV, S_max, hd). Row ``b`` holds ``lens[b]`` committed slots; a forward
+writes its new K/V at explicit ``slots`` (normally ``lens[b] + 0..T-1``) without committing them, so
+a tree verification can write all nodes and then ``commit`` only the accepted path.
+
+Operations:
+- ``fork(rows, n)``: repeat each row n times (a GRPO group shares its prompt prefill);
+- ``commit(paths, n_accept)``: move chosen written slots to be contiguous after ``lens`` and extend;
+- ``keep(rows)`` / ``drop(rows)``: compact the batch when rows finish.
+
+Only the first ``batch`` rows and the first ``max(lens) + T`` slots are ever touched.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+class KVCache:
+    def __init__(self, n_layers: int, max_batch: int, n_kv: int, max_len: int, head_dim: int,
+                 dtype: torch.dtype = torch.float32):
+        shape = (n_layers, max_batch, n_kv, max_len, head_dim)
+        self.k = torch.zeros(shape, dtype=dtype)
+        self.v = torch.zeros(shape, dtype=dtype)
+        self.lens = torch.zeros(max_batch, dtype=torch.long)
+        self.batch = 0
+        self.max_len = max_len
+        self._span = 0  # slots visible in the current forward
+
+    @classmethod
+    def for_model(cls, cfg, max_batch: int, max_len: int, dtype: torch.dtype) -> KVCache:
+        return cls(cfg.num_layers, max_batch, cfg.num_kv_heads, max_len, cfg.head_dim, dtype)
+
+    @property
+    def max_batch(self) -> int:
+        return self.k.shape[1]
+
+    def reset(self, batch: int) -> None:
+        if batch > self.max_batch:
+            raise ValueError(f"batch {batch} exceeds the cache's max_batch {self.max_batch}")
+        self.batch = batch
+        self.lens[:batch] = 0
+
+    def view(self, rows: slice) -> KVCache:
+        """A cache over a contiguous range of rows, sharing this one's storage (chunked prefill)."""
+        c = KVCache.__new__(KVCache)
+        c.k, c.v, c.lens = self.k[:, rows], self.v[:, rows], self.lens[rows]
+        c.batch, c.max_len, c._span = c.k.shape[1], self.max_len, 0
+        return c
+
+    # -- forward-time interface ---------------------------------------------------------------
+    def prepare(self, slots: torch.Tensor) -> None:
+        """Declare the slots the next forward writes: (B, T) long, B == batch."""
+        span = int(slots.max()) + 1
+        if span > self.max_len:
+            raise ValueError(f"KV cache overflow: slot {span - 1} >= max_len {self.max_len}")
+        self._span = span
+
+    def writer(self, layer: int, slots: torch.Tensor):
+        """Return ``f(k, v) -> (K, V)`` that stores (B, T, KV, hd) at ``slots`` and returns the visible
+        (B, KV, S, hd) views for this layer."""
+        B = slots.shape[0]
+        rows = torch.arange(B).unsqueeze(1).expand_as(slots)
+        k_all, v_all = self.k[layer, :B], self.v[layer, :B]
+        span = self._span
+
+        def write(k: torch.Tensor, v: torch.Tensor):
+            k_all[rows, :, slots] = k.to(k_all.dtype)
+            v_all[rows, :, slots] = v.to(v_all.dtype)
+            return k_all[:, :, :span], v_all[:, :, :span]
+
+        return write
+
+    def chain_slots(self, T: int) -> torch.Tensor:
+        """(B, T) slots right after each row's committed length."""
+        return self.lens[: self.batch, None] + torch.arange(T)
+
+    def mask(self, T: int, tree: torch.Tensor | None = None) -> torch.Tensor:
+        """Visibility (B, T, S) for T new tokens written at ``chain_slots(T)``.
+
+        A query sees every committed slot of its row, and among the new slots those allowed by
+        ``tree`` (B, T, T) bool (default: causal).
+        """
+        lens = self.lens[: self.batch]
+        span = int(lens.max()) + T
+        rel = torch.arange(span)[None, None, :] - lens[:, None, None]  # (B, 1, S)
+        if T == 1 and tree is None:
+            return rel <= 0
+        new = (rel >= 0) & (rel < T)
+        if tree is None:
+            tree = torch.ones(T, T, dtype=torch.bool).tril().expand(self.batch, T, T)
+        idx = rel.clamp(0, T - 1).expand(self.batch, T, span)
+        return (rel < 0) | (new & torch.gather(tree, 2, idx))
+
+    # -- structural operations ----------------------------------------------------------------
+    def advance(self, n: torch.Tensor | int) -> None:
+        """Commit ``n`` (B,) or int slots written contiguously after ``lens``."""
+        self.lens[: self.batch] += n
+
+    def commit(self, paths: torch.Tensor, n_accept: torch.Tensor) -> None:
+        """Keep written slots ``paths`` (B, A) -- the first ``n_accept[b]`` of each row -- contiguous
+        after ``lens`` and extend ``lens`` by ``n_accept``."""
+        B, A = paths.shape
+        lens = self.lens[:B]
+        dst = lens[:, None] + torch.arange(A)
+        valid = torch.arange(A)[None, :] < n_accept[:, None]
+        src = torch.where(valid, paths, dst)  # padding copies a slot onto itself
+        rows = torch.arange(B)[:, None].expand(B, A)
+        span = int(torch.maximum(src, dst).max()) + 1
+        if span > self.max_len:
+            raise ValueError(f"KV cache overflow in commit: slot {span - 1} >= max_len {self.max_len}")
+        for t in (self.k, self.v):
+            t[:, rows, :, dst] = t[:, rows, :, src]
+        self.lens[:B] += n_accept
+
+    def keep(self, rows: torch.Tensor) -> None:
+        """Compact to the given rows (in this order); the rest are dropped."""
+        n = len(rows)
+        span = int(self.lens[: self.batch].max()) if self.batch else 0
+        if span:
+            self.k[:, :n, :, :span] = self.k[:, rows, :, :span]
+            self.v[:, :n, :, :span] = self.v[:, rows, :, :span]
+        self.lens[:n] = self.lens[rows].clone()
+        self.batch = n
+
+    def drop(self, rows: torch.Tensor) -> None:
+        mask = torch.ones(self.batch, dtype=torch.bool)
+        mask[rows] = False
+        self.keep(mask.nonzero().squeeze(1))
+
+    def fork(self, rows: torch.Tensor, n: int) -> None:
+        """Repeat each of ``rows`` ``n`` times, in order: rows [a, b] -> [a]*n + [b]*n."""
+        order = torch.as_tensor(rows, dtype=torch.long).repeat_interleave(n)
+        if len(order) > self.max_batch:
+            raise ValueError(f"fork to {len(order)} rows exceeds the cache's max_batch {self.max_batch}")
+        span = int(self.lens[order].max())
+        self.k[:, : len(order), :, :span] = self.k[:, order, :, :span]
+        self.v[:, : len(order), :, :span] = self.v[:, order, :, :span]
+        self.lens[: len(order)] = self.lens[order].clone()
+        self.batch = len(order)

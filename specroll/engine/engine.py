@@ -1,0 +1,207 @@
+"""The one generation loop.
+
+``Engine.generate(prompts, params, n=G)`` prefills every prompt once, forks its KV cache to its G
+rows, then decodes until every row has stopped. Finished rows leave the batch (the cache is
+compacted), so the per-step cost follows the live concurrency.
+
+Vanilla decoding is "no drafter". A drafter (``drafters/``) plugs in through ``Engine.generate(...,
+drafter=...)``: it is handed the engine's live state each step and returns the tokens emitted per row.
+
+Every emitted token carries two log-probabilities (see ``sampling.py``): the policy's at T = 1
+(what GRPO's ratio needs, so the trainer needs no "old logprob" forward when mu = 1) and the
+sampling distribution's.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from ..models.decoder import Decoder
+from .cache import KVCache
+from .sampling import SamplingParams, sample
+
+
+@dataclass
+class Rollout:
+    prompt_ids: torch.Tensor  # (P,) long
+    completion_ids: torch.Tensor  # (C,) long, includes the stop token when there is one
+    logprobs: torch.Tensor  # (C,) policy log-probs at T = 1, unfiltered
+    sample_logprobs: torch.Tensor  # (C,) log-probs under the distribution actually sampled
+    finish_reason: str  # "stop" | "length"
+    prompt_index: int = 0
+    sample_index: int = 0
+    n_reused: int = 0
+    n_drafted: int = 0
+    n_accepted: int = 0
+    policy_version: int = 0
+    extra: dict = field(default_factory=dict)
+
+
+@dataclass
+class DecodeState:
+    """What a decode step (vanilla or drafted) sees and updates. Rows are the live batch."""
+
+    cache: KVCache
+    logits: torch.Tensor  # (B, V) next-token logits of each live row
+    hidden: torch.Tensor  # (B, D) final hidden state that produced ``logits``
+    row_ids: torch.Tensor  # (B,) index of each live row into the output buffers
+    n_gen: torch.Tensor  # (R,) tokens emitted so far, per output row
+    tokens: torch.Tensor  # (R, max_new) output buffer
+    policy_lp: torch.Tensor  # (R, max_new)
+    sample_lp: torch.Tensor  # (R, max_new)
+    gen: torch.Generator | None
+    params: SamplingParams
+
+
+class Engine:
+    """Batched KV-cache generation over a ``Decoder``.
+
+    ``dtype``: activation / KV dtype for rollouts (default: the weights' dtype). ``bfloat16`` runs
+    bf16 rollouts of fp32 weights through bf16 packed copies (see ``decoder.FastLinear``).
+    """
+
+    def __init__(self, model: Decoder, eos_ids=(), dtype: torch.dtype | None = None, prefill_chunk: int = 4096):
+        self.model = model
+        self.eos_ids = tuple(int(e) for e in (eos_ids if isinstance(eos_ids, (list, tuple)) else [eos_ids]))
+        self.dtype = dtype or model.dtype
+        self.prefill_chunk = prefill_chunk  # max prompt tokens per prefill forward
+        self.policy_version = 0
+        self._cache: KVCache | None = None
+
+    # -- helpers ------------------------------------------------------------------------------
+    def _get_cache(self, batch: int, length: int) -> KVCache:
+        c = self._cache
+        if c is None or c.max_batch < batch or c.max_len < length or c.k.dtype != self.dtype:
+            c = KVCache.for_model(self.model.cfg, batch, length, self.dtype)
+            self._cache = c
+        c.reset(batch)
+        return c
+
+    def forward(self, cache: KVCache, ids: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
+                mask: torch.Tensor) -> torch.Tensor:
+        return self.model(ids, positions, cache=cache, mask=mask, slots=slots, act_dtype=self.dtype)
+
+    def _check_prompts(self, prompts, params: SamplingParams, extra: int) -> list[torch.Tensor]:
+        out = []
+        limit = self.model.cfg.max_position
+        for i, p in enumerate(prompts):
+            t = torch.as_tensor(p, dtype=torch.long).flatten()
+            if t.numel() == 0:
+                raise ValueError(f"prompt {i} is empty")
+            if t.numel() + params.max_new_tokens + extra > limit:
+                raise ValueError(
+                    f"prompt {i} has {t.numel()} tokens; with max_new_tokens={params.max_new_tokens} it exceeds "
+                    f"the model's context of {limit} tokens"
+                )
+            if int(t.max()) >= self.model.cfg.vocab_size or int(t.min()) < 0:
+                raise ValueError(f"prompt {i} has token ids outside the vocabulary [0, {self.model.cfg.vocab_size})")
+            out.append(t)
+        return out
+
+    @torch.no_grad()
+    def prefill(self, cache: KVCache, prompts: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Prefill rows 0..P-1 with ``prompts`` (ragged). Returns last-token (hidden (P, D), logits (P, V))."""
+        P = len(prompts)
+        lens = torch.tensor([len(p) for p in prompts])
+        hidden = torch.empty(P, self.model.cfg.hidden_size, dtype=self.dtype)
+        per = max(1, self.prefill_chunk // int(lens.max()))
+        for s in range(0, P, per):  # rows of a chunk are right-padded to the chunk's longest
+            rows = slice(s, min(P, s + per))
+            chunk = prompts[rows]
+            T = max(len(p) for p in chunk)
+            ids = torch.zeros(len(chunk), T, dtype=torch.long)
+            for j, p in enumerate(chunk):
+                ids[j, : len(p)] = p
+            sub = cache.view(rows)
+            pos = torch.arange(T).expand(len(chunk), T)
+            h = self.forward(sub, ids, pos, pos, sub.mask(T))
+            hidden[rows] = h[torch.arange(len(chunk)), lens[rows] - 1]
+        cache.lens[:P] = lens
+        return hidden, self.model.logits(hidden)
+
+    # -- the loop -----------------------------------------------------------------------------
+    @torch.no_grad()
+    def generate(self, prompts, params: SamplingParams, n: int = 1, drafter=None) -> list[Rollout]:
+        """Sample ``n`` completions for each prompt. Returns prompt-major rollouts (p0s0, p0s1, ...)."""
+        if n < 1:
+            raise ValueError(f"n must be >= 1, got {n}")
+        extra = drafter.max_tokens_per_step() if drafter is not None else 1
+        prompts = self._check_prompts(prompts, params, extra)
+        P, R, M = len(prompts), len(prompts) * n, params.max_new_tokens
+        if P == 0:
+            return []
+        cache = self._get_cache(R, max(len(p) for p in prompts) + M + extra)
+        cache.reset(P)
+        hidden, logits = self.prefill(cache, prompts)
+        cache.fork(torch.arange(P), n)
+        st = DecodeState(
+            cache=cache,
+            logits=logits.repeat_interleave(n, 0),
+            hidden=hidden.repeat_interleave(n, 0),
+            row_ids=torch.arange(R),
+            n_gen=torch.zeros(R, dtype=torch.long),
+            tokens=torch.zeros(R, M, dtype=torch.long),
+            policy_lp=torch.zeros(R, M),
+            sample_lp=torch.zeros(R, M),
+            gen=params.generator(),
+            params=params,
+        )
+        stop = torch.tensor(sorted(set(self.eos_ids) | set(params.stop_ids)), dtype=torch.long)
+        finish = ["length"] * R
+        stats = torch.zeros(R, 3, dtype=torch.long)  # reused, drafted, accepted
+        if drafter is not None:
+            drafter.begin(self, st, prompts, n)
+        while st.row_ids.numel():
+            step = drafter.step if drafter is not None else self.vanilla_step
+            done_rows, stopped = step(st, stop, stats)
+            for r, s in zip(done_rows.tolist(), stopped.tolist()):
+                finish[r] = "stop" if s else "length"
+        if drafter is not None:
+            drafter.end(self, st)
+        out = []
+        for r in range(R):
+            c = int(st.n_gen[r])
+            out.append(Rollout(
+                prompt_ids=prompts[r // n], completion_ids=st.tokens[r, :c].clone(),
+                logprobs=st.policy_lp[r, :c].clone(), sample_logprobs=st.sample_lp[r, :c].clone(),
+                finish_reason=finish[r], prompt_index=r // n, sample_index=r % n,
+                n_reused=int(stats[r, 0]), n_drafted=int(stats[r, 1]), n_accepted=int(stats[r, 2]),
+                policy_version=self.policy_version,
+            ))
+        return out
+
+    def emit(self, st: DecodeState, tok, plp, slp, stop: torch.Tensor):
+        """Append one token per live row; return (finished mask over live rows, stopped-by-token mask)."""
+        rows = st.row_ids
+        col = st.n_gen[rows]
+        st.tokens[rows, col] = tok
+        st.policy_lp[rows, col] = plp
+        st.sample_lp[rows, col] = slp
+        st.n_gen[rows] = col + 1
+        stopped = torch.isin(tok, stop) & (col + 1 >= st.params.min_new_tokens)
+        return stopped | (col + 1 >= st.params.max_new_tokens), stopped
+
+    def retire(self, st: DecodeState, finished: torch.Tensor, stopped: torch.Tensor, tok: torch.Tensor):
+        """Drop finished rows from the batch. Returns (done row ids, their stopped flags, kept tokens)."""
+        if not bool(finished.any()):
+            return torch.empty(0, dtype=torch.long), torch.empty(0, dtype=torch.bool), tok
+        keep = (~finished).nonzero().squeeze(1)
+        done_rows, done_stop = st.row_ids[finished], stopped[finished]
+        st.cache.keep(keep)
+        st.row_ids = st.row_ids[keep]
+        return done_rows, done_stop, tok[keep]
+
+    def vanilla_step(self, st: DecodeState, stop: torch.Tensor, stats: torch.Tensor):
+        tok, plp, slp = sample(st.logits, st.params, st.gen)
+        finished, stopped = self.emit(st, tok, plp, slp, stop)
+        done_rows, done_stop, tok = self.retire(st, finished, stopped, tok)
+        if st.row_ids.numel():
+            cache = st.cache
+            slots = cache.chain_slots(1)
+            h = self.forward(cache, tok[:, None], slots, slots, cache.mask(1))
+            cache.advance(1)
+            st.hidden = h[:, 0]
+            st.logits = self.model.logits(st.hidden)
+        return done_rows, done_stop

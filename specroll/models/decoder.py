@@ -1,0 +1,354 @@
+"""Compact decoder for the Llama / Qwen2 / Qwen3 families: one plain ``nn.Module``.
+
+It owns the transformer math only. The KV cache is passed in (``engine/cache.py``); logits are
+computed only where the caller asks (``Decoder.logits``). The same module is trained by the
+trainer and run by the engine: there is no second copy of the weights to keep in sync.
+
+Departures from the HF implementation, all numerically equivalent in fp32:
+- q/k/v and gate/up are fused into one projection each (fewer, larger matmuls);
+- GQA never expands K/V: the query heads of one KV head are folded into the query length;
+- under ``torch.no_grad`` every linear uses a oneDNN-prepacked copy of its weight, re-packed
+  automatically whenever the parameter changes (tracked through the tensor's version counter).
+  With bf16 activations the packed copy is bf16 even if the parameter is fp32, so the trainer can
+  keep fp32 master weights while rollouts run in bf16. Measured on this machine, the packed
+  linears stream weights 3-4x faster than ``F.linear`` at batch 8-32.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+SUPPORTED_ARCHS = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+
+
+@dataclass
+class DecoderConfig:
+    arch: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rope_theta: float = 10000.0
+    rope_scaling: dict | None = None
+    rms_eps: float = 1e-6
+    tie_embeddings: bool = False
+    qkv_bias: bool = False
+    qk_norm: bool = False
+    max_position: int = 4096
+
+    def __post_init__(self):
+        if self.arch not in SUPPORTED_ARCHS:
+            raise ValueError(f"unsupported architecture {self.arch!r}; supported: {sorted(SUPPORTED_ARCHS)}")
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads})")
+
+    @classmethod
+    def from_hf(cls, cfg) -> DecoderConfig:
+        """Build from a transformers ``PretrainedConfig`` (or its dict)."""
+        d = cfg if isinstance(cfg, dict) else cfg.to_dict()
+        mt = d.get("model_type")
+        if mt not in SUPPORTED_ARCHS:
+            raise ValueError(
+                f"model_type {mt!r} is not supported by the specroll decoder; supported: {sorted(SUPPORTED_ARCHS)}"
+            )
+        rope = dict(d.get("rope_parameters") or {})  # transformers >= 5
+        scaling = d.get("rope_scaling") or {}
+        theta = rope.get("rope_theta", d.get("rope_theta", 10000.0))
+        rtype = rope.get("rope_type") or scaling.get("rope_type") or scaling.get("type") or "default"
+        scaling = {**scaling, **{k: v for k, v in rope.items() if k != "rope_theta"}}
+        scaling["rope_type"] = rtype
+        n_heads = d["num_attention_heads"]
+        return cls(
+            arch=mt,
+            vocab_size=d["vocab_size"],
+            hidden_size=d["hidden_size"],
+            intermediate_size=d["intermediate_size"],
+            num_layers=d["num_hidden_layers"],
+            num_heads=n_heads,
+            num_kv_heads=d.get("num_key_value_heads") or n_heads,
+            head_dim=d.get("head_dim") or d["hidden_size"] // n_heads,
+            rope_theta=float(theta),
+            rope_scaling=None if rtype == "default" else scaling,
+            rms_eps=float(d.get("rms_norm_eps", 1e-6)),
+            tie_embeddings=bool(d.get("tie_word_embeddings", False)),
+            qkv_bias=mt == "qwen2" or bool(d.get("attention_bias", False)),
+            qk_norm=mt == "qwen3",
+            max_position=int(d.get("max_position_embeddings", 4096)),
+        )
+
+    def save(self, path: str | Path) -> None:
+        Path(path).write_text(json.dumps(asdict(self), indent=2))
+
+    @classmethod
+    def load(cls, path: str | Path) -> DecoderConfig:
+        return cls(**json.loads(Path(path).read_text()))
+
+
+def rope_inv_freq(cfg: DecoderConfig) -> torch.Tensor:
+    hd = cfg.head_dim
+    inv = 1.0 / (cfg.rope_theta ** (torch.arange(0, hd, 2, dtype=torch.float64) / hd))
+    sc = cfg.rope_scaling
+    if not sc:
+        return inv.float()
+    kind = sc.get("rope_type", "default")
+    if kind == "linear":
+        return (inv / sc["factor"]).float()
+    if kind == "llama3":
+        factor, lo, hi = sc["factor"], sc["low_freq_factor"], sc["high_freq_factor"]
+        old = sc["original_max_position_embeddings"]
+        wavelen = 2 * math.pi / inv
+        scaled = torch.where(wavelen > old / lo, inv / factor, inv)
+        smooth = (old / wavelen - lo) / (hi - lo)
+        blended = (1 - smooth) * scaled / factor + smooth * scaled
+        medium = (wavelen >= old / hi) & (wavelen <= old / lo)
+        return torch.where(medium, blended, scaled).float()
+    raise ValueError(f"rope scaling type {kind!r} is not supported (supported: default, linear, llama3)")
+
+
+class FastLinear(nn.Linear):
+    """``nn.Linear`` that runs a prepacked oneDNN weight when autograd is off.
+
+    The packed copy is derived state: keyed by (dtype, the parameter's version counter and storage),
+    so an optimizer step or ``load_state_dict`` silently invalidates it.
+    """
+
+    _packing_ok = torch.backends.mkldnn.is_available()
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = False, weight: nn.Parameter | None = None):
+        super().__init__(in_features, out_features, bias=bias)
+        if weight is not None:  # tied lm_head
+            self.weight = weight
+        self._packed: dict = {}
+
+    def _pack(self, dtype: torch.dtype):
+        w = self.weight
+        key = (w._version, w.data_ptr(), None if self.bias is None else self.bias._version)
+        hit = self._packed.get(dtype)
+        if hit is not None and hit[0] == key:
+            return hit[1], hit[2]
+        with torch.no_grad():
+            wd = w.detach().to(dtype).contiguous()
+            b = None if self.bias is None else self.bias.detach().to(dtype)
+            packed = torch.ops.mkldnn._reorder_linear_weight(wd, None) if self._packing_ok else wd
+        self._packed[dtype] = (key, packed, b)
+        return packed, b
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if torch.is_grad_enabled() and (self.weight.requires_grad or x.requires_grad):
+            return F.linear(x, self.weight.to(x.dtype), None if self.bias is None else self.bias.to(x.dtype))
+        packed, b = self._pack(x.dtype)
+        if self._packing_ok and x.dtype in (torch.float32, torch.bfloat16):
+            return torch.ops.mkldnn._linear_pointwise(x, packed, b, "none", [], "")
+        return F.linear(x, packed, b)
+
+    def _apply(self, fn, *args, **kwargs):
+        self._packed = {}
+        return super()._apply(fn, *args, **kwargs)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    # computed in fp32 like HF, cast back to the activation dtype
+    return F.rms_norm(x.float(), (x.shape[-1],), weight.float(), eps).to(x.dtype)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x):
+        return rms_norm(x, self.weight, self.eps)
+
+
+def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """HF's rotate-half RoPE. x: (B, T, H, D); cos/sin: (B, T, 1, D)."""
+    half = x.shape[-1] // 2
+    rot = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + rot * sin
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: DecoderConfig):
+        super().__init__()
+        self.cfg = cfg
+        hd, nh, nkv = cfg.head_dim, cfg.num_heads, cfg.num_kv_heads
+        self.attn_norm = RMSNorm(cfg.hidden_size, cfg.rms_eps)
+        self.qkv = FastLinear(cfg.hidden_size, (nh + 2 * nkv) * hd, bias=cfg.qkv_bias)
+        self.o = FastLinear(nh * hd, cfg.hidden_size)
+        if cfg.qk_norm:
+            self.q_norm = RMSNorm(hd, cfg.rms_eps)
+            self.k_norm = RMSNorm(hd, cfg.rms_eps)
+        self.mlp_norm = RMSNorm(cfg.hidden_size, cfg.rms_eps)
+        self.gate_up = FastLinear(cfg.hidden_size, 2 * cfg.intermediate_size)
+        self.down = FastLinear(cfg.intermediate_size, cfg.hidden_size)
+
+    def forward(self, x, cos, sin, layer_kv, mask):
+        """x: (B, T, D); layer_kv: callable (k, v) -> (K, V) over all visible slots, each (B, KV, S, hd),
+        or None for a cache-free causal pass; mask: (B, 1, T, S) bool or None (causal)."""
+        cfg = self.cfg
+        B, T, _ = x.shape
+        hd, nh, nkv = cfg.head_dim, cfg.num_heads, cfg.num_kv_heads
+        qkv = self.qkv(self.attn_norm(x))  # (B, T, (nh + 2 nkv) hd)
+        q = qkv[..., : nh * hd].view(B, T, nh, hd)
+        k = qkv[..., nh * hd : (nh + nkv) * hd].view(B, T, nkv, hd)
+        v = qkv[..., (nh + nkv) * hd :].view(B, T, nkv, hd)
+        if cfg.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = rotate(q, cos, sin), rotate(k, cos, sin)
+        if layer_kv is not None:
+            K, V = layer_kv(k, v)  # (B, KV, S, hd)
+        else:
+            K, V = k.transpose(1, 2), v.transpose(1, 2)
+        # fold the G query heads of each KV head into the query axis: (B, KV, G*T, hd)
+        g = nh // nkv
+        qf = q.view(B, T, nkv, g, hd).permute(0, 2, 3, 1, 4).reshape(B, nkv, g * T, hd)
+        if mask is None:
+            causal = torch.ones(T, K.shape[2], dtype=torch.bool).tril(K.shape[2] - T)
+            m = causal.repeat(g, 1)[None, None]
+        else:
+            m = mask.unsqueeze(2).expand(B, 1, g, T, mask.shape[-1]).reshape(B, 1, g * T, mask.shape[-1])
+        a = F.scaled_dot_product_attention(qf, K.to(qf.dtype), V.to(qf.dtype), attn_mask=m)  # (B, KV, G*T, hd)
+        a = a.view(B, nkv, g, T, hd).permute(0, 3, 1, 2, 4).reshape(B, T, nh * hd)
+        x = x + self.o(a)
+        gu = self.gate_up(self.mlp_norm(x))
+        gate, up = gu.chunk(2, dim=-1)
+        return x + self.down(F.silu(gate) * up)
+
+
+class Decoder(nn.Module):
+    def __init__(self, cfg: DecoderConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.embed = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(Block(cfg) for _ in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_eps)
+        tied = self.embed.weight if cfg.tie_embeddings else None
+        self.lm_head = FastLinear(cfg.hidden_size, cfg.vocab_size, weight=tied)
+        self.register_buffer("inv_freq", rope_inv_freq(cfg), persistent=False)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.embed.weight.dtype
+
+    def rope(self, positions: torch.Tensor, dtype: torch.dtype):
+        freqs = positions.to(torch.float32)[..., None] * self.inv_freq  # (B, T, D/2)
+        emb = torch.cat((freqs, freqs), dim=-1)
+        return emb.cos().to(dtype)[:, :, None], emb.sin().to(dtype)[:, :, None]
+
+    def forward(self, ids, positions, cache=None, mask=None, slots=None, act_dtype=None):
+        """Final (post-norm) hidden states, (B, T, D).
+
+        ids, positions: (B, T) long. With ``cache`` (an ``engine.cache.KVCache``), the new K/V are
+        written at ``slots`` (B, T) and ``mask`` (B, T, S) says which slots each query sees.
+        Without a cache the pass is causal over ``ids``, optionally restricted by ``mask`` (B, T, T).
+        ``act_dtype`` (default: the weights' dtype) sets the activation dtype, e.g. bf16 rollouts of
+        fp32 weights.
+        """
+        dtype = act_dtype or self.dtype
+        x = self.embed(ids).to(dtype)
+        cos, sin = self.rope(positions, dtype)
+        m = None if mask is None else mask[:, None]
+        if cache is not None:
+            cache.prepare(slots)
+        for i, layer in enumerate(self.layers):
+            kv = None if cache is None else cache.writer(i, slots)
+            x = layer(x, cos, sin, kv, m)
+        return self.norm(x)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """lm_head over the given hidden states (any leading shape), as fp32."""
+        return self.lm_head(hidden).float()
+
+    def num_params(self) -> int:
+        return sum(p.numel() for p in self.parameters())
+
+
+# --- HF weight loading ------------------------------------------------------------------------
+
+def hf_to_decoder_state(sd: dict[str, torch.Tensor], cfg: DecoderConfig) -> dict[str, torch.Tensor]:
+    """Map an HF Llama/Qwen state dict onto the decoder's (fused) parameter names."""
+    out = {"embed.weight": sd["model.embed_tokens.weight"], "norm.weight": sd["model.norm.weight"]}
+    if not cfg.tie_embeddings:
+        out["lm_head.weight"] = sd["lm_head.weight"]
+    for i in range(cfg.num_layers):
+        p = f"model.layers.{i}."
+        a = p + "self_attn."
+        out[f"layers.{i}.attn_norm.weight"] = sd[p + "input_layernorm.weight"]
+        out[f"layers.{i}.mlp_norm.weight"] = sd[p + "post_attention_layernorm.weight"]
+        out[f"layers.{i}.qkv.weight"] = torch.cat([sd[a + n + "_proj.weight"] for n in "qkv"])
+        if cfg.qkv_bias:
+            out[f"layers.{i}.qkv.bias"] = torch.cat([sd[a + n + "_proj.bias"] for n in "qkv"])
+        out[f"layers.{i}.o.weight"] = sd[a + "o_proj.weight"]
+        if cfg.qk_norm:
+            out[f"layers.{i}.q_norm.weight"] = sd[a + "q_norm.weight"]
+            out[f"layers.{i}.k_norm.weight"] = sd[a + "k_norm.weight"]
+        m = p + "mlp."
+        out[f"layers.{i}.gate_up.weight"] = torch.cat([sd[m + "gate_proj.weight"], sd[m + "up_proj.weight"]])
+        out[f"layers.{i}.down.weight"] = sd[m + "down_proj.weight"]
+    return out
+
+
+def decoder_to_hf_state(model: Decoder) -> dict[str, torch.Tensor]:
+    """Inverse of ``hf_to_decoder_state``: split fused projections back into HF names."""
+    cfg, sd = model.cfg, {k: v.detach() for k, v in model.state_dict().items()}
+    hd, nh, nkv = cfg.head_dim, cfg.num_heads, cfg.num_kv_heads
+    out = {"model.embed_tokens.weight": sd["embed.weight"], "model.norm.weight": sd["norm.weight"]}
+    if not cfg.tie_embeddings:
+        out["lm_head.weight"] = sd["lm_head.weight"]
+    sizes = [nh * hd, nkv * hd, nkv * hd]
+    for i in range(cfg.num_layers):
+        p, a, m, d = f"model.layers.{i}.", f"model.layers.{i}.self_attn.", f"model.layers.{i}.mlp.", f"layers.{i}."
+        out[p + "input_layernorm.weight"] = sd[d + "attn_norm.weight"]
+        out[p + "post_attention_layernorm.weight"] = sd[d + "mlp_norm.weight"]
+        for n, t in zip("qkv", sd[d + "qkv.weight"].split(sizes)):
+            out[a + n + "_proj.weight"] = t
+        if cfg.qkv_bias:
+            for n, t in zip("qkv", sd[d + "qkv.bias"].split(sizes)):
+                out[a + n + "_proj.bias"] = t
+        out[a + "o_proj.weight"] = sd[d + "o.weight"]
+        if cfg.qk_norm:
+            out[a + "q_norm.weight"] = sd[d + "q_norm.weight"]
+            out[a + "k_norm.weight"] = sd[d + "k_norm.weight"]
+        gate, up = sd[d + "gate_up.weight"].chunk(2)
+        out[m + "gate_proj.weight"], out[m + "up_proj.weight"] = gate, up
+        out[m + "down_proj.weight"] = sd[d + "down.weight"]
+    return {k: v.contiguous() for k, v in out.items()}
+
+
+def load_decoder(path: str | Path, dtype: torch.dtype = torch.float32) -> Decoder:
+    """Load a decoder from an HF model directory (config.json + *.safetensors)."""
+    from safetensors.torch import load_file
+
+    path = Path(path)
+    cfg_file = path / "config.json"
+    if not cfg_file.is_file():
+        raise FileNotFoundError(f"{path} has no config.json; is it an HF model directory?")
+    cfg = DecoderConfig.from_hf(json.loads(cfg_file.read_text()))
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors weights in {path}")
+    sd: dict[str, torch.Tensor] = {}
+    for f in files:
+        sd.update(load_file(str(f)))
+    with torch.device("meta"):
+        model = Decoder(cfg)
+    state = {k: v.to(dtype) for k, v in hf_to_decoder_state(sd, cfg).items()}
+    model.load_state_dict(state, strict=False, assign=True)
+    if cfg.tie_embeddings:
+        model.lm_head.weight = model.embed.weight
+    model.inv_freq = rope_inv_freq(cfg)
+    missing = [n for n, p in model.named_parameters() if p.is_meta]
+    if missing:
+        raise ValueError(f"{path}: weights missing for {missing[:5]}")
+    return model.eval()
