@@ -1,0 +1,275 @@
+"""Engine, KV cache and sampler: checked against HF transformers and naive references."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
+
+from specroll.engine.cache import KVCache
+from specroll.engine.engine import Engine
+from specroll.engine.sampling import SamplingParams, processed_logprobs, sample
+from specroll.models.decoder import Decoder, DecoderConfig, hf_to_decoder_state
+
+V = 96
+
+
+def tiny_hf(arch: str = "llama", seed: int = 0):
+    torch.manual_seed(seed)
+    common = dict(vocab_size=V, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
+    if arch == "llama":
+        hf = LlamaForCausalLM(LlamaConfig(**common, tie_word_embeddings=True))
+    else:
+        hf = Qwen3ForCausalLM(Qwen3Config(**common, head_dim=16, tie_word_embeddings=False))
+    hf.eval()
+    # random init has tiny weights; sharpen logits so greedy has clear winners
+    with torch.no_grad():
+        for p in hf.parameters():
+            if p.dim() == 2:
+                p.mul_(4.0)
+    cfg = DecoderConfig.from_hf(hf.config)
+    model = Decoder(cfg)
+    model.load_state_dict(hf_to_decoder_state(hf.state_dict(), cfg), strict=False)
+    if cfg.tie_embeddings:
+        model.lm_head.weight = model.embed.weight
+    return hf, model.eval()
+
+
+def naive_greedy(model: Decoder, prompt: list[int], n_new: int, stop=()) -> list[int]:
+    """Reference: full recompute without a cache, one token at a time."""
+    ids = list(prompt)
+    out = []
+    with torch.no_grad():
+        for _ in range(n_new):
+            t = torch.tensor([ids])
+            h = model(t, torch.arange(len(ids))[None])
+            nxt = int(model.logits(h[0, -1]).argmax())
+            out.append(nxt)
+            ids.append(nxt)
+            if nxt in stop:
+                break
+    return out
+
+
+PROMPTS = [[5, 17, 3], [9, 2, 44, 61, 7, 30, 12], [1, 88, 23, 4, 50]]
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_greedy_matches_hf_generate_on_ragged_batch(arch):
+    hf, model = tiny_hf(arch)
+    eng = Engine(model, eos_ids=[])
+    outs = eng.generate(PROMPTS, SamplingParams(temperature=0, max_new_tokens=12), n=2)
+    assert len(outs) == 2 * len(PROMPTS)
+    for o in outs:
+        p = PROMPTS[o.prompt_index]
+        ref = hf.generate(torch.tensor([p]), max_new_tokens=12, do_sample=False, eos_token_id=None,
+                          pad_token_id=0)[0, len(p):].tolist()
+        assert o.completion_ids.tolist() == ref
+        assert o.finish_reason == "length"
+        assert o.sample_logprobs.abs().max() == 0  # greedy: the sampled distribution is a point mass
+
+
+def test_greedy_matches_naive_reference_with_stops_and_compaction():
+    _, model = tiny_hf("llama", seed=3)
+    # pick a stop token that some rows hit early, so rows finish at different steps
+    refs = [naive_greedy(model, p, 16) for p in PROMPTS]
+    stop = refs[1][4]
+    eng = Engine(model, eos_ids=[stop])
+    outs = eng.generate(PROMPTS, SamplingParams(temperature=0, max_new_tokens=16), n=1)
+    lengths = set()
+    for o, p in zip(outs, PROMPTS):
+        ref = naive_greedy(model, p, 16, stop=(stop,))
+        assert o.completion_ids.tolist() == ref
+        assert o.finish_reason == ("stop" if ref[-1] == stop else "length")
+        lengths.add(len(ref))
+    assert len(lengths) > 1, "test setup: rows should finish at different steps"
+
+
+def test_policy_logprobs_match_full_forward():
+    _, model = tiny_hf("qwen3", seed=1)
+    eng = Engine(model, eos_ids=[])
+    params = SamplingParams(temperature=0.7, top_p=0.9, max_new_tokens=8, seed=4)
+    for o in eng.generate(PROMPTS[:2], params, n=2):
+        ids = torch.cat([o.prompt_ids, o.completion_ids])[None]
+        with torch.no_grad():
+            logits = model.logits(model(ids, torch.arange(ids.shape[1])[None]))[0]
+        P = len(o.prompt_ids)
+        lp = torch.log_softmax(logits[P - 1 : -1], -1)
+        ref = lp.gather(-1, o.completion_ids[:, None])[:, 0]
+        torch.testing.assert_close(o.logprobs, ref, atol=1e-4, rtol=1e-4)
+        slp = processed_logprobs(logits[P - 1 : -1], params).gather(-1, o.completion_ids[:, None])[:, 0]
+        torch.testing.assert_close(o.sample_logprobs, slp, atol=1e-4, rtol=1e-4)
+
+
+def test_seeded_sampling_is_reproducible():
+    _, model = tiny_hf("llama")
+    eng = Engine(model, eos_ids=[])
+    p = SamplingParams(temperature=1.0, max_new_tokens=10, seed=123)
+    a = [o.completion_ids.tolist() for o in eng.generate(PROMPTS, p, n=3)]
+    b = [o.completion_ids.tolist() for o in eng.generate(PROMPTS, p, n=3)]
+    c = [o.completion_ids.tolist() for o in eng.generate(PROMPTS, SamplingParams(max_new_tokens=10, seed=7), n=3)]
+    assert a == b
+    assert a != c
+    # the G samples of one prompt are not copies of each other
+    assert len({tuple(x) for x in a[:3]}) > 1
+
+
+def test_bf16_rollout_close_to_fp32():
+    _, model = tiny_hf("llama")
+    ids = torch.tensor([PROMPTS[1]])
+    with torch.no_grad():
+        h32 = model(ids, torch.arange(ids.shape[1])[None])
+        h16 = model(ids, torch.arange(ids.shape[1])[None], act_dtype=torch.bfloat16)
+    assert h16.dtype == torch.bfloat16
+    l32, l16 = model.logits(h32), model.logits(h16)
+    assert (l32.softmax(-1) - l16.softmax(-1)).abs().sum(-1).max() < 0.1
+
+
+# -- sampler ---------------------------------------------------------------------------------
+
+def reference_probs(logits: torch.Tensor, T: float, top_k: int, top_p: float) -> torch.Tensor:
+    """Naive, loop-based reference of temperature -> top-k -> top-p filtering (float64)."""
+    x = logits.double() / T
+    order = sorted(range(len(x)), key=lambda i: -float(x[i]))
+    keep = order[:top_k] if top_k else order
+    probs = torch.softmax(x[keep], 0)
+    kept, mass = [], 0.0
+    for i, pr in zip(keep, probs.tolist()):
+        if mass >= top_p:
+            break
+        kept.append(i)
+        mass += pr
+    out = torch.zeros(len(x), dtype=torch.float64)
+    z = torch.softmax(x[kept], 0)
+    out[kept] = z
+    return out
+
+
+def chi2_pvalue(counts: torch.Tensor, probs: torch.Tensor) -> float:
+    """Pearson chi-square goodness of fit; cells with zero expected mass must have zero counts."""
+    n = counts.sum().item()
+    zero = probs == 0
+    if counts[zero].sum() > 0:
+        return 0.0
+    exp = probs[~zero] * n
+    stat = float(((counts[~zero] - exp) ** 2 / exp).sum())
+    dof = int((~zero).sum()) - 1
+    # Wilson-Hilferty normal approximation of the chi-square tail
+    z = ((stat / dof) ** (1 / 3) - (1 - 2 / (9 * dof))) / math.sqrt(2 / (9 * dof))
+    return 0.5 * math.erfc(z / math.sqrt(2))
+
+
+@pytest.mark.parametrize("T,top_k,top_p", [(1.0, 0, 1.0), (0.7, 0, 0.9), (1.3, 5, 1.0), (0.8, 6, 0.75)])
+def test_sampler_matches_reference_distribution(T, top_k, top_p):
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(12, generator=g) * 1.5
+    params = SamplingParams(temperature=T, top_k=top_k, top_p=top_p, seed=1)
+    n = 40000
+    toks, plp, slp = sample(logits.expand(n, 12), params, params.generator())
+    counts = torch.bincount(toks, minlength=12).double()
+    ref = reference_probs(logits, T, top_k, top_p)
+    assert chi2_pvalue(counts, ref) > 1e-3
+    # logprobs returned with the tokens are the reference's
+    torch.testing.assert_close(slp, ref.log()[toks].float(), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(plp, torch.log_softmax(logits, -1)[toks], atol=1e-5, rtol=1e-5)
+
+
+def test_chi2_check_rejects_a_wrong_top_p():
+    """The same statistic must fail a subtly wrong filter (top-p that drops the boundary token)."""
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(12, generator=g) * 1.5
+    p = SamplingParams(temperature=0.7, top_p=0.9, seed=1)
+    toks, _, _ = sample(logits.expand(40000, 12), p, p.generator())
+    counts = torch.bincount(toks, minlength=12).double()
+    wrong = reference_probs(logits, 0.7, 0, 0.9)
+    kept = (wrong > 0).nonzero().squeeze(1)
+    boundary = kept[wrong[kept].argmin()]
+    wrong[boundary] = 0
+    wrong /= wrong.sum()
+    assert chi2_pvalue(counts, wrong) < 1e-6
+
+
+def test_engine_first_token_distribution():
+    """Sampled first tokens of many rows follow the filtered softmax of the HF logits."""
+    hf, model = tiny_hf("llama")
+    hf_logits = hf(torch.tensor([PROMPTS[0]])).logits[0, -1].detach()
+    eng = Engine(model, eos_ids=[])
+    # a high temperature flattens the sharpened tiny model, for a richer test
+    params = SamplingParams(temperature=3.0, top_p=0.95, max_new_tokens=1, seed=11)
+    outs = eng.generate([PROMPTS[0]], params, n=6000)
+    counts = torch.bincount(torch.stack([o.completion_ids[0] for o in outs]), minlength=V).double()
+    ref = reference_probs(hf_logits, 3.0, 0, 0.95)
+    assert chi2_pvalue(counts, ref) > 1e-3
+
+
+@pytest.mark.parametrize("bad,field", [
+    (dict(temperature=-1), "temperature"), (dict(top_p=0), "top_p"), (dict(top_p=1.5), "top_p"),
+    (dict(max_new_tokens=0), "max_new_tokens"), (dict(top_k=-2), "top_k"),
+])
+def test_invalid_sampling_params_name_the_field(bad, field):
+    with pytest.raises(ValueError, match=field):
+        SamplingParams(**bad)
+
+
+def test_prompt_longer_than_context_names_its_index():
+    _, model = tiny_hf("llama")
+    eng = Engine(model, eos_ids=[])
+    with pytest.raises(ValueError, match="prompt 1 "):
+        eng.generate([[1, 2], [3] * 250], SamplingParams(max_new_tokens=16))
+
+
+# -- KV cache semantics ----------------------------------------------------------------------
+
+def filled_cache(B=3, S=10):
+    c = KVCache(n_layers=2, max_batch=8, n_kv=1, max_len=S, head_dim=2)
+    c.reset(B)
+    for b in range(B):
+        c.k[:, b, :, :, :] = b * 100 + torch.arange(S, dtype=torch.float32)[None, None, :, None]
+        c.v[:, b] = -c.k[:, b]
+    c.lens[:B] = torch.tensor([4, 6, 5])[:B]
+    return c
+
+
+def test_cache_fork_repeats_rows_in_order():
+    c = filled_cache()
+    c.fork(torch.tensor([0, 2]), 3)
+    assert c.batch == 6
+    assert c.lens[:6].tolist() == [4, 4, 4, 5, 5, 5]
+    for r, src in enumerate([0, 0, 0, 2, 2, 2]):
+        span = int(c.lens[r])
+        assert torch.equal(c.k[:, r, :, :span], src * 100 + torch.arange(span, dtype=torch.float32)[None, None, :, None].expand(2, 1, span, 2))
+
+
+def test_cache_drop_keeps_order_and_lengths():
+    c = filled_cache()
+    c.drop(torch.tensor([1]))
+    assert c.batch == 2 and c.lens[:2].tolist() == [4, 5]
+    assert c.k[0, 1, 0, 3, 0] == 203 and c.v[1, 0, 0, 2, 1] == -2
+
+
+def test_cache_commit_moves_accepted_slots_contiguous():
+    c = filled_cache()
+    # rows wrote new slots after lens; keep (row0: slots 6, 4 -> 2 accepted), (row1: none), (row2: slot 7)
+    paths = torch.tensor([[6, 4], [0, 0], [7, 0]])
+    n_acc = torch.tensor([2, 0, 1])
+    before = c.k.clone()
+    c.commit(paths, n_acc)
+    assert c.lens[:3].tolist() == [6, 6, 6]
+    assert c.k[0, 0, 0, 4, 0] == 6 and c.k[1, 0, 0, 5, 0] == 4
+    assert c.k[0, 2, 0, 5, 0] == 207
+    # committed history and the rows with nothing accepted are untouched
+    assert torch.equal(c.k[:, 1], before[:, 1])
+    assert torch.equal(c.k[:, 0, :, :4], before[:, 0, :, :4])
+
+
+def test_cache_mask_tree_visibility():
+    c = filled_cache()
+    tree = torch.tensor([[1, 0, 0], [1, 1, 0], [1, 0, 1]], dtype=torch.bool).expand(3, 3, 3)
+    m = c.mask(3, tree)
+    # row 0: committed slots 0..3 visible to all; new slots 4,5,6 follow the tree
+    assert m.shape == (3, 3, 6 + 3)
+    assert m[0, 2, :4].all() and m[0, 2, 4] and not m[0, 2, 5] and m[0, 2, 6] and not m[0, 2, 7]
+    assert m[1, 0, :6].all() and m[1, 0, 6] and not m[1, 0, 7]
