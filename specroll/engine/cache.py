@@ -27,6 +27,7 @@ class KVCache:
         self.batch = 0
         self.max_len = max_len
         self._span = 0  # slots visible in the current forward
+        self._rows = None  # (B, T) row index of each written slot in the current forward
 
     @classmethod
     def for_model(cls, cfg, max_batch: int, max_len: int, dtype: torch.dtype) -> KVCache:
@@ -46,7 +47,7 @@ class KVCache:
         """A cache over a contiguous range of rows, sharing this one's storage (chunked prefill)."""
         c = KVCache.__new__(KVCache)
         c.k, c.v, c.lens = self.k[:, rows], self.v[:, rows], self.lens[rows]
-        c.batch, c.max_len, c._span = c.k.shape[1], self.max_len, 0
+        c.batch, c.max_len, c._span, c._rows = c.k.shape[1], self.max_len, 0, None
         return c
 
     # -- forward-time interface ---------------------------------------------------------------
@@ -56,14 +57,14 @@ class KVCache:
         if span > self.max_len:
             raise ValueError(f"KV cache overflow: slot {span - 1} >= max_len {self.max_len}")
         self._span = span
+        self._rows = torch.arange(slots.shape[0]).unsqueeze(1).expand_as(slots)
 
     def writer(self, layer: int, slots: torch.Tensor):
         """Return ``f(k, v) -> (K, V)`` that stores (B, T, KV, hd) at ``slots`` and returns the visible
         (B, KV, S, hd) views for this layer."""
         B = slots.shape[0]
-        rows = torch.arange(B).unsqueeze(1).expand_as(slots)
+        rows, span = self._rows, self._span
         k_all, v_all = self.k[layer, :B], self.v[layer, :B]
-        span = self._span
 
         def write(k: torch.Tensor, v: torch.Tensor):
             k_all[rows, :, slots] = k.to(k_all.dtype)

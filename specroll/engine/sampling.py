@@ -107,7 +107,8 @@ def sample(
         logp = processed_logprobs(logits, params)
         tokens = sample_from_logprobs(logp, gen)
         sample_lp = logp.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
-    policy_lp = token_logprobs(logits, tokens)
+    unfiltered = params.temperature == 1.0 and not params.top_k and params.top_p == 1.0
+    policy_lp = sample_lp if unfiltered else token_logprobs(logits, tokens)
     return tokens, policy_lp, sample_lp
 
 

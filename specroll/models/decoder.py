@@ -157,8 +157,10 @@ class FastLinear(nn.Linear):
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    # computed in fp32 like HF, cast back to the activation dtype
-    return F.rms_norm(x.float(), (x.shape[-1],), weight.float(), eps).to(x.dtype)
+    # computed in fp32 like HF, cast back to the activation dtype (F.rms_norm is slower on CPU)
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return (weight * xf.to(x.dtype)) if weight.dtype == x.dtype else (weight.float() * xf).to(x.dtype)
 
 
 class RMSNorm(nn.Module):
@@ -195,17 +197,19 @@ class Block(nn.Module):
 
     def forward(self, x, cos, sin, layer_kv, mask):
         """x: (B, T, D); layer_kv: callable (k, v) -> (K, V) over all visible slots, each (B, KV, S, hd),
-        or None for a cache-free causal pass; mask: (B, 1, T, S) bool or None (causal)."""
+        or None for a cache-free pass; mask: (B or 1, 1, G*T, S) bool, already folded by ``fold_mask``,
+        or None when every query sees every key."""
         cfg = self.cfg
         B, T, _ = x.shape
         hd, nh, nkv = cfg.head_dim, cfg.num_heads, cfg.num_kv_heads
         qkv = self.qkv(self.attn_norm(x))  # (B, T, (nh + 2 nkv) hd)
-        q = qkv[..., : nh * hd].view(B, T, nh, hd)
-        k = qkv[..., nh * hd : (nh + nkv) * hd].view(B, T, nkv, hd)
         v = qkv[..., (nh + nkv) * hd :].view(B, T, nkv, hd)
         if cfg.qk_norm:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = rotate(q, cos, sin), rotate(k, cos, sin)
+            q = rotate(self.q_norm(qkv[..., : nh * hd].view(B, T, nh, hd)), cos, sin)
+            k = rotate(self.k_norm(qkv[..., nh * hd : (nh + nkv) * hd].view(B, T, nkv, hd)), cos, sin)
+        else:  # one RoPE pass over the q and k heads together
+            qk = rotate(qkv[..., : (nh + nkv) * hd].view(B, T, nh + nkv, hd), cos, sin)
+            q, k = qk[:, :, :nh], qk[:, :, nh:]
         if layer_kv is not None:
             K, V = layer_kv(k, v)  # (B, KV, S, hd)
         else:
@@ -213,12 +217,7 @@ class Block(nn.Module):
         # fold the G query heads of each KV head into the query axis: (B, KV, G*T, hd)
         g = nh // nkv
         qf = q.view(B, T, nkv, g, hd).permute(0, 2, 3, 1, 4).reshape(B, nkv, g * T, hd)
-        if mask is None:
-            causal = torch.ones(T, K.shape[2], dtype=torch.bool).tril(K.shape[2] - T)
-            m = causal.repeat(g, 1)[None, None]
-        else:
-            m = mask.unsqueeze(2).expand(B, 1, g, T, mask.shape[-1]).reshape(B, 1, g * T, mask.shape[-1])
-        a = F.scaled_dot_product_attention(qf, K.to(qf.dtype), V.to(qf.dtype), attn_mask=m)  # (B, KV, G*T, hd)
+        a = F.scaled_dot_product_attention(qf, K.to(qf.dtype), V.to(qf.dtype), attn_mask=mask)  # (B, KV, G*T, hd)
         a = a.view(B, nkv, g, T, hd).permute(0, 3, 1, 2, 4).reshape(B, T, nh * hd)
         x = x + self.o(a)
         gu = self.gate_up(self.mlp_norm(x))
@@ -258,13 +257,24 @@ class Decoder(nn.Module):
         dtype = act_dtype or self.dtype
         x = self.embed(ids).to(dtype)
         cos, sin = self.rope(positions, dtype)
-        m = None if mask is None else mask[:, None]
+        T = ids.shape[1]
+        if mask is None and cache is None and T > 1:
+            mask = torch.ones(T, T, dtype=torch.bool).tril()[None]
+        m = self.fold_mask(mask)
         if cache is not None:
             cache.prepare(slots)
         for i, layer in enumerate(self.layers):
             kv = None if cache is None else cache.writer(i, slots)
             x = layer(x, cos, sin, kv, m)
         return self.norm(x)
+
+    def fold_mask(self, mask: torch.Tensor | None) -> torch.Tensor | None:
+        """(B, T, S) visibility -> (B, 1, G*T, S), matching the folded GQA query layout; None if all visible."""
+        if mask is None or bool(mask.all()):
+            return None
+        g = self.cfg.num_heads // self.cfg.num_kv_heads
+        B, T, S = mask.shape
+        return mask[:, None, None].expand(B, 1, g, T, S).reshape(B, 1, g * T, S)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """lm_head over the given hidden states (any leading shape), as fp32."""

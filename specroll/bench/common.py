@@ -1,0 +1,110 @@
+"""Shared benchmark plumbing: machine facts, measured ceilings (roofline), timing, JSON output.
+
+Every benchmark compares systems side by side in one process and reports ratios: the machine is
+shared and noisy, so absolute figures drift between runs while ratios measured in one run hold.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import platform
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+
+def machine_info() -> dict:
+    cpu = platform.processor() or platform.machine()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    return {
+        "cpu": cpu,
+        "cores": os.cpu_count(),
+        "torch_threads": torch.get_num_threads(),
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+    }
+
+
+def measure_read_bandwidth(dtype: torch.dtype, nbytes: int = 1 << 29, repeats: int = 5) -> float:
+    """GB/s of a large-tensor reduction (bytes read per second), best of ``repeats``."""
+    x = torch.ones(nbytes // torch.finfo(dtype).bits * 8, dtype=dtype)
+    x.sum()
+    best = float("inf")
+    for _ in range(repeats):
+        t = time.perf_counter()
+        x.sum()
+        best = min(best, time.perf_counter() - t)
+    return x.numel() * x.element_size() / best / 1e9
+
+
+def measure_matmul_rate(dtype: torch.dtype, n: int = 2048, repeats: int = 5) -> float:
+    """GFLOP/s of a large square matmul, best of ``repeats``."""
+    a, b = torch.randn(n, n).to(dtype), torch.randn(n, n).to(dtype)
+    a @ b
+    best = float("inf")
+    for _ in range(repeats):
+        t = time.perf_counter()
+        a @ b
+        best = min(best, time.perf_counter() - t)
+    return 2 * n**3 / best / 1e9
+
+
+def median_time(fn, repeats: int) -> float:
+    times = []
+    for _ in range(repeats):
+        t = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t)
+    return statistics.median(times)
+
+
+def write_json(path: str | Path, data: dict) -> None:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    tmp.write_text(json.dumps(data, indent=2))
+    os.replace(tmp, path)
+
+
+def parse_int_list(s: str, name: str) -> list[int]:
+    try:
+        out = [int(x) for x in s.split(",") if x.strip()]
+    except ValueError:
+        out = []
+    if not out or min(out) < 1:
+        from ..cli import CliError
+
+        raise CliError(f"{name} must be a comma-separated list of positive integers, got {s!r}")
+    return out
+
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+BENCH_QUESTIONS = [
+    "What is 17 + 25?", "What is 9 times 8?", "Subtract 13 from 40.", "What is 144 divided by 12?",
+    "Tom has 3 apples and buys 5 more. How many apples does he have?", "What is 7 squared?",
+    "A train travels 60 km in one hour. How far does it go in 3 hours?", "What is 1000 minus 1?",
+]
+
+
+def chat_prompts(tokenizer, n: int) -> list[list[int]]:
+    """``n`` chat-templated prompts (cycled from a fixed list), as token ids."""
+    out = []
+    for i in range(n):
+        text = tokenizer.apply_chat_template(
+            [{"role": "user", "content": BENCH_QUESTIONS[i % len(BENCH_QUESTIONS)]}],
+            add_generation_prompt=True, tokenize=False,
+        )
+        out.append(tokenizer(text, add_special_tokens=False).input_ids)
+    return out

@@ -1,0 +1,76 @@
+"""`specroll generate`: a person's first contact with the engine.
+
+Applies the model's chat template, samples ``-n`` completions per prompt with the batched engine and
+prints them (rich panels, or JSON lines with ``--json``), with a one-line speed summary.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+
+import torch
+
+from .cli import CliError
+from .engine.engine import Engine
+from .engine.sampling import SamplingParams
+
+
+def encode_chat(tokenizer, user: str, system: str | None = None, raw: bool = False) -> list[int]:
+    if raw or not getattr(tokenizer, "chat_template", None):
+        return tokenizer(user).input_ids
+    messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": user}]
+    text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    return tokenizer(text, add_special_tokens=False).input_ids
+
+
+def cli(args) -> int:
+    from .models import hub
+
+    prompts_text = args.prompt or []
+    if not prompts_text:
+        if sys.stdin.isatty():
+            raise CliError('give a prompt: specroll generate --prompt "What is 7 times 6?"')
+        prompts_text = [line.strip() for line in sys.stdin if line.strip()]
+        if not prompts_text:
+            raise CliError("no prompt given (empty standard input)")
+    if args.n < 1:
+        raise CliError(f"-n must be >= 1, got {args.n}")
+    params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
+                            max_new_tokens=args.max_new_tokens, seed=args.seed)
+    dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[args.dtype]
+    model, tok = hub.load(args.model, torch.float32)
+    engine = Engine(model, eos_ids=hub.eos_ids(tok, hub.resolve(args.model)), dtype=dtype)
+    ids = [encode_chat(tok, p, args.system, args.raw) for p in prompts_text]
+    t = time.perf_counter()
+    outs = engine.generate(ids, params, n=args.n)
+    dt = time.perf_counter() - t
+    n_tok = sum(len(o.completion_ids) for o in outs)
+    if args.json:
+        for o in outs:
+            print(json.dumps({
+                "prompt": prompts_text[o.prompt_index], "sample": o.sample_index,
+                "completion": tok.decode(o.completion_ids, skip_special_tokens=True),
+                "tokens": len(o.completion_ids), "finish_reason": o.finish_reason,
+                "logprob": float(o.logprobs.sum()),
+            }))
+        return 0
+    _print_rich(prompts_text, outs, tok)
+    print(f"{len(outs)} completions, {n_tok} tokens in {dt:.2f}s ({n_tok / dt:.1f} tok/s, {args.dtype})",
+          file=sys.stderr)
+    return 0
+
+
+def _print_rich(prompts_text, outs, tok) -> None:
+    from rich.console import Console
+    from rich.panel import Panel
+
+    console = Console()
+    for i, p in enumerate(prompts_text):
+        console.rule(f"[bold]prompt {i}[/bold]: {p}")
+        for o in (o for o in outs if o.prompt_index == i):
+            text = tok.decode(o.completion_ids, skip_special_tokens=True).strip()
+            note = f"{len(o.completion_ids)} tokens, {o.finish_reason}"
+            console.print(Panel(text or "[dim](empty)[/dim]", title=f"sample {o.sample_index}", subtitle=note,
+                                title_align="left", subtitle_align="right"))
