@@ -65,9 +65,53 @@ def _bench(sub):
     e.add_argument("--no-hf", action="store_true", help="skip HF generate (engine only)")
     e.add_argument("--out", default="bench_engine.json")
     e.set_defaults(func=_run("specroll.bench.engine:cli"))
+    _bench_spec(s)
 
 
-COMMANDS = [_models, _generate, _bench]
+def _bench_spec(s):
+    b = s.add_parser("spec", help="EAGLE tree speculation vs the vanilla engine, side by side")
+    b.add_argument("--model", default="smollm2-135m")
+    b.add_argument("--draft", required=True, help="draft head directory (from `specroll draft train`)")
+    b.add_argument("--batch-sizes", default="1,4,16,64")
+    b.add_argument("--max-new-tokens", type=int, default=128)
+    b.add_argument("--plan", default="static", help="static (fixed --n-verify/--k/--depth)")
+    b.add_argument("--n-verify", type=int, default=16, help="tree nodes verified per row, root included")
+    b.add_argument("--k", type=int, default=4, help="top-K expansion per level")
+    b.add_argument("--depth", type=int, default=5, help="draft tree depth")
+    b.add_argument("--temperature", type=float, default=1.0)
+    b.add_argument("--top-p", type=float, default=1.0)
+    b.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
+    b.add_argument("--repeats", type=int, default=1, help="timed repetitions per system and batch (median kept)")
+    b.add_argument("--seed", type=int, default=0)
+    b.add_argument("--out", default="bench_spec.json")
+    b.set_defaults(func=_run("specroll.bench.spec:cli"))
+
+
+def _draft(sub):
+    p = sub.add_parser("draft", help="EAGLE draft heads")
+    s = p.add_subparsers(dest="draft_cmd", required=True)
+    t = s.add_parser("train", help="self-distil a draft head from the policy's own generations")
+    t.add_argument("--model", default="smollm2-135m")
+    t.add_argument("--data", default=None, help="JSONL/JSON/CSV/Parquet with a question column "
+                   "(default: the built-in arithmetic prompts)")
+    t.add_argument("--prompts", type=int, default=64, help="training prompts")
+    t.add_argument("-n", type=int, default=4, help="generations per prompt")
+    t.add_argument("--max-new-tokens", type=int, default=128)
+    t.add_argument("--temperature", type=float, default=1.0)
+    t.add_argument("--steps", type=int, default=300)
+    t.add_argument("--batch", type=int, default=8, help="sequences per optimizer step")
+    t.add_argument("--lr", type=float, default=1e-3)
+    t.add_argument("--noise", type=float, default=0.0, help="uniform input-feature noise (relative to RMS)")
+    t.add_argument("--draft-vocab", type=int, default=4096, help="reduced draft vocabulary (0 = full)")
+    t.add_argument("--time-budget", type=float, default=None, help="stop training after this many seconds")
+    t.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"],
+                   help="rollout / hidden-state dtype (the head trains in fp32)")
+    t.add_argument("--seed", type=int, default=0)
+    t.add_argument("--out", required=True, help="output directory")
+    p.set_defaults(func=_run("specroll.drafters.distill:cli"))
+
+
+COMMANDS = [_models, _generate, _bench, _draft]
 
 
 def build_parser() -> argparse.ArgumentParser:

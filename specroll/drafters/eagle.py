@@ -1,0 +1,465 @@
+"""EAGLE-style draft head, batched draft trees, and the tree-speculation drafter.
+
+What this module owns:
+- ``DraftHead``: input = the policy's final post-norm hidden state at t concatenated with the policy's
+  (frozen) embedding of token t+1 -> fusion linear (2D -> D) -> one ``decoder.Block`` with its own
+  1-layer ``KVCache`` -> RMSNorm -> feature (regressed onto the policy's hidden state at t+1). Logits go
+  through the policy's frozen lm_head, optionally restricted to a reduced draft vocabulary
+  (``vocab_ids``: the most frequent tokens; draft index -> token id).
+- ``DraftTree``: the batched tree (tokens, parents, depth, mask, valid; ``paths()`` on demand).
+- ``EagleDrafter``: the engine's drafter seam. Each step, per live row:
+  1. the draft head consumes the pending (hidden, token) pairs of the previous step's accepted path
+     (true policy hidden states, no extra policy forward) and the root = the last emitted token,
+     whose KV is not yet in the policy cache;
+  2. it grows a tree EAGLE-2 style: top-K children per expanded node, the K best (cumulative draft
+     log-prob) expanded per level, depth L; then the best N-1 candidates are kept;
+  3. ONE policy forward verifies all rows' trees (tree mask, positions = lens + depth);
+  4. a verification rule (default: ``verify.sampler_match``, lossless) picks the accepted path;
+     the emitted run is the policy's samples along it (the bonus included), truncated at the first
+     stop token / max_new_tokens; the path's K/V is committed by index copy (``KVCache.commit``).
+
+Departures from EAGLE / FastGRPO:
+- batch dimension everywhere; rows accept ragged lengths in the same step (including zero);
+- the head ends in an RMSNorm so its feature lives where the policy's post-norm hidden state lives;
+- acceptance is sampler-match (exact at any temperature/top-p/top-k) rather than EAGLE's sibling
+  rejection sampling with Python randomness;
+- the draft KV of the prompt is built in ``begin`` from one extra policy pass over the prompts (the
+  engine keeps only the last prefill hidden state), so the head sees the whole context.
+
+Seams for the concurrency-aware budget (issue 6): ``plan_fn(B_active) -> Plan`` is called every
+step; ``on_pairs(hidden, tokens, n)`` receives the (hidden state, next token) pairs the engine
+produced (prompt and accepted positions) for online learning.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from ..engine.cache import KVCache
+from ..engine.sampling import sample
+from ..models.decoder import Block, Decoder, DecoderConfig, FastLinear, RMSNorm, rope_inv_freq
+from .verify import sampler_match
+
+HEAD_WEIGHTS = "draft_head.safetensors"
+HEAD_CONFIG = "draft_head.json"
+FORMAT = "specroll-eagle-head/1"
+SCORE_EPS = 1e-3  # per-depth tie-breaker: a child always ranks strictly below its parent
+
+
+@dataclass(frozen=True)
+class Plan:
+    """How much to speculate this step: ``n_verify`` tree nodes per row (root included; 1 = plain
+    decode), top-``k`` expansion, ``depth`` draft levels."""
+
+    n_verify: int = 16
+    k: int = 4
+    depth: int = 5
+
+    def __post_init__(self):
+        if self.n_verify < 1 or self.k < 1 or self.depth < 0:
+            raise ValueError(f"Plan needs n_verify >= 1, k >= 1, depth >= 0; got {self}")
+
+
+# --- the head ------------------------------------------------------------------------------------
+
+class DraftHead(nn.Module):
+    def __init__(self, cfg: DecoderConfig, vocab_ids: torch.Tensor | None = None):
+        super().__init__()
+        self.cfg = replace(cfg, num_layers=1)
+        D = cfg.hidden_size
+        self.fc = FastLinear(2 * D, D)
+        self.block = Block(self.cfg)
+        self.norm = RMSNorm(D, cfg.rms_eps)
+        ids = torch.arange(cfg.vocab_size) if vocab_ids is None else torch.as_tensor(vocab_ids, dtype=torch.long)
+        if ids.numel() < 1 or int(ids.max()) >= cfg.vocab_size or int(ids.min()) < 0:
+            raise ValueError(f"draft vocab ids must lie in [0, {cfg.vocab_size})")
+        self.register_buffer("vocab_ids", ids)
+        self.register_buffer("inv_freq", rope_inv_freq(cfg), persistent=False)
+
+    @property
+    def draft_vocab(self) -> int:
+        return self.vocab_ids.numel()
+
+    def forward(self, hidden, emb, positions, cache: KVCache | None = None, mask=None, slots=None):
+        """hidden, emb: (B, T, D); positions: (B, T) of the token in each pair. With ``cache`` the
+        K/V are written at ``slots`` and ``mask`` (B, T, S) gives visibility; without, causal.
+        Returns features (B, T, D) in ``hidden``'s dtype."""
+        dtype = hidden.dtype
+        x = self.fc(torch.cat([hidden, emb.to(dtype)], dim=-1))
+        freqs = positions.to(torch.float32)[..., None] * self.inv_freq
+        e = torch.cat((freqs, freqs), dim=-1)
+        cos, sin = e.cos().to(dtype)[:, :, None], e.sin().to(dtype)[:, :, None]
+        kv = None
+        if cache is not None:
+            cache.prepare(slots)
+            kv = cache.writer(0, slots)
+        if mask is None:
+            T = x.shape[1]
+            mask = torch.ones(T, T, dtype=torch.bool).tril()[None]
+        return self.norm(self.block(x, cos, sin, kv, self._fold(mask)))
+
+    def _fold(self, mask: torch.Tensor) -> torch.Tensor:
+        """(B, T, S) -> (B, 1, G*T, S): the GQA-folded query layout ``Block`` expects."""
+        g = self.cfg.num_heads // self.cfg.num_kv_heads
+        B, T, S = mask.shape
+        return mask[:, None, None].expand(B, 1, g, T, S).reshape(B, 1, g * T, S)
+
+    def new_cache(self, batch: int, length: int, dtype: torch.dtype) -> KVCache:
+        return KVCache.for_model(self.cfg, batch, length, dtype)
+
+
+class DraftVocab(nn.Module):
+    """The policy's frozen lm_head restricted to the head's draft vocabulary (a gathered copy, or
+    the policy's own module when the vocabulary is full)."""
+
+    def __init__(self, policy: Decoder, vocab_ids: torch.Tensor):
+        super().__init__()
+        self.full = vocab_ids.numel() == policy.cfg.vocab_size and bool(
+            (vocab_ids == torch.arange(policy.cfg.vocab_size)).all())
+        if self.full:
+            self.lin = policy.lm_head
+        else:
+            w = policy.lm_head.weight.detach()[vocab_ids].clone()
+            self.lin = FastLinear(w.shape[1], w.shape[0], weight=nn.Parameter(w, requires_grad=False))
+        self.ids = vocab_ids
+
+    def forward(self, feat: torch.Tensor) -> torch.Tensor:
+        return self.lin(feat).float()
+
+
+def save_head(head: DraftHead, out_dir: str | Path, meta: dict | None = None) -> Path:
+    from safetensors.torch import save_file
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    sd = {k: v.detach().contiguous() for k, v in head.state_dict().items()}
+    save_file(sd, str(out / HEAD_WEIGHTS))
+    cfg = {"format": FORMAT, "policy": asdict(replace(head.cfg, num_layers=0)),
+           "draft_vocab": head.draft_vocab, "meta": meta or {}}
+    (out / HEAD_CONFIG).write_text(json.dumps(cfg, indent=2))
+    return out
+
+
+def load_head(path: str | Path, policy: Decoder | None = None) -> DraftHead:
+    """Load a head saved by ``save_head``; checks it fits ``policy`` (hidden size, vocabulary)."""
+    from safetensors.torch import load_file
+
+    p = Path(path)
+    cfg_file, w_file = p / HEAD_CONFIG, p / HEAD_WEIGHTS
+    for f in (cfg_file, w_file):
+        if not f.is_file():
+            raise FileNotFoundError(f"{f} not found; a draft head dir holds {HEAD_CONFIG} and {HEAD_WEIGHTS} "
+                                    "(make one with `specroll draft train`)")
+    meta = json.loads(cfg_file.read_text())
+    if meta.get("format") != FORMAT:
+        raise ValueError(f"{cfg_file}: field 'format' is {meta.get('format')!r}, expected {FORMAT!r}")
+    cfg = DecoderConfig(**{**meta["policy"], "num_layers": 1})
+    if policy is not None:
+        pc = policy.cfg
+        for field in ("hidden_size", "vocab_size", "num_heads", "num_kv_heads", "head_dim"):
+            if getattr(pc, field) != getattr(cfg, field):
+                raise ValueError(f"{cfg_file}: policy.{field} is {getattr(cfg, field)} but the model has "
+                                 f"{getattr(pc, field)}; this head was trained for another model")
+    sd = load_file(str(w_file))
+    head = DraftHead(cfg, sd["vocab_ids"])
+    head.load_state_dict(sd)
+    return head.eval()
+
+
+# --- the tree ------------------------------------------------------------------------------------
+
+@dataclass
+class DraftTree:
+    """A batched draft tree. Node 0 is the root (the last emitted token); parents precede children.
+
+    tokens, parents, depth, valid: (B, N); mask: (B, N, N) bool, mask[b, i, j] = j is i or an ancestor.
+    Rows of different sizes are padded with ``valid = False`` nodes (never accepted, see only themselves).
+    """
+
+    tokens: torch.Tensor
+    parents: torch.Tensor
+    depth: torch.Tensor
+    mask: torch.Tensor
+    valid: torch.Tensor
+    max_depth: int
+
+    @classmethod
+    def build(cls, tokens, parents, depth, valid=None) -> DraftTree:
+        B, N = tokens.shape
+        valid = torch.ones(B, N, dtype=torch.bool) if valid is None else valid
+        max_depth = int(depth.max()) if N > 1 else 0
+        return cls(tokens, parents, depth, ancestor_mask(parents, max_depth), valid, max_depth)
+
+    def paths(self) -> torch.Tensor:
+        """(B, N, max_depth + 1): root-to-node path of every node (node indices, -1 padded)."""
+        B, N = self.tokens.shape
+        out = torch.full((B, N, self.max_depth + 1), -1, dtype=torch.long)
+        node = torch.arange(N).expand(B, N).clone()
+        for _ in range(self.max_depth + 1):
+            d = self.depth.gather(1, node)
+            out.scatter_(2, d[..., None], node[..., None])
+            node = self.parents.gather(1, node)
+        return out
+
+
+def ancestor_mask(parents: torch.Tensor, depth: int) -> torch.Tensor:
+    """(B, N, N): node i sees j iff j == i or j is an ancestor of i (parents[:, 0] is ignored)."""
+    B, N = parents.shape
+    par = parents.clone()
+    par[:, 0] = 0
+    m = torch.eye(N, dtype=torch.bool).expand(B, N, N).clone()
+    idx = par[..., None].expand(B, N, N)
+    for _ in range(depth):
+        m = m | m.gather(1, idx)
+    return m
+
+
+# --- the drafter ---------------------------------------------------------------------------------
+
+class EagleDrafter:
+    """Tree speculation with a ``DraftHead`` through ``Engine.generate(..., drafter=...)``.
+
+    ``plan``: static Plan; ``plan_fn(B_active) -> Plan`` overrides it per step (``max_plan`` then bounds
+    every plan it may return, for cache sizing). ``rule(tree, logits, params, gen) -> Verdict``.
+    """
+
+    def __init__(self, head: DraftHead, plan: Plan = Plan(), plan_fn=None, max_plan: Plan | None = None,
+                 rule=sampler_match, on_pairs=None, trace: bool = False):
+        self.head = head.eval()
+        self.plan_fn = plan_fn or (lambda b: plan)
+        self.max_plan = max_plan or plan
+        self.rule = rule
+        self.on_pairs = on_pairs
+        self.trace: list | None = [] if trace else None
+        self.totals = torch.zeros(4, dtype=torch.long)  # row-steps, emitted in steps, drafted, accepted
+
+    def max_tokens_per_step(self) -> int:
+        return self.max_plan.n_verify
+
+    def summary(self) -> dict:
+        steps, emitted, drafted, accepted = (int(x) for x in self.totals)
+        return {"row_steps": steps, "accept_length": emitted / max(steps, 1),
+                "accept_rate": accepted / max(drafted, 1), "drafted": drafted, "accepted": accepted}
+
+    # -- begin / end ------------------------------------------------------------------------------
+    @torch.no_grad()
+    def begin(self, engine, st, prompts, n):
+        self.engine, self.policy = engine, engine.model
+        self.dtype = engine.dtype
+        self.lm = DraftVocab(self.policy, self.head.vocab_ids)
+        mp = self.max_plan
+        longest = max(len(p) for p in prompts)
+        length = longest + st.params.max_new_tokens + 2 * (mp.depth + 2) + mp.depth * mp.k + 4
+        self.dc = self.head.new_cache(len(prompts) * n, length, self.dtype)
+        self.dc.reset(len(prompts))
+        self._prefill_draft(prompts)
+        self.dc.fork(torch.arange(len(prompts)), n)
+        tok, plp, slp = sample(st.logits, st.params, st.gen)  # the first root, emitted at step 1
+        self.prefix = (tok, plp, slp)
+        self.chain_h = st.hidden[:, None]
+        self.chain_tok = tok[:, None]
+        self.chain_n = torch.ones(len(tok), dtype=torch.long)
+
+    def _prefill_draft(self, prompts):
+        """Policy hidden states over the prompts (cache-free pass), then the head's KV over the
+        prompt pairs (h_i, x_{i+1}) at draft slots 0..len-2."""
+        lens = torch.tensor([len(p) for p in prompts])
+        T = int(lens.max())
+        per = max(1, self.engine.prefill_chunk // T)
+        for s in range(0, len(prompts), per):
+            rows = slice(s, min(len(prompts), s + per))
+            chunk = prompts[rows]
+            ids = torch.zeros(len(chunk), T, dtype=torch.long)
+            for j, p in enumerate(chunk):
+                ids[j, : len(p)] = p
+            pos = torch.arange(T).expand(len(chunk), T)
+            h = self.policy(ids, pos, act_dtype=self.dtype)
+            if T < 2:
+                continue
+            sub = self.dc.view(rows)
+            hp, tp = h[:, :-1], ids[:, 1:]
+            slots = torch.arange(T - 1).expand(len(chunk), T - 1)
+            self.head(hp, self.policy.embed(tp), slots + 1, sub, sub.mask(T - 1), slots)
+            if self.on_pairs is not None:
+                self.on_pairs(hp, tp, lens[rows] - 1)
+        self.dc.lens[: len(prompts)] = lens - 1
+
+    def end(self, engine, st):
+        self.dc = None
+        self.lm = None
+
+    # -- drafting ---------------------------------------------------------------------------------
+    def draft_logp(self, feat: torch.Tensor) -> torch.Tensor:
+        """Draft log-probs over the draft vocabulary (indices, see ``head.vocab_ids``)."""
+        return torch.log_softmax(self.lm(feat), dim=-1)
+
+    def _advance_chain(self):
+        """Feed the pending pairs + the root pair; commit them. Returns (root feature, root token)."""
+        dc, B = self.dc, self.chain_n.numel()
+        C = int(self.chain_n.max())
+        h_in, t_in = self.chain_h[:, :C], self.chain_tok[:, :C]
+        slots = dc.chain_slots(C)
+        f = self.head(h_in, self.policy.embed(t_in), slots + 1, dc, dc.mask(C), slots)
+        last = self.chain_n - 1
+        ar = torch.arange(B)
+        dc.advance(self.chain_n)
+        return f[ar, last], t_in[ar, last]
+
+    def draft(self, root_pos: torch.Tensor, plan: Plan) -> DraftTree:
+        f_root, root_tok = self._advance_chain()
+        B = root_tok.numel()
+        if plan.n_verify <= 1 or plan.depth < 1:
+            z = torch.zeros(B, 1, dtype=torch.long)
+            return DraftTree.build(root_tok[:, None], z, z)
+        return self._grow(f_root, root_tok, root_pos, plan)
+
+    def _tree_mask(self, base, vis, slots):
+        """(B, K, S) visibility for frontier queries: committed slots plus ``vis`` (B, K, W) over the
+        tree slots written from ``base``."""
+        span = int(slots.max()) + 1
+        rel = torch.arange(span)[None, None, :] - base[:, None, None]  # (B, 1, S)
+        W = vis.shape[2]
+        K = vis.shape[1]
+        inside = (rel >= 0) & (rel < W)
+        seen = torch.gather(vis, 2, rel.clamp(0, W - 1).expand(-1, K, -1))
+        return (rel < 0) | (inside & seen)
+
+    def _grow(self, f_root, root_tok, root_pos, plan: Plan) -> DraftTree:
+        ids = self.head.vocab_ids
+        B, D = f_root.shape
+        K, L = min(plan.k, ids.numel()), plan.depth
+        s, ix = self.draft_logp(f_root).topk(K, dim=-1)  # (B, K)
+        c_tok, c_score = [ids[ix]], [s - SCORE_EPS]
+        c_par, c_dep = [torch.full((B, K), -1)], [torch.ones(B, K, dtype=torch.long)]
+        f_par, f_tok, f_score, f_cand = f_root[:, None].expand(B, K, D), ids[ix], c_score[0], torch.arange(K).expand(B, K)
+        W, n_cand = max(L - 1, 1) * K, K
+        vis = torch.zeros(B, K, W, dtype=torch.bool)
+        base = self.dc.lens[:B].clone()
+        for d in range(1, L):
+            w0 = (d - 1) * K
+            vis[:, torch.arange(K), w0 + torch.arange(K)] = True  # each frontier node sees itself
+            slots = base[:, None] + w0 + torch.arange(K)
+            mask = self._tree_mask(base, vis[:, :, : w0 + K], slots)
+            pos = (root_pos + d)[:, None].expand(B, K)
+            f = self.head(f_par, self.policy.embed(f_tok), pos, self.dc, mask, slots)  # (B, K, D)
+            cs, cix = self.draft_logp(f).topk(K, dim=-1)  # (B, K, K)
+            score = (f_score[:, :, None] + cs - SCORE_EPS).flatten(1)  # (B, K*K)
+            tok = ids[cix].flatten(1)
+            c_tok.append(tok)
+            c_score.append(score)
+            c_par.append(f_cand[:, :, None].expand(B, K, K).flatten(1))
+            c_dep.append(torch.full((B, K * K), d + 1))
+            top_s, top_i = score.topk(K, dim=-1)  # next frontier
+            pf = top_i // K
+            f_par = f.gather(1, pf[..., None].expand(B, K, D))
+            f_tok, f_score, f_cand = tok.gather(1, top_i), top_s, n_cand + top_i
+            vis = vis.gather(1, pf[..., None].expand(B, K, W))
+            n_cand += K * K
+        return self._select(root_tok, torch.cat(c_tok, 1), torch.cat(c_score, 1), torch.cat(c_par, 1),
+                            torch.cat(c_dep, 1), plan.n_verify)
+
+    @staticmethod
+    def _select(root_tok, tok, score, par, dep, n_verify) -> DraftTree:
+        """Keep the best n_verify - 1 candidates (ancestor-closed: a child scores below its parent)."""
+        B, C = tok.shape
+        m = min(n_verify - 1, C)
+        sel = score.topk(m, dim=-1).indices.sort(dim=-1).values  # candidate order: parents first
+        node_of = torch.zeros(B, C, dtype=torch.long)
+        node_of.scatter_(1, sel, torch.arange(1, m + 1).expand(B, m))
+        p = par.gather(1, sel)
+        parent = torch.where(p < 0, 0, node_of.gather(1, p.clamp(min=0)))
+        zero = torch.zeros(B, 1, dtype=torch.long)
+        return DraftTree.build(torch.cat([root_tok[:, None], tok.gather(1, sel)], 1),
+                               torch.cat([zero, parent], 1), torch.cat([zero, dep.gather(1, sel)], 1))
+
+    # -- the step -----------------------------------------------------------------------------------
+    @torch.no_grad()
+    def step(self, st, stop, stats):
+        engine, cache = self.engine, st.cache
+        B = st.row_ids.numel()
+        plan = self.plan_fn(B)
+        root_pos = cache.lens[:B].clone()
+        tree = self.draft(root_pos, plan)
+        N = tree.tokens.shape[1]
+        slots = cache.chain_slots(N)
+        h = engine.forward(cache, tree.tokens, root_pos[:, None] + tree.depth, slots, cache.mask(N, tree.mask))
+        logits = self.policy.logits(h)  # (B, N, V)
+        v = self.rule(tree, logits, st.params, st.gen)
+        toks, plp, slp, count = v.tokens, v.policy_lp, v.sample_lp, v.n_accept + 1
+        if self.prefix is not None:  # the first root, sampled from the prefill logits
+            t0, p0, s0 = self.prefix
+            toks, plp, slp = (torch.cat([a[:, None], b], 1) for a, b in ((t0, toks), (p0, plp), (s0, slp)))
+            count, self.prefix = count + 1, None
+        finished, stopped = emit_run(st, toks, plp, slp, count, stop)
+        cache.commit(root_pos[:, None] + v.path, v.n_accept + 1)
+        ar = torch.arange(B)
+        last = v.path[ar, v.n_accept]
+        st.hidden, st.logits = h[ar, last], logits[ar, last]
+        self.chain_h = h.gather(1, v.path[..., None].expand(-1, -1, h.shape[-1]))
+        self.chain_tok, self.chain_n = v.tokens, v.n_accept + 1
+        if self.on_pairs is not None:
+            self.on_pairs(self.chain_h, v.tokens, v.n_accept + 1)
+        self._account(st, stats, v.n_accept, N - 1)
+        done_rows, done_stop, _ = engine.retire(st, finished, stopped, v.n_accept)
+        if done_rows.numel():
+            self._compact(st, (~finished).nonzero().squeeze(1))
+        return done_rows, done_stop
+
+    def _account(self, st, stats, n_acc, drafted):
+        rows = st.row_ids
+        stats[rows, 1] += drafted
+        stats[rows, 2] += n_acc
+        B = rows.numel()
+        self.totals += torch.stack([torch.tensor(B), (n_acc + 1).sum(), torch.tensor(B * drafted), n_acc.sum()])
+        if self.trace is not None:
+            self.trace.append(n_acc.clone())
+
+    def _compact(self, st, keep):
+        self.dc.keep(keep)
+        st.hidden, st.logits = st.hidden[keep], st.logits[keep]
+        self.chain_h, self.chain_tok, self.chain_n = self.chain_h[keep], self.chain_tok[keep], self.chain_n[keep]
+
+
+def emit_run(st, toks, plp, slp, count, stop):
+    """Append up to ``count`` (B,) tokens per live row from ``toks`` (B, E), truncated at the first
+    stop token (once ``min_new_tokens`` is met) and at ``max_new_tokens``.
+    Returns (finished, stopped) masks over the live rows."""
+    rows, p = st.row_ids, st.params
+    B, E = toks.shape
+    col0 = st.n_gen[rows]
+    j = torch.arange(E)[None, :]
+    col = col0[:, None] + j
+    is_stop = torch.isin(toks, stop) & (col + 1 >= p.min_new_tokens) & (j < count[:, None])
+    first = torch.where(is_stop.any(1), is_stop.int().argmax(1) + 1, E)
+    n = torch.minimum(torch.minimum(count, first), p.max_new_tokens - col0)
+    w = j < n[:, None]
+    r_idx, c_idx = rows[:, None].expand(B, E)[w], col[w]
+    st.tokens[r_idx, c_idx] = toks[w]
+    st.policy_lp[r_idx, c_idx] = plp[w].to(st.policy_lp.dtype)
+    st.sample_lp[r_idx, c_idx] = slp[w].to(st.sample_lp.dtype)
+    st.n_gen[rows] = col0 + n
+    stopped = is_stop.any(1) & (first <= n)
+    return stopped | (col0 + n >= p.max_new_tokens), stopped
+
+
+def head_for(policy: Decoder, vocab_ids=None, seed: int = 0) -> DraftHead:
+    """A freshly initialised head for ``policy`` (deterministic given ``seed``)."""
+    with torch.random.fork_rng():
+        torch.manual_seed(seed)
+        head = DraftHead(policy.cfg, vocab_ids)
+        with torch.no_grad():  # start near "copy the hidden state through": fc = [I, small]
+            D = policy.cfg.hidden_size
+            head.fc.weight.mul_(0.1)
+            head.fc.weight[:, :D] += torch.eye(D)
+            if head.fc.bias is not None:
+                head.fc.bias.zero_()
+    return head.eval()
+
+
+__all__ = ["DraftHead", "DraftTree", "DraftVocab", "EagleDrafter", "Plan", "ancestor_mask", "emit_run",
+           "head_for", "load_head", "save_head"]
