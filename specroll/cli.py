@@ -66,6 +66,7 @@ def _bench(sub):
     e.add_argument("--out", default="bench_engine.json")
     e.set_defaults(func=_run("specroll.bench.engine:cli"))
     _bench_spec(s)
+    _bench_e2e(s)
 
 
 def _bench_spec(s):
@@ -111,7 +112,54 @@ def _draft(sub):
     p.set_defaults(func=_run("specroll.drafters.distill:cli"))
 
 
-COMMANDS = [_models, _generate, _bench, _draft]
+def _train_common(p):
+    p.add_argument("--config", default=None, help="YAML file with sections model/rollout/train/loss/data/reward")
+    p.add_argument("--preset", default=None, help="quick | default | long (applied before --config)")
+    p.add_argument("overrides", nargs="*", metavar="key=value", help="dotted overrides, e.g. train.lr=1e-6")
+
+
+def _train(sub):
+    p = sub.add_parser("train", help="GRPO training (default: SmolLM2-135M on the built-in arithmetic task)")
+    _train_common(p)
+    p.add_argument("--out", default=None, help="run directory (default: train.out_dir or runs/<timestamp>)")
+    p.add_argument("--resume", default=None, help="checkpoint dir, run dir, or 'latest' (in --out)")
+    p.set_defaults(func=_run("specroll.rl.run:train_cli"))
+
+
+def _eval(sub):
+    p = sub.add_parser("eval", help="pass@1 of a model or checkpoint on the eval split")
+    p.add_argument("--model", default=None, help="model alias or HF dir (default: the config's)")
+    p.add_argument("--checkpoint", default=None, help="checkpoint dir or run dir (its latest checkpoint)")
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    p.add_argument("--json", default=None, help="also write the metrics to this JSON file")
+    p.add_argument("overrides", nargs="*", metavar="key=value", help="dotted overrides, e.g. data.n_eval=128")
+    p.set_defaults(func=_run("specroll.rl.run:eval_cli"))
+
+
+def _report(sub):
+    p = sub.add_parser("report", help="plot a run's reward / accuracy / timing curves to PNG")
+    p.add_argument("run_dir")
+    p.add_argument("--out", default=None, help="PNG path (default: RUN_DIR/curves.png)")
+    p.set_defaults(func=_run("specroll.rl.run:report_cli"))
+
+
+def _bench_e2e(s):
+    b = s.add_parser("e2e", help="GRPO steps: specroll's trainer vs TRL's GRPOTrainer (if installed)")
+    b.add_argument("--model", default="smollm2-135m")
+    b.add_argument("--prompts-per-step", type=int, default=4)
+    b.add_argument("--generations", type=int, default=8)
+    b.add_argument("--max-new-tokens", type=int, default=64)
+    b.add_argument("--steps", type=int, default=3)
+    b.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
+                   help="training dtype of both systems (rollouts: --rollout-dtype)")
+    b.add_argument("--rollout-dtype", default="float32", choices=["float32", "bfloat16"],
+                   help="specroll rollout activations (TRL generates in --dtype)")
+    b.add_argument("--systems", default="specroll,trl")
+    b.add_argument("--out", default="bench_e2e.json")
+    b.set_defaults(func=_run("specroll.bench.e2e:cli"))
+
+
+COMMANDS = [_models, _generate, _bench, _draft, _train, _eval, _report]
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -1,0 +1,114 @@
+"""Run metrics: a JSONL line per step, optional TensorBoard, a console line per step, a summary table.
+
+Metric names follow DESIGN.md (``timing/rollout``, ``reward/mean``, ``actor/kl``, ``spec/...``) so
+dashboards built for verl/TRL read them unchanged. TensorBoard is used only if it is installed and
+asked for; nothing here is required for training.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+import time
+from pathlib import Path
+
+PHASES = ("rollout", "reward", "logprob", "update", "draft_update", "eval", "checkpoint")
+
+
+class MetricsWriter:
+    """Appends ``{"step": s, ...metrics}`` lines to ``<run_dir>/metrics.jsonl``."""
+
+    def __init__(self, run_dir: str | Path, tensorboard: bool = False):
+        self.path = Path(run_dir) / "metrics.jsonl"
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._tb = None
+        if tensorboard:
+            try:
+                from torch.utils.tensorboard import SummaryWriter
+
+                self._tb = SummaryWriter(str(Path(run_dir) / "tb"))
+            except Exception as e:  # tensorboard not installed: say so once, keep training
+                print(f"specroll: tensorboard unavailable ({e.__class__.__name__}); writing JSONL only",
+                      file=sys.stderr)
+
+    def write(self, step: int, metrics: dict) -> None:
+        row = {"step": step, "time": round(time.time(), 3)}
+        row.update({k: _clean(v) for k, v in metrics.items()})
+        with open(self.path, "a") as f:
+            f.write(json.dumps(row) + "\n")
+        if self._tb is not None:
+            for k, v in metrics.items():
+                if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v):
+                    self._tb.add_scalar(k, v, step)
+
+    def close(self) -> None:
+        if self._tb is not None:
+            self._tb.close()
+
+
+def _clean(v):
+    if isinstance(v, float) and not math.isfinite(v):
+        return None
+    return v
+
+
+def read_metrics(run_dir: str | Path) -> list[dict]:
+    p = Path(run_dir) / "metrics.jsonl"
+    if not p.is_file():
+        raise FileNotFoundError(f"{p} does not exist; is {run_dir} a specroll run directory?")
+    return [json.loads(line) for line in p.read_text().splitlines() if line.strip()]
+
+
+def step_line(step: int, total: int, m: dict) -> str:
+    parts = [f"step {step}/{total}"]
+    if "reward/mean" in m:
+        parts.append(f"reward {m['reward/mean']:.3f}±{m.get('reward/std', 0):.2f}")
+    if "eval/accuracy" in m:
+        parts.append(f"eval acc {m['eval/accuracy']:.3f}")
+    if "rollout/tokens_generated" in m:
+        parts.append(f"tok {int(m['rollout/tokens_generated'])}")
+    t = [f"{p} {m[f'timing/{p}']:.1f}" for p in ("rollout", "reward", "logprob", "update") if f"timing/{p}" in m]
+    if "timing/step" in m:
+        parts.append(f"{m['timing/step']:.1f}s (" + ", ".join(t) + ")")
+    return "  ".join(parts)
+
+
+def phase_totals(rows: list[dict]) -> dict[str, float]:
+    out: dict[str, float] = {}
+    for r in rows:
+        for p in PHASES:
+            v = r.get(f"timing/{p}")
+            if isinstance(v, (int, float)):
+                out[p] = out.get(p, 0.0) + v
+    return out
+
+
+def summary_table(rows: list[dict], wall: float, run_dir: str | Path):
+    """A rich Table: per-phase time breakdown plus first/last reward and eval accuracy."""
+    from rich.table import Table
+
+    steps = [r for r in rows if "reward/mean" in r]
+    tot = phase_totals(rows)
+    table = Table(title=f"specroll train: {len(steps)} steps in {wall:.1f}s -> {run_dir}")
+    table.add_column("phase")
+    table.add_column("total s", justify="right")
+    table.add_column("per step s", justify="right")
+    table.add_column("share", justify="right")
+    denom = sum(tot.values()) or 1.0
+    for p in PHASES:
+        if p in tot:
+            table.add_row(p, f"{tot[p]:.1f}", f"{tot[p] / max(1, len(steps)):.2f}", f"{100 * tot[p] / denom:.0f}%")
+    if steps:
+        table.add_section()
+        k = min(3, len(steps))
+        first = sum(r["reward/mean"] for r in steps[:k]) / k
+        last = sum(r["reward/mean"] for r in steps[-k:]) / k
+        table.add_row(f"reward/mean (first {k} -> last {k})", f"{first:.3f} -> {last:.3f}", "", "")
+        toks = sum(r.get("rollout/tokens_generated", 0) for r in steps)
+        table.add_row("tokens generated", f"{int(toks)}", f"{toks / len(steps):.0f}", "")
+    evals = [r for r in rows if "eval/accuracy" in r]
+    if evals:
+        table.add_row("eval/accuracy (first -> last)",
+                      f"{evals[0]['eval/accuracy']:.3f} -> {evals[-1]['eval/accuracy']:.3f}", "", "")
+    return table

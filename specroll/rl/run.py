@@ -1,0 +1,173 @@
+"""`specroll train`, `specroll eval` and `specroll report`: config -> model, data, reward -> Trainer.
+
+This is glue only: everything that trains lives in ``trainer.py``. A run directory holds
+``config.yaml``, ``metrics.jsonl``, ``step_NNNNNN/`` checkpoints and (after ``report``) PNG curves.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from pathlib import Path
+
+from ..config import Config, load_config
+from . import checkpoint as ckpt
+from .trainer import DTYPE, PromptSet, Trainer
+
+
+def _console():
+    from rich.console import Console
+
+    return Console(stderr=False)
+
+
+def prompt_set(examples, tokenizer, data_cfg, label: str, say=print) -> PromptSet:
+    from .data import build_prompts
+
+    ids, kept, dropped = build_prompts(examples, tokenizer, data_cfg)
+    if dropped:
+        say(f"{label}: {dropped} prompts longer than data.max_prompt_tokens={data_cfg.max_prompt_tokens} dropped")
+    texts = [tokenizer.decode(x) for x in ids]
+    return PromptSet(ids, texts, kept)
+
+
+def load_policy(cfg: Config, checkpoint: str | Path | None = None):
+    """(Decoder, tokenizer, eos ids) for ``cfg.model``, optionally with a checkpoint's weights."""
+    from ..models import hub
+
+    model, tok = hub.load(cfg.model.name, DTYPE[cfg.model.dtype])
+    if checkpoint is not None:
+        ckpt.load_model_weights(model, checkpoint)
+    eos = hub.eos_ids(tok, hub.resolve(cfg.model.name, quiet=True))
+    return model, tok, eos
+
+
+def build_trainer(cfg: Config, run_dir: str | Path | None, console=None, drafter=None) -> Trainer:
+    """Everything a run needs, in the order that fails fastest: reward, data, then the model."""
+    from .data import load_examples
+    from .rewards import build_reward
+
+    say = console.print if console is not None else print
+    reward = build_reward(cfg.reward)  # a reward that will not import fails before any rollout
+    train_ex, eval_ex = load_examples(cfg.data, "train"), load_examples(cfg.data, "eval")
+    model, tok, eos = load_policy(cfg)
+    train_set = prompt_set(train_ex, tok, cfg.data, "train", say)
+    eval_set = prompt_set(eval_ex, tok, cfg.data, "eval", say) if eval_ex else None
+    decode = lambda ids: tok.decode(ids, skip_special_tokens=True)  # noqa: E731
+    return Trainer(cfg, model, train_set, eval_set, reward, decode, eos, drafter=drafter, run_dir=run_dir,
+                   console=console)
+
+
+def _run_dir(cfg: Config, out: str | None) -> Path:
+    if out:
+        return Path(out)
+    if cfg.train.out_dir:
+        return Path(cfg.train.out_dir)
+    return Path("runs") / time.strftime("%Y%m%d-%H%M%S")
+
+
+def _progress(console, total: int):
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    p = Progress(TextColumn("[bold]train"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                 TextColumn("{task.fields[info]}"), console=console, transient=True)
+    return p
+
+
+def train_cli(args) -> int:
+    from ..cli import CliError
+    from .metrics import summary_table
+
+    console = _console()
+    resume = getattr(args, "resume", None)
+    base = args.config
+    run_dir = None
+    if resume:
+        ck = ckpt.resolve(resume, args.out or None)
+        run_dir = Path(args.out) if args.out else ck.parent
+        if base is None and args.preset is None:
+            base = str(ck / "config.yaml")  # resume with the run's own config unless told otherwise
+    cfg = load_config(base, args.preset, args.overrides)
+    run_dir = run_dir or _run_dir(cfg, args.out)
+    trainer = build_trainer(cfg, run_dir, console)
+    if resume:
+        step = trainer.resume(ck)
+        console.print(f"resumed from {ck} at step {step}")
+        if step >= cfg.train.steps:
+            raise CliError(f"{ck} is already at step {step} >= train.steps={cfg.train.steps}; "
+                           f"raise it (e.g. train.steps={step + 10}) to continue")
+    run_dir.mkdir(parents=True, exist_ok=True)
+    cfg.save(run_dir / "config.yaml")
+    n = trainer.model.num_params()
+    console.print(f"specroll train: {cfg.model.name} ({n / 1e6:.0f}M params), task {cfg.data.task}, "
+                  f"{cfg.train.steps} steps x {cfg.train.prompts_per_step} prompts x G={cfg.rollout.G}, "
+                  f"max_new_tokens={cfg.rollout.max_new_tokens} -> {run_dir}")
+    t0 = time.perf_counter()
+    with _progress(console, cfg.train.steps) as prog:
+        task = prog.add_task("train", total=cfg.train.steps, completed=trainer.step, info="")
+
+        def on_step(step, m):
+            info = f"reward {m.get('reward/mean', float('nan')):.3f}  {m.get('timing/step', 0):.1f}s/step"
+            prog.update(task, completed=step, info=info)
+
+        rows = trainer.fit(progress=on_step)
+    wall = time.perf_counter() - t0
+    console.print(summary_table(rows, wall, run_dir))
+    return 0
+
+
+def eval_cli(args) -> int:
+    from .data import load_examples
+    from .rewards import build_reward
+
+    console = _console()
+    base = None
+    if args.checkpoint:
+        ck = ckpt.resolve(args.checkpoint)
+        base = str(ck / "config.yaml")
+    cfg = load_config(base, None, list(args.overrides) + ([f"model.name={args.model}"] if args.model else []))
+    model, tok, eos = load_policy(cfg, ck if args.checkpoint else None)
+    reward = build_reward(cfg.reward)
+    ev = prompt_set(load_examples(cfg.data, "eval"), tok, cfg.data, "eval", console.print)
+    decode = lambda ids: tok.decode(ids, skip_special_tokens=True)  # noqa: E731
+    cfg.train.eval_temperature = args.temperature
+    tr = Trainer(cfg, model, ev, ev, reward, decode, eos)
+    m = tr.evaluate()
+    what = args.checkpoint or cfg.model.name
+    console.print(f"eval {what}: accuracy {m['eval/accuracy']:.3f} on {m['eval/n']} problems "
+                  f"(T={args.temperature}, mean length {m['eval/completion_len']:.1f} tokens, {m['timing/eval']:.1f}s)")
+    if args.json:
+        import json
+
+        Path(args.json).write_text(json.dumps({"model": str(what), **m}, indent=2))
+    return 0
+
+
+def report_cli(args) -> int:
+    """Plot reward / accuracy / timing curves of a run directory to PNG."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from .metrics import read_metrics
+
+    rows = read_metrics(args.run_dir)
+    steps = [r for r in rows if "reward/mean" in r]
+    evals = [r for r in rows if r.get("eval/accuracy") is not None]
+    fig, ax = plt.subplots(1, 3, figsize=(15, 4))
+    ax[0].plot([r["step"] for r in steps], [r["reward/mean"] for r in steps], marker=".")
+    ax[0].set_title("reward/mean (train rollouts)")
+    ax[1].plot([r["step"] for r in evals], [r["eval/accuracy"] for r in evals], marker="o")
+    ax[1].set_title("eval/accuracy (pass@1)")
+    for k in ("rollout", "reward", "logprob", "update"):
+        ax[2].plot([r["step"] for r in steps], [r.get(f"timing/{k}", 0) for r in steps], label=k)
+    ax[2].set_title("seconds per step by phase")
+    ax[2].legend()
+    for a in ax:
+        a.set_xlabel("step")
+    out = Path(args.out) if args.out else Path(args.run_dir) / "curves.png"
+    fig.tight_layout()
+    fig.savefig(out, dpi=100)
+    print(f"wrote {out}", file=sys.stdout)
+    return 0

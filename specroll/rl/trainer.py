@@ -1,0 +1,428 @@
+"""The GRPO training loop (DESIGN.md "one GRPO step"), checkpoints and metrics wiring.
+
+One step: take ``prompts_per_step`` prompts -> ``Engine.generate(prompts, n=G, drafter)`` ->
+rewards -> group advantages -> ``mu`` x ``mini_batches`` optimizer steps of the clipped surrogate
+(+ k3 KL when beta > 0) -> ``engine.policy_version += 1`` after each optimizer step.
+
+The policy is one ``Decoder``: the engine runs it (optionally bf16 rollouts of fp32 master weights,
+through the decoder's prepacked inference copies, which refresh themselves after every optimizer
+step) and the trainer differentiates the same module. With mu = 1 and one mini-batch the engine's
+per-token policy logprobs ARE the old logprobs: no extra forward pass.
+
+Training forward: prompt + completion rows, right-padded, one cache-free pass with a padding-aware
+causal mask; logits only at completion positions, one micro-batch at a time (B*T*V floats is the
+memory peak). Loss weights are computed once over the whole mini-batch (``losses.token_weights``), so
+micro-batching (gradient accumulation) gives exactly the full-batch gradient.
+
+Departures: rows whose advantage is exactly 0 (zero-variance groups, ``None`` rewards) are not
+forwarded when beta = 0 -- their loss and gradient are exactly zero -- so ``actor/entropy`` and
+``actor/clip_ratio`` describe the rows that were trained on. Rollout randomness is a pure function
+of (seed, step), and the data order of (seed, epoch), so a resumed run replays exactly.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import yaml
+
+from ..engine.engine import Engine, Rollout
+from ..engine.sampling import SamplingParams
+from . import checkpoint as ckpt
+from .losses import group_advantages, policy_loss, token_weights, zero_variance_groups
+from .metrics import MetricsWriter, step_line
+
+DTYPE = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+@dataclass
+class PromptSet:
+    """Tokenised prompts plus what the reward needs: the prompt text and per-example columns."""
+
+    ids: list[list[int]]
+    texts: list[str]
+    columns: list[dict]
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+    def take(self, idx: list[int]) -> PromptSet:
+        return PromptSet([self.ids[i] for i in idx], [self.texts[i] for i in idx], [self.columns[i] for i in idx])
+
+
+def call_reward(reward: Callable, prompts: list[str], completions: list[str], columns: list[dict]):
+    """Run a reward on a batch. Returns (totals as a float tensor with NaN = None, per-function means).
+
+    ``reward`` may be an ``rl.rewards.Reward`` (returns ``(totals, per_func)``) or a plain TRL-style
+    function returning one value per completion.
+    """
+    keys = columns[0].keys() if columns else []
+    cols = {k: [c.get(k) for c in columns] for k in keys}
+    out = reward(prompts, completions, **cols)
+    per: dict = {}
+    if isinstance(out, tuple) and len(out) == 2 and isinstance(out[1], dict):
+        out, per = out
+    if len(out) != len(completions):
+        raise ValueError(f"reward returned {len(out)} values for {len(completions)} completions")
+    totals = torch.tensor([float("nan") if v is None else float(v) for v in out])
+    means = {}
+    for name, vals in per.items():
+        good = [float(v) for v in vals if v is not None]
+        if good:
+            means[name] = sum(good) / len(good)
+    return totals, means
+
+
+@dataclass
+class Batch:
+    """A step's rollouts as padded tensors. N rows, C = longest completion, L = longest prompt+completion."""
+
+    seq: torch.Tensor  # (N, L) prompt + completion ids, right-padded
+    plen: torch.Tensor  # (N,) prompt lengths
+    clen: torch.Tensor  # (N,) completion lengths
+    comp: torch.Tensor  # (N, C) completion ids
+    cmask: torch.Tensor  # (N, C) 1 on completion tokens
+    old_lp: torch.Tensor  # (N, C) behaviour-policy logprobs (the engine's, T = 1)
+    truncated: torch.Tensor  # (N,) bool: finish_reason == "length"
+
+    @classmethod
+    def from_rollouts(cls, rollouts: list[Rollout]) -> Batch:
+        N = len(rollouts)
+        plen = torch.tensor([len(r.prompt_ids) for r in rollouts])
+        clen = torch.tensor([len(r.completion_ids) for r in rollouts])
+        C, L = max(1, int(clen.max())), int((plen + clen).max())
+        seq = torch.zeros(N, L, dtype=torch.long)
+        comp = torch.zeros(N, C, dtype=torch.long)
+        old = torch.zeros(N, C)
+        for i, r in enumerate(rollouts):
+            p, c = len(r.prompt_ids), len(r.completion_ids)
+            seq[i, :p] = r.prompt_ids
+            seq[i, p : p + c] = r.completion_ids
+            comp[i, :c] = r.completion_ids
+            old[i, :c] = r.logprobs.float()
+        cmask = (torch.arange(C)[None] < clen[:, None]).float()
+        trunc = torch.tensor([r.finish_reason == "length" for r in rollouts])
+        return cls(seq, plen, clen, comp, cmask, old, trunc)
+
+
+def completion_logprobs(model, batch: Batch, rows: torch.Tensor, with_entropy: bool = False):
+    """Per-token logprobs (b, C) of ``batch`` rows' completions under ``model`` (one forward).
+
+    The pass is causal over prompt+completion with padding keys masked; logits are computed only at
+    the C positions that predict completion tokens. Returns ``(logp, entropy or None)``.
+    """
+    plen, clen = batch.plen[rows], batch.clen[rows]
+    L = int((plen + clen).max())
+    ids = batch.seq[rows, :L]
+    b = ids.shape[0]
+    pos = torch.arange(L).expand(b, L)
+    valid = torch.arange(L)[None] < (plen + clen)[:, None]  # (b, L) real tokens
+    mask = torch.ones(L, L, dtype=torch.bool).tril()[None] & valid[:, None, :]  # (b, L, L)
+    hidden = model(ids, pos, mask=mask)  # (b, L, D)
+    C = batch.comp.shape[1]
+    at = (plen[:, None] - 1 + torch.arange(C)[None]).clamp(max=L - 1)  # position predicting token j
+    h = hidden.gather(1, at[..., None].expand(b, C, hidden.shape[-1]))
+    logits = model.logits(h)  # (b, C, V) fp32
+    logz = torch.logsumexp(logits, dim=-1)
+    logp = logits.gather(-1, batch.comp[rows][..., None]).squeeze(-1) - logz
+    ent = None
+    if with_entropy:
+        with torch.no_grad():
+            lp = logits - logz[..., None]
+            ent = -(lp.exp() * lp).sum(-1)
+    return logp, ent
+
+
+def lr_lambda(warmup: int, total: int, cosine: bool, min_ratio: float) -> Callable[[int], float]:
+    def f(i: int) -> float:
+        if i < warmup:
+            return (i + 1) / (warmup + 1)
+        if not cosine:
+            return 1.0
+        prog = min(1.0, (i - warmup) / max(1, total - warmup))
+        return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * prog))
+
+    return f
+
+
+class Trainer:
+    """GRPO over one ``Decoder``. Build it with ``build_trainer(cfg)`` or directly (tests).
+
+    ``reward(prompts, completions, **columns)`` and ``decode(ids) -> str`` connect the token world to
+    the reward. ``drafter`` (optional) is passed to ``Engine.generate``; after each rollout the
+    trainer calls ``drafter.after_rollout(rollouts, step)`` and logs ``drafter.metrics()``.
+    """
+
+    def __init__(self, cfg, model, train_set: PromptSet, eval_set: PromptSet | None, reward: Callable,
+                 decode: Callable[[list[int]], str], eos_ids=(), drafter=None, run_dir: str | Path | None = None,
+                 console=None):
+        self.cfg = cfg
+        self.model = model
+        self.train_set, self.eval_set = train_set, eval_set
+        self.reward, self.decode, self.drafter = reward, decode, drafter
+        self.engine = Engine(model, list(eos_ids), dtype=DTYPE[cfg.model.rollout_dtype])
+        self.ref = None
+        if cfg.loss.beta > 0:  # the reference model exists only when the KL term is on
+            self.ref = copy.deepcopy(model).eval().requires_grad_(False)
+        tc = cfg.train
+        self.params = [p for p in model.parameters() if p.requires_grad]
+        self.opt = torch.optim.AdamW(self.params, lr=tc.lr, weight_decay=tc.weight_decay)
+        self.total_opt_steps = tc.steps * tc.mu * tc.mini_batches
+        self.sched = torch.optim.lr_scheduler.LambdaLR(
+            self.opt, lr_lambda(tc.warmup, self.total_opt_steps, tc.cosine, tc.min_lr_ratio))
+        self.step = 0
+        self.run_dir = Path(run_dir) if run_dir is not None else None
+        self.console = console
+        self.metrics: list[dict] = []
+        self._perms: dict[int, torch.Tensor] = {}
+        self.writer = MetricsWriter(self.run_dir, tc.tensorboard) if self.run_dir is not None else None
+
+    # -- data ---------------------------------------------------------------------------------
+    def _perm(self, epoch: int) -> torch.Tensor:
+        if epoch not in self._perms:
+            g = torch.Generator().manual_seed(self.cfg.train.seed * 1_000_003 + epoch)
+            self._perms = {epoch: torch.randperm(len(self.train_set), generator=g)}
+        return self._perms[epoch]
+
+    def batch_indices(self, step: int) -> list[int]:
+        """Prompt indices of ``step`` (0-based): a fresh seeded permutation per epoch."""
+        n, k = len(self.train_set), self.cfg.train.prompts_per_step
+        out = []
+        for q in range(step * k, step * k + k):
+            out.append(int(self._perm(q // n)[q % n]))
+        return out
+
+    def rollout_params(self, step: int) -> SamplingParams:
+        rc = self.cfg.rollout
+        return SamplingParams(temperature=rc.temperature, top_p=rc.top_p, top_k=rc.top_k,
+                              max_new_tokens=rc.max_new_tokens, seed=self.cfg.train.seed * 100_003 + step + 1)
+
+    # -- one step -----------------------------------------------------------------------------
+    def train_step(self) -> dict:
+        """Run step ``self.step + 1``. Returns its metrics (also written and kept in ``self.metrics``)."""
+        G = self.cfg.rollout.G
+        t_step = time.perf_counter()
+        prompts = self.train_set.take(self.batch_indices(self.step))
+        m: dict = {}
+        t = time.perf_counter()
+        rollouts = self.engine.generate(prompts.ids, self.rollout_params(self.step), n=G, drafter=self.drafter)
+        m["timing/rollout"] = time.perf_counter() - t
+        if self.drafter is not None and hasattr(self.drafter, "after_rollout"):
+            t = time.perf_counter()
+            self.drafter.after_rollout(rollouts, self.step)
+            m["timing/draft_update"] = time.perf_counter() - t
+        t = time.perf_counter()
+        texts = [self.decode(r.completion_ids.tolist()) for r in rollouts]
+        rep = lambda xs: [x for x in xs for _ in range(G)]  # noqa: E731
+        rewards, per_func = call_reward(self.reward, rep(prompts.texts), texts, rep(prompts.columns))
+        m["timing/reward"] = time.perf_counter() - t
+        m.update(self._rollout_metrics(rollouts, rewards, per_func))
+        m.update(self.update(rollouts, rewards))
+        self.step += 1
+        m["lr"] = self.sched.get_last_lr()[0]
+        m["timing/step"] = time.perf_counter() - t_step
+        return m
+
+    def _rollout_metrics(self, rollouts: list[Rollout], rewards: torch.Tensor, per_func: dict) -> dict:
+        G = self.cfg.rollout.G
+        valid = rewards[~torch.isnan(rewards)]
+        lens = torch.tensor([len(r.completion_ids) for r in rollouts], dtype=torch.float)
+        m = {
+            "reward/mean": float(valid.mean()) if valid.numel() else float("nan"),
+            "reward/std": float(valid.std()) if valid.numel() > 1 else 0.0,
+            "reward/none_frac": 1 - valid.numel() / rewards.numel(),
+            "frac_reward_zero_std": float(zero_variance_groups(rewards, G).float().mean()),
+            "rollout/tokens_generated": int(lens.sum()),
+            "rollout/completion_len_mean": float(lens.mean()),
+            "rollout/truncated_frac": sum(r.finish_reason == "length" for r in rollouts) / len(rollouts),
+        }
+        m.update({f"reward/{k}": v for k, v in per_func.items()})
+        drafted = sum(r.n_drafted for r in rollouts)
+        if self.drafter is not None:
+            m["spec/reuse_ratio"] = sum(r.n_reused for r in rollouts) / max(1, int(lens.sum()))
+            if drafted:
+                m["rollout/spec_accept_rate"] = sum(r.n_accepted for r in rollouts) / drafted
+            if hasattr(self.drafter, "metrics"):
+                for k, v in (self.drafter.metrics() or {}).items():
+                    m[k if "/" in k else f"spec/{k}"] = v
+        return m
+
+    # -- the update ---------------------------------------------------------------------------
+    def _row_mask(self, batch: Batch, rewards: torch.Tensor) -> torch.Tensor:
+        """(N,) bool: rows that take part in the loss."""
+        lc, G = self.cfg.loss, self.cfg.rollout.G
+        keep = ~torch.isnan(rewards)
+        if lc.mask_truncated:
+            keep &= ~batch.truncated
+        if lc.skip_zero_variance:
+            keep &= ~zero_variance_groups(rewards, G).repeat_interleave(G)
+        return keep
+
+    def _needs_old_forward(self) -> bool:
+        tc = self.cfg.train
+        return tc.recompute_old_logprobs or tc.mu > 1 or tc.mini_batches > 1
+
+    @torch.no_grad()
+    def _logprobs_nograd(self, model, batch: Batch, rows: torch.Tensor) -> torch.Tensor:
+        parts = []
+        for chunk in rows.split(self.cfg.train.micro_batch_size):
+            with self._autocast():
+                parts.append(completion_logprobs(model, batch, chunk)[0].float())
+        return torch.cat(parts)
+
+    def _autocast(self):
+        return torch.autocast("cpu", dtype=torch.bfloat16, enabled=self.cfg.train.bf16)
+
+    def update(self, rollouts: list[Rollout], rewards: torch.Tensor) -> dict:
+        cfg, G = self.cfg, self.cfg.rollout.G
+        batch = Batch.from_rollouts(rollouts)
+        adv = group_advantages(rewards, G, cfg.loss.scale_rewards, cfg.loss.adv_eps)
+        keep = self._row_mask(batch, rewards)
+        m: dict = {"timing/logprob": 0.0}
+        all_rows = keep.nonzero().squeeze(1)
+        t = time.perf_counter()
+        old = batch.old_lp
+        if self._needs_old_forward() and all_rows.numel():
+            old = batch.old_lp.clone()
+            old[all_rows] = self._logprobs_nograd(self.model, batch, all_rows)
+        ref = None
+        if self.ref is not None and all_rows.numel():
+            ref = torch.zeros_like(batch.old_lp)
+            ref[all_rows] = self._logprobs_nograd(self.ref, batch, all_rows)
+        m["timing/logprob"] = time.perf_counter() - t
+        t = time.perf_counter()
+        groups = torch.arange(len(rollouts) // G).chunk(cfg.train.mini_batches)
+        acc = {"clip": 0.0, "kl": 0.0, "w": 0.0, "ent": 0.0, "ntok": 0.0, "loss": 0.0, "gn": [], "n_opt": 0}
+        for _ in range(cfg.train.mu):
+            for grp in groups:
+                rows = (grp[:, None] * G + torch.arange(G)).flatten()
+                rows = rows[keep[rows]]
+                self._optimizer_step(batch, rows, adv, old, ref, acc)
+        m["timing/update"] = time.perf_counter() - t
+        m["actor/loss"] = acc["loss"] / max(1, acc["n_opt"])
+        m["actor/n_optimizer_steps"] = acc["n_opt"]
+        if acc["w"] > 0:
+            m["actor/clip_ratio"] = acc["clip"] / acc["w"]
+            if self.ref is not None:
+                m["actor/kl"] = acc["kl"] / acc["w"]
+        if acc["ntok"]:
+            m["actor/entropy"] = acc["ent"] / acc["ntok"]
+        if acc["gn"]:
+            m["actor/grad_norm"] = sum(acc["gn"]) / len(acc["gn"])
+        m["actor/rows_trained"] = int(all_rows.numel())
+        return m
+
+    def _optimizer_step(self, batch: Batch, rows: torch.Tensor, adv, old, ref, acc: dict) -> None:
+        """One optimizer step on ``rows``; skipped (no step at all) when no row carries a gradient."""
+        cfg = self.cfg
+        if rows.numel() == 0:
+            return
+        w_all = token_weights(batch.cmask[rows], cfg.loss.type, cfg.rollout.max_new_tokens)  # (r, C)
+        live = adv[rows] != 0 if cfg.loss.beta == 0 else torch.ones(len(rows), dtype=torch.bool)
+        if not bool(live.any()):
+            return
+        pos = live.nonzero().squeeze(1)
+        # micro-batches of similar length (less padding); weights make the order irrelevant
+        pos = pos[torch.argsort(batch.clen[rows[pos]] + batch.plen[rows[pos]], stable=True)]
+        self.opt.zero_grad(set_to_none=True)
+        total = 0.0
+        for chunk in pos.split(cfg.train.micro_batch_size):
+            r = rows[chunk]
+            with self._autocast():
+                logp, ent = completion_logprobs(self.model, batch, r, with_entropy=True)
+            w = w_all[chunk]
+            loss, st = policy_loss(logp.float(), old[r], adv[r], w, cfg.loss, None if ref is None else ref[r])
+            loss.backward()
+            total += float(loss.detach())
+            acc["clip"] += float(st["clip"])
+            acc["kl"] += float(st.get("kl", 0.0))
+            acc["w"] += float(w.sum())
+            acc["ent"] += float((ent * batch.cmask[r]).sum())
+            acc["ntok"] += float(batch.cmask[r].sum())
+        clip = cfg.train.grad_clip if cfg.train.grad_clip > 0 else float("inf")
+        gn = torch.nn.utils.clip_grad_norm_(self.params, clip)
+        self.opt.step()
+        self.sched.step()
+        self.engine.policy_version += 1
+        acc["loss"] += total
+        acc["gn"].append(float(gn))
+        acc["n_opt"] += 1
+
+    # -- evaluation ---------------------------------------------------------------------------
+    def evaluate(self) -> dict:
+        """pass@1 on the eval split: greedy by default (``train.eval_temperature``)."""
+        if self.eval_set is None or len(self.eval_set) == 0:
+            return {}
+        t = time.perf_counter()
+        T = self.cfg.train.eval_temperature
+        params = SamplingParams(temperature=T, max_new_tokens=self.cfg.rollout.max_new_tokens,
+                                seed=self.cfg.train.seed + 7)
+        rollouts = self.engine.generate(self.eval_set.ids, params, n=1)
+        texts = [self.decode(r.completion_ids.tolist()) for r in rollouts]
+        rewards, per = call_reward(self.reward, self.eval_set.texts, texts, self.eval_set.columns)
+        valid = rewards[~torch.isnan(rewards)]
+        acc = per.get("accuracy", float(valid.mean()) if valid.numel() else float("nan"))
+        return {"eval/accuracy": acc, "eval/reward_mean": float(valid.mean()) if valid.numel() else float("nan"),
+                "eval/completion_len": sum(len(r.completion_ids) for r in rollouts) / len(rollouts),
+                "eval/n": len(rollouts), "timing/eval": time.perf_counter() - t}
+
+    # -- checkpoints --------------------------------------------------------------------------
+    def save(self) -> Path:
+        if self.run_dir is None:
+            raise ValueError("the trainer has no run directory to save into")
+        state = {"data_position": self.step * self.cfg.train.prompts_per_step,
+                 "rollout_seed_next": self.rollout_params(self.step).seed,
+                 "policy_version": self.engine.policy_version}
+        return ckpt.save_checkpoint(
+            self.run_dir, self.step, model=self.model, optimizer=self.opt, scheduler=self.sched, state=state,
+            config_yaml=yaml.safe_dump(self.cfg.to_dict(), sort_keys=False), rng=ckpt.rng_state(),
+            drafter=self.drafter, keep_last=self.cfg.train.keep_last)
+
+    def resume(self, path: str | Path) -> int:
+        """Restore everything from a checkpoint directory; returns the step it was taken at."""
+        info, rng = ckpt.load_training_state(path, model=self.model, optimizer=self.opt, scheduler=self.sched,
+                                             drafter=self.drafter)
+        ckpt.restore_rng(rng)
+        self.step = info.step
+        self.engine.policy_version = int(info.state.get("policy_version", info.step))
+        return info.step
+
+    # -- the loop -----------------------------------------------------------------------------
+    def _log(self, m: dict) -> None:
+        self.metrics.append({"step": self.step, **m})
+        if self.writer is not None:
+            self.writer.write(self.step, m)
+
+    def _say(self, text: str) -> None:
+        if self.console is not None:
+            self.console.print(text, highlight=False)
+
+    def fit(self, progress=None) -> list[dict]:
+        """Train until ``train.steps``; eval and save on schedule. Returns the metrics rows."""
+        tc = self.cfg.train
+        if tc.eval_before and self.step == 0 and self.eval_set is not None:
+            e = self.evaluate()
+            self._log(e)
+            self._say(f"step 0/{tc.steps}  base eval accuracy {e.get('eval/accuracy', float('nan')):.3f}")
+        while self.step < tc.steps:
+            m = self.train_step()
+            last = self.step == tc.steps
+            if (tc.eval_every and self.step % tc.eval_every == 0) or (last and self.eval_set is not None):
+                m.update(self.evaluate())
+            if self.run_dir is not None and ((tc.save_every and self.step % tc.save_every == 0) or last):
+                t = time.perf_counter()
+                self.save()
+                m["timing/checkpoint"] = time.perf_counter() - t
+            self._log(m)
+            self._say(step_line(self.step, tc.steps, m))
+            if progress is not None:
+                progress(self.step, m)
+        if self.writer is not None:
+            self.writer.close()
+        return self.metrics
