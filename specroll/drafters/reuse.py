@@ -1,0 +1,448 @@
+"""SPEC-RL rollout reuse: the rollout store, the acceptance rules, and the drafter that plugs into
+``Engine.generate(..., drafter=ReuseDrafter(...))``.
+
+The previous epoch's completion of the same prompt (same sample index within the GRPO group) is the
+draft. One batched forward of the current policy over every row's draft scores all old tokens; the
+row is cut at its first rejected token and decoding continues from there.
+
+Rules (``reuse.mode``), each a pure function over tensors below:
+
+- ``lenient`` (SPEC-RL, biased by design): accept token i with probability min(1, l * p_new / p_old),
+  cut at the first rejection, sample the cut token from p_new. ``l = inf`` reuses everything.
+- ``exact`` (lossless whatever the store holds): accept the cached token x with probability p_new(x);
+  on rejection sample the cut token from p_new with x removed and renormalised. Every emitted token
+  then has marginal p_new given its prefix, so the completion is distributed exactly as plain
+  sampling (checked statistically in ``tests/test_reuse.py``).
+- ``off``: plain decoding (the store is not filled).
+
+Both p_old and p_new are taken under the sampling distribution (temperature / top-k / top-p of the
+run's ``SamplingParams``), as ``sampling.processed_logprobs`` defines it.
+
+Departures from SPEC-RL (arXiv 2509.23232):
+
+- No second prefill: the verification forward *is* the prefill of the continuation. Its KV cache is
+  kept up to the cut (``cache.advance``); the slots written past the cut are overwritten later.
+- Keyed by a hash of the prompt token ids plus the sample index, not by batch position, so the data
+  loader may shuffle.
+- Fresh randomness: the acceptance coins come from the drafter's own ``torch.Generator``, seeded once
+  at construction and never reseeded (SPEC-RL reseeds 1234 on every call). Its state is saved with
+  the store, so a resumed run continues the same stream.
+- Reused tokens carry policy log-probs (T = 1) and sampling log-probs of the *current* policy, read
+  from the verification pass, so the trainer needs no extra "old logprob" forward; the sampling
+  log-probs are what the store keeps as p_old for the next epoch.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+import time
+from collections import OrderedDict
+from dataclasses import dataclass
+
+import torch
+
+from ..engine.sampling import (
+    SamplingParams,
+    processed_logprobs,
+    sample,
+    sample_from_logprobs,
+    token_logprobs,
+)
+
+MODES = ("lenient", "exact", "off")
+LENIENCE_DEFAULT = math.exp(0.5)
+_ENTRY_OVERHEAD = 64  # bytes charged per stored entry on top of its token data
+_LOGIT_BUDGET = 1 << 23  # max (tokens x vocab) fp32 logits materialised at once in verification
+
+
+# --- the rollout store ------------------------------------------------------------------------
+
+def prompt_key(prompt_ids) -> bytes:
+    """Stable 16-byte key of a prompt: blake2b over its token ids as little-endian int64."""
+    t = torch.as_tensor(prompt_ids, dtype=torch.int64).flatten().contiguous()
+    return hashlib.blake2b(t.numpy().astype("<i8").tobytes(), digest_size=16).digest()
+
+
+@dataclass
+class Draft:
+    ids: torch.Tensor  # (L,) int32 completion token ids
+    logprobs: torch.Tensor  # (L,) float32 sampling log-probs p_old
+    step: int  # trainer step that produced it
+
+    @property
+    def nbytes(self) -> int:
+        return self.ids.numel() * 4 + self.logprobs.numel() * 4 + _ENTRY_OVERHEAD
+
+
+class RolloutStore:
+    """Last completion per (prompt, sample index), bounded by ``max_bytes`` with LRU eviction."""
+
+    def __init__(self, max_bytes: int = 256 << 20):
+        if max_bytes < 0:
+            raise ValueError(f"RolloutStore.max_bytes must be >= 0, got {max_bytes}")
+        self.max_bytes = int(max_bytes)
+        self.nbytes = 0
+        self._d: OrderedDict[tuple[bytes, int], Draft] = OrderedDict()
+
+    def __len__(self) -> int:
+        return len(self._d)
+
+    def get(self, prompt_ids, sample_index: int, key: bytes | None = None) -> Draft | None:
+        k = (key if key is not None else prompt_key(prompt_ids), int(sample_index))
+        d = self._d.get(k)
+        if d is not None:
+            self._d.move_to_end(k)
+        return d
+
+    def put(self, prompt_ids, sample_index: int, completion_ids, logprobs, step: int = 0) -> None:
+        ids = torch.as_tensor(completion_ids).flatten().to(torch.int32)
+        lp = torch.as_tensor(logprobs).flatten().to(torch.float32)
+        if ids.numel() != lp.numel():
+            raise ValueError(f"completion has {ids.numel()} tokens but {lp.numel()} log-probs")
+        self._insert((prompt_key(prompt_ids), int(sample_index)), Draft(ids.clone(), lp.clone(), int(step)))
+
+    def _insert(self, k: tuple[bytes, int], d: Draft) -> None:
+        old = self._d.pop(k, None)
+        if old is not None:
+            self.nbytes -= old.nbytes
+        self._d[k] = d
+        self.nbytes += d.nbytes
+        while self.nbytes > self.max_bytes and self._d:
+            _, ev = self._d.popitem(last=False)
+            self.nbytes -= ev.nbytes
+
+    def put_rollouts(self, rollouts, step: int = 0) -> None:
+        for r in rollouts:
+            self.put(r.prompt_ids, r.sample_index, r.completion_ids, r.sample_logprobs, step)
+
+    # -- checkpoints: plain tensors (safetensors-friendly, no pickle), LRU order oldest first ----
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        keys = list(self._d.keys())
+        ds = list(self._d.values())
+        return {
+            "reuse.max_bytes": torch.tensor([self.max_bytes], dtype=torch.int64),
+            "reuse.keys": torch.tensor([list(k[0]) for k in keys], dtype=torch.uint8).reshape(len(keys), 16),
+            "reuse.sample_index": torch.tensor([k[1] for k in keys], dtype=torch.int64),
+            "reuse.step": torch.tensor([d.step for d in ds], dtype=torch.int64),
+            "reuse.lengths": torch.tensor([d.ids.numel() for d in ds], dtype=torch.int64),
+            "reuse.ids": torch.cat([d.ids for d in ds]) if ds else torch.zeros(0, dtype=torch.int32),
+            "reuse.logprobs": torch.cat([d.logprobs for d in ds]) if ds else torch.zeros(0),
+        }
+
+    def load_state_dict(self, sd: dict[str, torch.Tensor]) -> None:
+        need = ["reuse.max_bytes", "reuse.keys", "reuse.sample_index", "reuse.step", "reuse.lengths",
+                "reuse.ids", "reuse.logprobs"]
+        missing = [k for k in need if k not in sd]
+        if missing:
+            raise ValueError(f"rollout store state is missing {missing}; was it saved by RolloutStore.state_dict()?")
+        lens = sd["reuse.lengths"].long()
+        n, total = lens.numel(), int(lens.sum())
+        if sd["reuse.keys"].shape != (n, 16) or sd["reuse.sample_index"].numel() != n or \
+                sd["reuse.step"].numel() != n or sd["reuse.ids"].numel() != total or \
+                sd["reuse.logprobs"].numel() != total:
+            raise ValueError("rollout store state is inconsistent: keys / lengths / ids / logprobs sizes disagree")
+        self.max_bytes = int(sd["reuse.max_bytes"][0])
+        self._d.clear()
+        self.nbytes = 0
+        ids = sd["reuse.ids"].to(torch.int32).split(lens.tolist())
+        lps = sd["reuse.logprobs"].to(torch.float32).split(lens.tolist())
+        keys = [bytes(k) for k in sd["reuse.keys"].tolist()]
+        for i in range(n):
+            d = Draft(ids[i].clone(), lps[i].clone(), int(sd["reuse.step"][i]))
+            self._insert((keys[i], int(sd["reuse.sample_index"][i])), d)
+
+
+# --- acceptance rules: pure functions over tensors ------------------------------------------
+
+def lenient_accept(lp_new: torch.Tensor, lp_old: torch.Tensor, lenience: float,
+                   gen: torch.Generator | None) -> torch.Tensor:
+    """SPEC-RL: accept each token with probability min(1, l * p_new / p_old). (B, L) -> (B, L) bool.
+
+    ``l = inf`` accepts everything. A token the new policy cannot sample (p_new = 0) is rejected.
+    """
+    if math.isinf(lenience):
+        return torch.ones(lp_new.shape, dtype=torch.bool)
+    u = torch.rand(lp_new.shape, generator=gen)
+    log_ratio = math.log(lenience) + lp_new - lp_old
+    log_ratio = torch.where(torch.isneginf(lp_new), float("-inf"), log_ratio)  # also -inf - -inf
+    return torch.log(u) < log_ratio
+
+
+def exact_accept(lp_new: torch.Tensor, gen: torch.Generator | None) -> torch.Tensor:
+    """Deterministic-draft residual rule, accept step: accept the cached token with probability p_new."""
+    u = torch.rand(lp_new.shape, generator=gen)
+    return torch.log(u) < lp_new
+
+
+def cut_index(accept: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+    """Number of leading accepted tokens per row, within ``lengths``. (B, L) bool, (B,) -> (B,) long."""
+    valid = torch.arange(accept.shape[1]) < lengths[:, None]
+    return (accept & valid).long().cumprod(1).sum(1)
+
+
+def residual_logprobs(logp: torch.Tensor, exclude: torch.Tensor) -> torch.Tensor:
+    """``logp`` (B, V) with token ``exclude[b]`` removed and renormalised; ``exclude < 0`` keeps the row.
+
+    A row whose whole mass sat on the excluded token (it cannot have been rejected) is kept as is.
+    """
+    rows = (exclude >= 0).nonzero().squeeze(1)
+    if rows.numel() == 0:
+        return logp
+    out = logp.clone()
+    out[rows, exclude[rows]] = float("-inf")
+    norm = torch.logsumexp(out, dim=-1, keepdim=True)
+    out = torch.where(torch.isneginf(norm), logp, out - norm)
+    return out
+
+
+def sample_at_cut(logits: torch.Tensor, exclude: torch.Tensor, params: SamplingParams,
+                  gen: torch.Generator | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Draw the token at each row's cut: from the residual of ``exclude`` (exact mode) or from p_new.
+
+    Returns ``(tokens, policy_logprob, sample_logprob)`` like ``sampling.sample``; the sample log-prob is
+    under p_new itself, which is the token's marginal distribution in exact mode.
+    """
+    if params.greedy or not bool((exclude >= 0).any()):
+        return sample(logits, params, gen)  # greedy: the argmax is never the rejected token
+    logits = logits.float()
+    logp = processed_logprobs(logits, params)
+    tok = sample_from_logprobs(residual_logprobs(logp, exclude), gen)
+    return tok, token_logprobs(logits, tok), logp.gather(-1, tok[:, None]).squeeze(1)
+
+
+def truncate_drafts(ids: torch.Tensor, lengths: torch.Tensor, stop: torch.Tensor,
+                    params: SamplingParams) -> tuple[torch.Tensor, torch.Tensor]:
+    """Cut drafts where generation would have ended under this run's stop set and limits.
+
+    ``ids`` (B, L) right-padded, ``lengths`` (B,). Returns (new lengths, ends-with-stop flags).
+    """
+    k = torch.arange(ids.shape[1])
+    valid = k < lengths[:, None]
+    is_stop = torch.isin(ids, stop) & valid & (k + 1 >= params.min_new_tokens)
+    has = is_stop.any(1)
+    first = is_stop.long().argmax(1) + 1
+    n = torch.where(has, torch.minimum(first, lengths), lengths).clamp(max=params.max_new_tokens)
+    return n, has & (first <= n)
+
+
+# --- the drafter -------------------------------------------------------------------------------
+
+@dataclass
+class _Pending:
+    """What ``begin`` leaves for the first ``step``: the cut of each live row."""
+
+    finished: torch.Tensor  # (B,) bool: fully reused rows, done without generating
+    stopped: torch.Tensor  # (B,) bool: ... and their draft ended in a stop token
+    exclude: torch.Tensor  # (B,) long: rejected draft token to remove at the cut (exact), else -1
+    rows: torch.Tensor  # (B,) output row ids
+    stats: torch.Tensor  # (B, 3) reused, drafted, accepted
+
+
+class ReuseDrafter:
+    """Previous-epoch completions as drafts. Plug into ``Engine.generate(..., drafter=self)``; call
+    ``after_rollout(rollouts, step)`` after every rollout so the next epoch has drafts."""
+
+    def __init__(self, store: RolloutStore | None = None, mode: str = "lenient",
+                 lenience: float = LENIENCE_DEFAULT, seed: int | None = 0):
+        if mode not in MODES:
+            raise ValueError(f"reuse.mode must be one of {MODES}, got {mode!r}")
+        lenience = float(lenience)
+        if math.isnan(lenience) or lenience <= 0:
+            raise ValueError(f"reuse.lenience must be > 0 (inf = reuse everything), got {lenience!r}")
+        self.store = store if store is not None else RolloutStore()
+        self.mode, self.lenience = mode, lenience
+        self.gen = torch.Generator()
+        if seed is None:
+            self.gen.seed()
+        else:
+            self.gen.manual_seed(int(seed))
+        self._pending: _Pending | None = None
+        self._engine = None
+        self._m = self._zero_metrics()
+
+    # -- engine seam ----------------------------------------------------------------------------
+    def max_tokens_per_step(self) -> int:
+        return 1  # drafts are cut to max_new_tokens, so verification never writes past prompt + max_new
+
+    @torch.no_grad()
+    def begin(self, engine, st, prompts, n: int) -> None:
+        self._engine, self._pending = engine, None
+        if self.mode == "off":
+            return
+        t = time.perf_counter()
+        stop = torch.tensor(sorted(set(engine.eos_ids) | set(st.params.stop_ids)), dtype=torch.long)
+        ids, lp_old, lens, ends_stop = self._gather(prompts, n, st.params, stop)
+        self._order_rows(st, lens)  # rows with drafts first, longest first
+        perm = st.row_ids  # live row i is output row perm[i] (identity before reordering)
+        ids, lp_old, lens, ends_stop = ids[perm], lp_old[perm], lens[perm], ends_stop[perm]
+        n_acc, exclude = self._verify(engine, st, ids, lp_old, lens)
+        st.cache.advance(n_acc)
+        full = (n_acc == lens) & (lens > 0)
+        finished = full & (ends_stop | (lens >= st.params.max_new_tokens))
+        self._pending = _Pending(finished, full & ends_stop, exclude, st.row_ids.clone(),
+                                 torch.stack([n_acc, lens, n_acc], 1))
+        self._m["timing/verify"] += time.perf_counter() - t
+
+    def step(self, st, stop: torch.Tensor, stats: torch.Tensor):
+        eng, p = self._engine, self._pending
+        if p is None:
+            return eng.vanilla_step(st, stop, stats)
+        self._pending = None
+        stats[p.rows] = p.stats
+        self._note_begin(p)
+        done1, stop1, kept = eng.retire(st, p.finished, p.stopped, torch.arange(p.rows.numel()))
+        if not st.row_ids.numel():
+            return done1, stop1
+        st.logits, st.hidden, exclude = st.logits[kept], st.hidden[kept], p.exclude[kept]
+        tok, plp, slp = sample_at_cut(st.logits, exclude, st.params, st.gen)
+        finished, stopped = eng.emit(st, tok, plp, slp, stop)
+        done2, stop2, tok = eng.retire(st, finished, stopped, tok)
+        if st.row_ids.numel():
+            cache = st.cache
+            slots = cache.chain_slots(1)
+            h = eng.forward(cache, tok[:, None], slots, slots, cache.mask(1))
+            cache.advance(1)
+            st.hidden = h[:, 0]
+            st.logits = eng.model.logits(st.hidden)
+        return torch.cat([done1, done2]), torch.cat([stop1, stop2])
+
+    def end(self, engine, st) -> None:
+        m = self._m
+        m["rows"] += st.n_gen.numel()
+        m["completion_tokens"] += int(st.n_gen.sum())
+
+    # -- verification ---------------------------------------------------------------------------
+    def _gather(self, prompts, n: int, params: SamplingParams, stop: torch.Tensor):
+        """Drafts of every output row: padded ids (R, L), p_old (R, L), truncated lengths, ends-with-stop."""
+        ids, lps = [], []
+        for p in prompts:
+            key = prompt_key(p)
+            for i in range(n):
+                d = self.store.get(p, i, key=key)
+                ids.append(d.ids.long() if d is not None else torch.zeros(0, dtype=torch.long))
+                lps.append(d.logprobs if d is not None else torch.zeros(0))
+        raw = torch.tensor([t.numel() for t in ids])
+        L = max(1, min(int(raw.max()), params.max_new_tokens))
+        pad_ids = torch.zeros(len(ids), L, dtype=torch.long)
+        pad_lp = torch.zeros(len(ids), L)
+        for r, (t, lp) in enumerate(zip(ids, lps)):
+            pad_ids[r, : min(L, t.numel())] = t[:L]
+            pad_lp[r, : min(L, t.numel())] = lp[:L]
+        lens, ends_stop = truncate_drafts(pad_ids, raw.clamp(max=L), stop, params)
+        return pad_ids, pad_lp, lens, ends_stop
+
+    @staticmethod
+    def _order_rows(st, lens: torch.Tensor) -> None:
+        order = torch.argsort(lens, descending=True, stable=True)
+        if torch.equal(order, torch.arange(order.numel())):
+            return
+        st.cache.keep(order)
+        st.row_ids, st.logits, st.hidden = st.row_ids[order], st.logits[order], st.hidden[order]
+
+    def _verify(self, engine, st, ids, lp_old, lens):
+        """One chained forward over each row's draft (rows with drafts only, in row chunks). Emits the
+        accepted prefix into the output buffers and leaves the cut's logits in ``st``."""
+        B = lens.numel()
+        n_acc = torch.zeros(B, dtype=torch.long)
+        exclude = torch.full((B,), -1, dtype=torch.long)
+        n_draft = int((lens > 0).sum())
+        if n_draft == 0:
+            return n_acc, exclude
+        per = max(1, engine.prefill_chunk // int(lens[0]))
+        for s in range(0, n_draft, per):
+            e = min(n_draft, s + per)
+            n_acc[s:e], exclude[s:e] = self._verify_chunk(engine, st, s, e, ids, lp_old, lens)
+        return n_acc, exclude
+
+    def _verify_chunk(self, engine, st, s, e, ids, lp_old, lens):
+        T = int(lens[s:e].max())
+        x, L = ids[s:e, :T], lens[s:e]
+        sub = st.cache.view(slice(s, e))
+        slots = sub.chain_slots(T)
+        h = engine.forward(sub, x, slots, slots, sub.mask(T))  # (b, T, D)
+        H = torch.cat([st.hidden[s:e, None].to(h.dtype), h], 1)  # H[:, k] predicts draft token k
+        lp_new, plp = self._score(engine, H[:, :T], x, L, st.params)
+        if self.mode == "exact":
+            acc = exact_accept(lp_new, self.gen)
+        else:
+            acc = lenient_accept(lp_new, lp_old[s:e, :T], self.lenience, self.gen)
+        n = cut_index(acc, L)
+        self._emit_prefix(st, st.row_ids[s:e], x, plp, lp_new, n)
+        rows = torch.arange(e - s)
+        st.hidden[s:e] = H[rows, n].to(st.hidden.dtype)
+        st.logits[s:e] = engine.model.logits(H[rows, n])
+        rejected = n < L
+        ex = torch.where(rejected, x[rows, n.clamp(max=T - 1)], -1) if self.mode == "exact" else torch.full_like(n, -1)
+        return n, ex
+
+    @staticmethod
+    def _score(engine, H, x, L, params):
+        """p_new of each draft token under the sampling distribution, and its policy log-prob (T = 1).
+        Only the real (unpadded) positions are scored, in slices that bound the logits' memory."""
+        valid = torch.arange(x.shape[1]) < L[:, None]
+        hv, xv = H[valid], x[valid]
+        lp_v, plp_v = torch.empty(xv.numel()), torch.empty(xv.numel())
+        step = max(1, _LOGIT_BUDGET // engine.model.cfg.vocab_size)
+        for a in range(0, xv.numel(), step):
+            logits = engine.model.logits(hv[a : a + step])
+            t = xv[a : a + step, None]
+            lp_v[a : a + step] = processed_logprobs(logits, params).gather(-1, t).squeeze(1)
+            plp_v[a : a + step] = token_logprobs(logits, t.squeeze(1))
+        lp_new = torch.full(x.shape, float("-inf"))
+        plp = torch.zeros(x.shape)
+        lp_new[valid], plp[valid] = lp_v, plp_v
+        return lp_new, plp
+
+    @staticmethod
+    def _emit_prefix(st, rows, x, plp, slp, n):
+        k = torch.arange(x.shape[1])
+        keep = k < n[:, None]
+        r = rows[:, None].expand_as(x)[keep]
+        c = k.expand_as(x)[keep]
+        st.tokens[r, c] = x[keep]
+        st.policy_lp[r, c] = plp[keep]
+        st.sample_lp[r, c] = slp[keep]
+        st.n_gen[rows] = n
+
+    # -- store + metrics ------------------------------------------------------------------------
+    def after_rollout(self, rollouts, step: int = 0) -> None:
+        """Keep these completions as the next epoch's drafts (no-op in ``off`` mode)."""
+        if self.mode != "off":
+            self.store.put_rollouts(rollouts, step)
+
+    def _note_begin(self, p: _Pending) -> None:
+        m = self._m
+        drafted = p.stats[:, 1] > 0
+        m["reused_tokens"] += int(p.stats[:, 0].sum())
+        m["rows_skipped"] += int(p.finished.sum())
+        m["rows_drafted"] += int(drafted.sum())
+        m["cut_sum"] += int(p.stats[drafted, 0].sum())
+
+    @staticmethod
+    def _zero_metrics() -> dict:
+        return dict.fromkeys(["reused_tokens", "rows_skipped", "rows_drafted", "cut_sum", "rows",
+                              "completion_tokens", "timing/verify"], 0)
+
+    def metrics(self, reset: bool = True) -> dict[str, float]:
+        """Reuse figures accumulated over the ``generate`` calls since the last reset."""
+        m = self._m
+        out = {
+            "spec/reuse_ratio": m["reused_tokens"] / max(1, m["completion_tokens"]),
+            "spec/skip_ratio": m["rows_skipped"] / max(1, m["rows"]),
+            "spec/avg_cut_idx": m["cut_sum"] / max(1, m["rows_drafted"]),
+            "rollout/tokens_generated": float(m["completion_tokens"] - m["reused_tokens"]),
+            "timing/verify": float(m["timing/verify"]),
+        }
+        if reset:
+            self._m = self._zero_metrics()
+        return out
+
+    # -- checkpoints ------------------------------------------------------------------------------
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        return {**self.store.state_dict(), "reuse.rng": self.gen.get_state()}
+
+    def load_state_dict(self, sd: dict[str, torch.Tensor]) -> None:
+        self.store.load_state_dict(sd)
+        if "reuse.rng" in sd:
+            self.gen.set_state(sd["reuse.rng"].to(torch.uint8))

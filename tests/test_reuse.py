@@ -1,0 +1,426 @@
+"""SPEC-RL rollout reuse: store, rules, the drafter's kept prefill, and exact mode's losslessness.
+
+The distribution tests enumerate a tiny model's whole completion space (vocab 8, 3 new tokens, a stop
+token) and compare reuse's completions with the exact sequence distribution by a chi-square test;
+the same statistic must reject deliberately wrong rules.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+import struct
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from specroll.analysis import lenient_bias as lb
+from specroll.drafters import reuse
+from specroll.drafters.reuse import (
+    ReuseDrafter,
+    RolloutStore,
+    cut_index,
+    exact_accept,
+    lenient_accept,
+    prompt_key,
+    residual_logprobs,
+    sample_at_cut,
+    truncate_drafts,
+)
+from specroll.engine.engine import Engine
+from specroll.engine.sampling import SamplingParams, processed_logprobs, sample
+from specroll.models.decoder import Decoder, DecoderConfig
+
+N_ROWS = 6000
+P_MIN = 1e-4  # a lossless rule passes at this level; wrong rules land many orders of magnitude below
+PARAMS = [dict(temperature=1.0, top_p=1.0), dict(temperature=0.7, top_p=0.9)]
+
+
+# --- statistics -----------------------------------------------------------------------------
+
+def chi2_pvalue(counts, probs: dict, n: int) -> float:
+    """Pearson chi-square p-value of ``counts`` against ``probs``; cells expecting < 5 are pooled.
+    An outcome with zero probability that was observed gives p = 0."""
+    if any(probs.get(k, 0.0) <= 0 for k in counts):
+        return 0.0
+    cells = sorted(probs, key=probs.get)
+    exp = torch.tensor([n * probs[k] for k in cells], dtype=torch.float64)
+    obs = torch.tensor([counts.get(k, 0) for k in cells], dtype=torch.float64)
+    small = exp < 5
+    exp = torch.cat([exp[~small], exp[small].sum()[None]])
+    obs = torch.cat([obs[~small], obs[small].sum()[None]])
+    x2 = float(((obs - exp) ** 2 / exp.clamp(min=1e-12)).sum())
+    df = len(exp) - 1
+    return float(torch.special.gammaincc(torch.tensor(df / 2, dtype=torch.float64), torch.tensor(x2 / 2)))
+
+
+# --- tiny world -----------------------------------------------------------------------------
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """Tiny tensors: one thread is faster, and far faster when the cores are shared."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+@pytest.fixture(scope="module")
+def world():
+    model = lb.tiny_policy(seed=0)
+    truth = {i: lb.sequence_distribution(model, lb.PROMPT, SamplingParams(**p, max_new_tokens=lb.MAX_NEW),
+                                         lb.STOP, lb.VOCAB) for i, p in enumerate(PARAMS)}
+    return model, Engine(model, eos_ids=[lb.STOP], prefill_chunk=1 << 16), truth
+
+
+def fill(store: RolloutStore, drafts: list[list[int]]):
+    for i, d in enumerate(drafts):
+        if d is not None:
+            store.put(lb.PROMPT, i, d, torch.zeros(len(d)))
+
+
+def run(engine, params: dict, drafts, mode="exact", lenience=1.0, seed=0, lp_old=None):
+    d = ReuseDrafter(mode=mode, lenience=lenience, seed=seed + 100)
+    if lp_old is None:
+        fill(d.store, drafts)
+    else:
+        for i, (x, lp) in enumerate(zip(drafts, lp_old)):
+            d.store.put(lb.PROMPT, i, x, lp)
+    outs = engine.generate([lb.PROMPT], SamplingParams(**params, max_new_tokens=lb.MAX_NEW, seed=seed),
+                           n=len(drafts), drafter=d)
+    return lb.empirical(outs), d.metrics()
+
+
+@torch.no_grad()
+def extreme_sequence(model, params: dict, most: bool) -> list[int]:
+    """Greedy path of the most (or least) likely token under the sampling distribution."""
+    ids = list(lb.PROMPT)
+    for _ in range(lb.MAX_NEW):
+        h = model(torch.tensor([ids]), torch.arange(len(ids))[None])
+        lp = processed_logprobs(model.logits(h[0, -1]), SamplingParams(**params))
+        ids.append(int(lp.argmax() if most else lp.argmin()))
+    return ids[len(lb.PROMPT):]
+
+
+def draft_sets(model, engine, params: dict, seed: int) -> dict[str, list]:
+    g = torch.Generator().manual_seed(seed)
+    lens = torch.randint(0, lb.MAX_NEW + 1, (N_ROWS,), generator=g)
+    rand = [torch.randint(0, lb.VOCAB, (int(n),), generator=g).tolist() if n else None for n in lens]
+    likely = extreme_sequence(model, params, most=True)
+    sampled = engine.generate([lb.PROMPT], SamplingParams(**params, max_new_tokens=lb.MAX_NEW, seed=seed + 1),
+                              n=N_ROWS // 2)
+    return {
+        "random": rand,  # ragged, some rows without a draft, stop tokens mid-draft
+        "adversarial": [extreme_sequence(model, params, most=False)] * N_ROWS,
+        "likely": [likely if i % 2 else sampled[i // 2].completion_ids.tolist() for i in range(N_ROWS)],
+    }
+
+
+# --- exact mode is lossless -------------------------------------------------------------------
+
+@pytest.mark.parametrize("pi", [0, 1], ids=["T1", "T0.7-top_p0.9"])
+def test_exact_reuse_is_lossless(world, pi):
+    model, engine, truth = world
+    params = PARAMS[pi]
+    plain = engine.generate([lb.PROMPT], SamplingParams(**params, max_new_tokens=lb.MAX_NEW, seed=7), n=N_ROWS)
+    assert chi2_pvalue(lb.empirical(plain), truth[pi], N_ROWS) > P_MIN  # the reference itself is right
+    for k, (kind, drafts) in enumerate(draft_sets(model, engine, params, seed=11 + pi).items()):
+        counts, m = run(engine, params, drafts, seed=20 + 3 * pi + k)
+        p = chi2_pvalue(counts, truth[pi], N_ROWS)
+        assert p > P_MIN, f"exact reuse with {kind} drafts departs from plain sampling (p = {p:.2e})"
+        if kind == "likely":
+            assert m["spec/reuse_ratio"] > 0.15  # the test exercises real reuse, not only rejections
+
+
+def test_wrong_rules_are_detected(world, monkeypatch):
+    """The same statistic rejects 'accept with p_new, then sample the cut from p_new' and lenient l=1."""
+    model, engine, truth = world
+    params = PARAMS[0]
+    drafts = draft_sets(model, engine, params, seed=3)
+    monkeypatch.setattr(reuse, "sample_at_cut", lambda logits, ex, prm, gen: sample(logits, prm, gen))
+    # (with uniformly random drafts this rule's marginal happens to be right; fixed drafts expose it)
+    counts, _ = run(engine, params, drafts["likely"], seed=40)
+    assert chi2_pvalue(counts, truth[0], N_ROWS) < 1e-8
+    monkeypatch.undo()
+    # lenient l = 1 with drafts sampled by an older policy (p_old its sampling log-probs)
+    old = lb.perturbed(model, 0.1, seed=5)
+    olds = Engine(old, eos_ids=[lb.STOP]).generate(
+        [lb.PROMPT], SamplingParams(**params, max_new_tokens=lb.MAX_NEW, seed=9), n=N_ROWS)
+    xs = [o.completion_ids.tolist() for o in olds]
+    lps = [o.sample_logprobs for o in olds]
+    counts, _ = run(engine, params, xs, mode="lenient", lenience=1.0, seed=41, lp_old=lps)
+    assert chi2_pvalue(counts, truth[0], N_ROWS) < 1e-8
+    counts, _ = run(engine, params, xs, mode="exact", seed=42, lp_old=lps)  # same drafts, exact: fine
+    assert chi2_pvalue(counts, truth[0], N_ROWS) > P_MIN
+
+
+def test_lenient_bias_is_measured_above_the_noise_floor():
+    res = lb.measure(lenience=(1.0, math.exp(0.5)), n=N_ROWS, shift=0.1, seed=0)
+    tv = {(r["mode"], r["lenience"]): r["tv"] for r in res["rows"]}
+    floor = tv[("off", None)]
+    assert tv[("exact", None)] < floor + 0.03
+    assert tv[("lenient", 1.0)] > floor + 0.04
+    assert tv[("lenient", math.exp(0.5))] > tv[("lenient", 1.0)]
+
+
+# --- rules: pure functions ------------------------------------------------------------------
+
+def test_lenient_accept_probability_and_fresh_randomness():
+    g = torch.Generator().manual_seed(0)
+    n = 200_000
+    lp_old = torch.full((n, 1), math.log(0.5))
+    for lam, p_new, want in [(1.0, 0.2, 0.4), (math.exp(0.5), 0.2, min(1, math.exp(0.5) * 0.4)), (1.0, 0.9, 1.0)]:
+        acc = lenient_accept(torch.full((n, 1), math.log(p_new)), lp_old, lam, g).float().mean()
+        assert abs(float(acc) - want) < 4 * math.sqrt(want * (1 - want) / n) + 1e-9
+    a = lenient_accept(torch.full((64, 8), math.log(0.2)), torch.zeros(64, 8), 1.0, g)
+    b = lenient_accept(torch.full((64, 8), math.log(0.2)), torch.zeros(64, 8), 1.0, g)
+    assert not torch.equal(a, b)  # the generator advances: no reseeding between calls
+    zero = torch.full((4, 3), float("-inf"))
+    assert not lenient_accept(zero, zero, 5.0, g).any()  # p_new = 0 is never accepted
+    assert lenient_accept(zero, torch.zeros(4, 3), math.inf, g).all()  # l = inf reuses everything
+
+
+def test_exact_accept_probability():
+    g = torch.Generator().manual_seed(1)
+    n = 200_000
+    for p in (0.05, 0.5, 0.97):
+        acc = float(exact_accept(torch.full((n,), math.log(p)), g).float().mean())
+        assert abs(acc - p) < 4 * math.sqrt(p * (1 - p) / n)
+
+
+def test_cut_index_matches_a_loop():
+    g = torch.Generator().manual_seed(2)
+    acc = torch.rand(300, 7, generator=g) < 0.7
+    lens = torch.randint(0, 8, (300,), generator=g)
+    want = []
+    for a, n in zip(acc.tolist(), lens.tolist()):
+        k = 0
+        while k < n and a[k]:
+            k += 1
+        want.append(k)
+    assert cut_index(acc, lens).tolist() == want
+
+
+def test_residual_removes_the_rejected_token_and_renormalises():
+    logp = torch.log_softmax(torch.randn(3, 6, generator=torch.Generator().manual_seed(3)), -1)
+    logp[2] = float("-inf")
+    logp[2, 4] = 0.0  # all mass on token 4
+    res = residual_logprobs(logp, torch.tensor([1, -1, 4]))
+    assert torch.isneginf(res[0, 1])
+    keep = [0, 2, 3, 4, 5]
+    torch.testing.assert_close(res[0, keep].exp(), logp[0, keep].exp() / logp[0, keep].exp().sum())
+    torch.testing.assert_close(res[1], logp[1])
+    torch.testing.assert_close(res[2], logp[2])  # nothing else to sample: kept
+
+
+@pytest.mark.parametrize("prm", PARAMS)
+def test_accept_or_residual_has_marginal_p_new(prm):
+    """One position: accept x w.p. p(x), else draw from the residual -> the token is distributed p."""
+    g = torch.Generator().manual_seed(4)
+    n, V = 100_000, 6
+    params = SamplingParams(**prm)
+    logits = torch.tensor([2.0, 1.0, 0.5, 0.0, -1.0, -3.0]).expand(n, V)
+    logp = processed_logprobs(logits[:1], params)[0]
+    for x in (0, 2, 5):  # likely, middling, adversarial draft token
+        xs = torch.full((n,), x)
+        acc = exact_accept(logp[xs], g)
+        tok, _, slp = sample_at_cut(logits, torch.where(acc, -1, xs), params, g)
+        out = torch.where(acc, xs, tok)
+        counts = {(k,): int(c) for k, c in enumerate(torch.bincount(out, minlength=V))}
+        probs = {(k,): float(p) for k, p in enumerate(logp.exp())}
+        assert chi2_pvalue({k: v for k, v in counts.items() if v}, probs, n) > P_MIN
+        torch.testing.assert_close(slp, logp[tok])
+
+
+def test_truncate_drafts_at_stop_and_length():
+    stop = torch.tensor([0])
+    ids = torch.tensor([[4, 0, 3, 3], [4, 5, 6, 7], [0, 1, 2, 0], [1, 2, 0, 0]])
+    lens = torch.tensor([4, 4, 4, 2])
+    n, ends = truncate_drafts(ids, lens, stop, SamplingParams(max_new_tokens=3))
+    assert n.tolist() == [2, 3, 1, 2] and ends.tolist() == [True, False, True, False]
+    n, ends = truncate_drafts(ids, lens, stop, SamplingParams(max_new_tokens=4, min_new_tokens=2))
+    assert n.tolist() == [2, 4, 4, 2] and ends.tolist() == [True, False, True, False]
+
+
+# --- store ----------------------------------------------------------------------------------
+
+def test_prompt_key_is_a_stable_hash():
+    want = hashlib.blake2b(struct.pack("<3q", 7, 1, 300), digest_size=16).digest()
+    assert prompt_key([7, 1, 300]) == want == prompt_key(torch.tensor([7, 1, 300], dtype=torch.int32))
+
+
+def test_store_lru_eviction_by_bytes():
+    per = 10 * 8 + reuse._ENTRY_OVERHEAD
+    s = RolloutStore(max_bytes=3 * per)
+    for i in range(3):
+        s.put([1, 2], i, list(range(10)), torch.zeros(10))
+    assert s.get([1, 2], 0) is not None  # refreshes entry 0
+    s.put([3], 0, list(range(10)), torch.zeros(10))
+    assert len(s) == 3 and s.nbytes == 3 * per
+    assert s.get([1, 2], 1) is None and s.get([1, 2], 0) is not None
+    s.put([3], 0, [5], torch.zeros(1))  # replacing an entry re-counts its bytes
+    assert s.nbytes == 2 * per + 8 + reuse._ENTRY_OVERHEAD
+    with pytest.raises(ValueError, match="log-probs"):
+        s.put([1], 0, [1, 2], torch.zeros(3))
+
+
+def test_state_dict_round_trip_through_safetensors(tmp_path):
+    d = ReuseDrafter(RolloutStore(max_bytes=1 << 20), mode="exact", seed=3)
+    g = torch.Generator().manual_seed(0)
+    for i in range(5):
+        n = int(torch.randint(1, 9, (1,), generator=g))
+        d.store.put([i, i + 1], i % 2, torch.randint(0, 50, (n,), generator=g), torch.randn(n, generator=g), step=i)
+    d.store.get([0, 1], 0)  # LRU order: entry 0 becomes the newest
+    torch.rand(3, generator=d.gen)
+    save_file(d.state_dict(), tmp_path / "reuse.safetensors")
+    e = ReuseDrafter(mode="exact", seed=99)
+    e.load_state_dict(load_file(tmp_path / "reuse.safetensors"))
+    assert list(e.store._d.keys()) == list(d.store._d.keys())
+    for k, a in d.store._d.items():
+        b = e.store._d[k]
+        assert torch.equal(a.ids, b.ids) and torch.equal(a.logprobs, b.logprobs) and a.step == b.step
+    assert e.store.nbytes == d.store.nbytes and e.store.max_bytes == d.store.max_bytes
+    assert torch.equal(torch.rand(5, generator=d.gen), torch.rand(5, generator=e.gen))
+    empty = RolloutStore()
+    save_file(empty.state_dict(), tmp_path / "empty.safetensors")
+    empty.load_state_dict(load_file(tmp_path / "empty.safetensors"))
+    assert len(empty) == 0
+    with pytest.raises(ValueError, match="missing"):
+        RolloutStore().load_state_dict({"reuse.ids": torch.zeros(1)})
+
+
+def test_bad_config_is_a_clear_error():
+    with pytest.raises(ValueError, match="reuse.mode"):
+        ReuseDrafter(mode="fast")
+    with pytest.raises(ValueError, match="reuse.lenience"):
+        ReuseDrafter(lenience=0)
+
+
+# --- drafter in the engine -----------------------------------------------------------------
+
+def small_model(seed=0, vocab=96):
+    torch.manual_seed(seed)
+    cfg = DecoderConfig(arch="llama", vocab_size=vocab, hidden_size=64, intermediate_size=128, num_layers=2,
+                        num_heads=4, num_kv_heads=2, head_dim=16, max_position=256)
+    m = Decoder(cfg).eval()
+    with torch.no_grad():
+        m.lm_head.weight.mul_(4.0)
+    return m
+
+
+PROMPTS = [[5, 17, 3], [9, 2, 44, 61, 7, 30, 12], [1, 88, 23, 4, 50]]
+
+
+def test_shuffled_prompts_full_reuse_skips_generation():
+    """l = inf reuses everything: completions come back per prompt whatever the batch order, with
+    their finish reasons, and nothing is generated."""
+    model = small_model(1)
+    eng = Engine(model, eos_ids=[7])
+    params = SamplingParams(temperature=1.0, max_new_tokens=10, seed=0)
+    d = ReuseDrafter(mode="lenient", lenience=math.inf)
+    first = eng.generate(PROMPTS, params, n=3, drafter=d)
+    assert d.metrics()["spec/reuse_ratio"] == 0
+    d.after_rollout(first, step=0)
+    order = [2, 0, 1]
+    second = eng.generate([PROMPTS[i] for i in order], SamplingParams(temperature=1.0, max_new_tokens=10, seed=5),
+                          n=3, drafter=d)
+    m = d.metrics()
+    assert m["spec/reuse_ratio"] == 1 and m["spec/skip_ratio"] == 1 and m["rollout/tokens_generated"] == 0
+    for o in second:
+        ref = first[3 * order[o.prompt_index] + o.sample_index]
+        assert o.completion_ids.tolist() == ref.completion_ids.tolist()
+        assert o.finish_reason == ref.finish_reason
+        assert o.n_reused == len(ref.completion_ids)
+        torch.testing.assert_close(o.sample_logprobs, ref.sample_logprobs, atol=1e-5, rtol=0)
+        torch.testing.assert_close(o.logprobs, ref.logprobs, atol=1e-5, rtol=0)
+    assert {o.finish_reason for o in second} == {"stop", "length"}
+
+
+class Probe(ReuseDrafter):
+    """Captures the live state right after ``begin`` (the first ``step`` call)."""
+
+    snap = None
+
+    def step(self, st, stop, stats):
+        if self._pending is not None:
+            self.snap = dict(rows=st.row_ids.clone(), n=st.n_gen[st.row_ids].clone(), logits=st.logits.clone(),
+                             lens=st.cache.lens[: st.cache.batch].clone(), tokens=st.tokens.clone(), st=st,
+                             finished=self._pending.finished.clone(), drafted=self._pending.stats[:, 1].clone())
+            self.check(st)
+        return super().step(st, stop, stats)
+
+    def check(self, st):
+        """One extra token through the kept cache equals a fresh prefill of prompt + prefix + token."""
+        eng = self._engine
+        probe_tok = torch.arange(st.row_ids.numel()) % 50 + 1
+        slots = st.cache.chain_slots(1)  # written past the committed length: overwritten later
+        h = eng.forward(st.cache, probe_tok[:, None], slots, slots, st.cache.mask(1))
+        self.snap["probe"] = (probe_tok, eng.model.logits(h[:, 0]))
+
+
+@pytest.mark.parametrize("mode", ["exact", "lenient"])
+def test_kept_cache_equals_fresh_prefill(mode):
+    model = small_model(2)
+    eng = Engine(model, eos_ids=[])
+    params = SamplingParams(temperature=0.8, max_new_tokens=12, seed=0)
+    first = eng.generate(PROMPTS, params, n=4)
+    d = Probe(mode=mode, lenience=math.exp(0.5), seed=1)
+    g = torch.Generator().manual_seed(0)
+    for r in first:
+        if r.prompt_index == 2 and r.sample_index == 3:
+            continue  # one row without a draft
+        ids = r.completion_ids.clone()
+        if r.sample_index == 1:
+            ids[int(torch.randint(2, 10, (1,), generator=g))] = 0  # a surely rejected token mid-draft
+        if r.sample_index == 2:
+            ids = ids[:5]  # a short draft: fully accepted rows must continue after it
+        d.store.put(r.prompt_ids, r.sample_index, ids, r.sample_logprobs[: len(ids)] - 0.3)
+    eng.generate(PROMPTS, SamplingParams(temperature=0.8, max_new_tokens=12, seed=1), n=4, drafter=d)
+    s = d.snap
+    assert 0 in s["drafted"].tolist() and ((s["n"] > 0) & (s["n"] < s["drafted"])).any()
+    probe_tok, probe_logits = s["probe"]
+    for b, (row, n) in enumerate(zip(s["rows"].tolist(), s["n"].tolist())):
+        prefix = PROMPTS[row // 4] + s["tokens"][row, :n].tolist()
+        assert int(s["lens"][b]) == len(prefix)
+        seq = torch.tensor([prefix + [int(probe_tok[b])]])
+        with torch.no_grad():
+            logits = model.logits(model(seq, torch.arange(seq.shape[1])[None])[0])
+        torch.testing.assert_close(s["logits"][b], logits[-2], atol=1e-5, rtol=0)
+        torch.testing.assert_close(probe_logits[b], logits[-1], atol=1e-5, rtol=0)
+
+
+def test_reused_tokens_carry_current_policy_logprobs():
+    """The log-probs of reused tokens equal the current policy's, recomputed from scratch."""
+    model = small_model(3)
+    eng = Engine(model, eos_ids=[])
+    params = SamplingParams(temperature=0.7, top_p=0.9, max_new_tokens=8, seed=0)
+    first = eng.generate(PROMPTS, params, n=2)
+    d = ReuseDrafter(mode="lenient", lenience=math.inf)
+    d.after_rollout(first)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.01 * torch.randn(p.shape))  # a policy update: p_new != p_old
+    second = eng.generate(PROMPTS, SamplingParams(temperature=0.7, top_p=0.9, max_new_tokens=8, seed=3), n=2,
+                          drafter=d)
+    for o in second:
+        seq = torch.cat([o.prompt_ids, o.completion_ids])[None]
+        with torch.no_grad():
+            logits = model.logits(model(seq, torch.arange(seq.shape[1])[None])[0, len(o.prompt_ids) - 1 : -1])
+        want_policy = torch.log_softmax(logits, -1).gather(-1, o.completion_ids[:, None]).squeeze(1)
+        want_sample = processed_logprobs(logits, params).gather(-1, o.completion_ids[:, None]).squeeze(1)
+        torch.testing.assert_close(o.logprobs, want_policy, atol=1e-4, rtol=0)
+        torch.testing.assert_close(o.sample_logprobs, want_sample, atol=1e-4, rtol=0)
+        assert o.n_reused == len(o.completion_ids)
+
+
+def test_off_mode_equals_plain_generation():
+    model = small_model(4)
+    eng = Engine(model, eos_ids=[3])
+    params = SamplingParams(temperature=1.0, max_new_tokens=10, seed=2)
+    plain = eng.generate(PROMPTS, params, n=2)
+    d = ReuseDrafter(mode="off")
+    d.after_rollout(plain)
+    assert len(d.store) == 0
+    off = eng.generate(PROMPTS, params, n=2, drafter=d)
+    assert [o.completion_ids.tolist() for o in off] == [o.completion_ids.tolist() for o in plain]
