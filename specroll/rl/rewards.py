@@ -1,0 +1,527 @@
+"""Verifiable rewards: answer extraction, math-verify equivalence, format reward, user functions.
+
+A reward function has TRL's signature ``f(prompts, completions, **columns) -> list[float | None]``
+(``None`` = no opinion on that sample). ``build_reward(RewardConfig)`` combines several into one
+``Reward`` that returns the weighted total and the per-function values.
+
+Final answer of a completion (``final_answer``): the last ``\\boxed{...}`` / ``\\fbox{...}``, else the
+number after the last ``####``, else the last number in the text (when it is not part of a LaTeX
+expression). Correctness is math-verify's equivalence between that answer and the reference, with
+two departures from calling math-verify directly:
+
+- **Fast path.** When the reference and the extracted answer are both plain integers (commas and a
+  trailing ``.0`` allowed) they are compared exactly in-process; this is the common case of the
+  arithmetic and GSM8K tasks and costs microseconds. Its naive reference is math-verify on the same
+  two strings (``accuracy_reward(..., fast=False)``); the tests check they agree.
+- **Timeout outside the main thread.** math-verify's own timeout uses ``signal.alarm``, which only
+  works in the main thread. We call it with its timeouts off, inside a persistent worker process
+  (``MathChecker``), and wait at most ``timeout_s`` per answer; a worker that overruns is killed and
+  restarted and that answer scores 0.0 (a completion that cannot be verified is not rewarded).
+  This works from any thread.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import logging
+import math
+import queue
+import re
+import subprocess
+import sys
+import threading
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from fractions import Fraction
+
+logger = logging.getLogger(__name__)
+
+# ------------------------------------------------------------------------------------------------
+# extraction
+# ------------------------------------------------------------------------------------------------
+
+_NUMBER = re.compile(r"(?<![\w.,])(-?)((?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?|\.\d+)")
+_LATEX_NEIGHBOURS = set("/^_{}\\")
+_DIGIT = re.compile(r"\d")
+
+
+def extract_gsm8k(text: str) -> str | None:
+    """The answer after the last ``####`` (GSM8K's convention), commas removed; None if absent."""
+    if "####" not in (text or ""):
+        return None
+    ans = text.rsplit("####", 1)[1].split("\n", 1)[0].strip()
+    num = extract_last_number(ans) if ans else None
+    if num is not None and _NUMBER.fullmatch(ans.replace("$", "").rstrip(".").strip()):
+        return num  # "#### 1,234." -> "1234"
+    return ans.rstrip(".").strip() or None
+
+
+def extract_boxed(text: str) -> str | None:
+    """Content of the last ``\\boxed{...}`` or ``\\fbox{...}`` (nested braces balanced); None if absent
+    or unbalanced. ``\\boxed 5`` (no braces) yields "5"."""
+    text = text or ""
+    starts = [m for m in re.finditer(r"\\(?:boxed|fbox)\s*", text)]
+    for m in reversed(starts):
+        i = m.end()
+        if i < len(text) and text[i] == "{":
+            inner = _balanced(text, i)
+            if inner is not None:
+                return inner.strip()
+        else:
+            bare = re.match(r"[^\s$]+", text[i:])
+            if bare:
+                return bare.group(0)
+    return None
+
+
+def _balanced(text: str, i: int) -> str | None:
+    depth = 0
+    for j in range(i, len(text)):
+        c = text[j]
+        if c == "{":
+            depth += 1
+        elif c == "}":
+            depth -= 1
+            if depth == 0:
+                return text[i + 1 : j]
+    return None
+
+
+def _last_number_match(text: str):
+    last = None
+    for m in _NUMBER.finditer(text or ""):
+        last = m
+    return last
+
+
+def extract_last_number(text: str) -> str | None:
+    """Last number in ``text``: "1,234" -> "1234", "-5." -> "-5", "3.50" -> "3.50", ".5" -> "0.5".
+    A minus sign counts only when it does not follow a digit or letter ("7-3" -> "3")."""
+    m = _last_number_match(text)
+    if m is None:
+        return None
+    sign, body = m.group(1), m.group(2).replace(",", "")
+    if body.startswith("."):
+        body = "0" + body
+    return sign + body
+
+
+def _clean_last_number(text: str) -> str | None:
+    """The last number, unless it sits inside a LaTeX-ish expression (``\\frac{1}{2}``, ``2^3``, ``1/2``)."""
+    m = _last_number_match(text)
+    if m is None:
+        return None
+    before = text[m.start() - 1] if m.start() else " "
+    after = text[m.end()] if m.end() < len(text) else " "
+    if before in _LATEX_NEIGHBOURS or after in _LATEX_NEIGHBOURS:
+        return None
+    return extract_last_number(text)
+
+
+def final_answer(text: str) -> str | None:
+    """The completion's final answer: last boxed, else after ``####``, else the (clean) last number."""
+    for f in (extract_boxed, extract_gsm8k, _clean_last_number):
+        a = f(text)
+        if a:
+            return a
+    return None
+
+
+def as_integer(s: str | None) -> int | None:
+    """``s`` as an exact integer if it is a plain integer literal ("1,234", "-5", "12.0", "$7"); else None."""
+    if s is None:
+        return None
+    t = s.strip().strip("$").strip().rstrip(".").replace(",", "")
+    if not re.fullmatch(r"-?\d+(?:\.0+)?", t):
+        return None
+    return int(Fraction(t))
+
+
+# ------------------------------------------------------------------------------------------------
+# math-verify in a worker process
+# ------------------------------------------------------------------------------------------------
+
+
+def _mv_equal(gold: str, pred: str | None, full_text: str | None) -> bool:
+    """math-verify: is ``pred`` (or, when None, whatever it extracts from ``full_text``) equal to ``gold``.
+    Runs without math-verify's signal-based timeouts (the caller enforces the deadline)."""
+    logging.getLogger("math_verify").setLevel(logging.ERROR)
+    from math_verify import parse, verify
+
+    g = parse(_as_math(gold), parsing_timeout=None)
+    if not g:
+        return False
+    p = parse("\\boxed{" + pred + "}" if pred is not None else (full_text or ""), parsing_timeout=None)
+    if not p:
+        return False
+    return bool(verify(g, p, timeout_seconds=None))
+
+
+def _as_math(s: str) -> str:
+    s = s.strip()
+    return s if ("\\boxed" in s or s.startswith("$")) else "$" + s + "$"
+
+
+def _serve_stdio(fn_spec: str):
+    """Worker loop (a separate interpreter): read JSON lines ``[[index, args], ...]`` from stdin, write
+    one JSON line ``[index, ok, value]`` per item to stdout."""
+    import json
+    import sys
+
+    fn = _resolve(fn_spec)
+    for line in sys.stdin:
+        for idx, args in json.loads(line):
+            try:
+                res = [idx, True, fn(*args)]
+            except Exception as e:  # noqa: BLE001 - reported to the parent
+                res = [idx, False, f"{type(e).__name__}: {e}"]
+            sys.stdout.write(json.dumps(res) + "\n")
+            sys.stdout.flush()
+
+
+_WORKER_CODE = "import sys, json; sys.path[:0] = json.loads(sys.argv[1]); " \
+    "from specroll.rl.rewards import _serve_stdio; _serve_stdio(sys.argv[2])"
+
+
+class MathChecker:
+    """Evaluate ``fn(*args)`` for many argument tuples in a persistent worker process, with a
+    per-item deadline. On a timeout the worker is killed, the item gets ``on_timeout`` and the rest
+    are resent to a fresh worker. Thread-safe (calls are serialized); works from any thread.
+
+    The worker is a fresh interpreter (``subprocess``), not a ``multiprocessing`` child: spawn would
+    re-import the user's ``__main__`` script and fork is unsafe in a multi-threaded torch process.
+    ``fn``: a ``module:function`` spec importable in that interpreter (the parent's ``sys.path`` is
+    passed on). Arguments and results travel as JSON.
+    """
+
+    def __init__(self, timeout_s: float = 5.0, fn: str = "specroll.rl.rewards:_mv_equal"):
+        if not (timeout_s > 0):
+            raise ValueError(f"timeout_s must be > 0, got {timeout_s!r}")
+        self.timeout_s = float(timeout_s)
+        self.fn = fn
+        self.n_timeouts = 0
+        self.n_errors = 0
+        self._lock = threading.Lock()
+        self._proc = None
+        self._out: queue.Queue | None = None
+        self._fresh = False
+        self._warned = False
+
+    def start(self):
+        """Start the worker now (it takes ~1-2 s to import sympy); later calls reuse it."""
+        with self._lock:
+            self._ensure()
+
+    def _ensure(self):
+        if self._proc is not None and self._proc.poll() is None:
+            return
+        self._kill()
+        self._proc = subprocess.Popen(
+            [sys.executable, "-c", _WORKER_CODE, json.dumps([p for p in sys.path if p]), self.fn],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, bufsize=1,
+        )
+        self._out = queue.Queue()
+        threading.Thread(target=_pump, args=(self._proc.stdout, self._out), daemon=True).start()
+        self._fresh = True
+
+    def _kill(self):
+        if self._proc is not None:
+            self._proc.kill()
+            self._proc.wait(timeout=10)
+            for f in (self._proc.stdin, self._proc.stdout):
+                try:
+                    f.close()
+                except OSError:
+                    pass
+        self._proc = self._out = None
+
+    def close(self):
+        with self._lock:
+            self._kill()
+
+    def map(self, items: Sequence[tuple], on_timeout=False, on_error=False) -> list:
+        """``[fn(*args) for args in items]`` with the per-item deadline."""
+        out: list = [None] * len(items)
+        pending = list(enumerate(items))
+        with self._lock:
+            while pending:
+                pending = self._run(pending, out, on_timeout, on_error)
+        return out
+
+    def _run(self, pending, out, on_timeout, on_error):
+        """Send ``pending`` to the worker and collect; returns what is left after a timeout."""
+        self._ensure()
+        try:
+            self._proc.stdin.write(json.dumps([[i, list(a)] for i, a in pending]) + "\n")
+            self._proc.stdin.flush()
+        except OSError:  # the worker died between calls
+            self._kill()
+            self._ensure()
+            self._proc.stdin.write(json.dumps([[i, list(a)] for i, a in pending]) + "\n")
+            self._proc.stdin.flush()
+        for k, (idx, _) in enumerate(pending):
+            # a fresh worker's first answer also waits for its start-up imports (sympy)
+            wait = self.timeout_s + (_STARTUP_S if self._fresh else 0.0)
+            try:
+                msg = self._out.get(timeout=wait)
+            except queue.Empty:
+                msg = None
+            if msg is None:  # deadline passed, or the worker died (EOF)
+                self._timeout(idx, out, on_timeout)
+                return pending[k + 1 :]
+            self._fresh = False
+            got, ok, val = msg
+            if not ok:
+                self.n_errors += 1
+                logger.debug("math check failed: %s", val)
+            out[got] = val if ok else on_error
+        return []
+
+    def _timeout(self, idx, out, on_timeout):
+        self.n_timeouts += 1
+        out[idx] = on_timeout
+        self._kill()
+        if not self._warned:
+            logger.warning("math-verify took longer than %.1fs on an answer; scored %r (worker restarted; "
+                           "counted in MathChecker.n_timeouts)", self.timeout_s, on_timeout)
+            self._warned = True
+
+    def __del__(self):
+        try:
+            self._kill()
+        except Exception:  # noqa: BLE001 - interpreter shutdown
+            pass
+
+
+def _pump(stream, q: queue.Queue):
+    """Reader thread: worker stdout lines -> queue; ``None`` on EOF."""
+    try:
+        for line in stream:
+            q.put(json.loads(line))
+    except (OSError, ValueError):
+        pass
+    q.put(None)
+
+
+_STARTUP_S = 60.0  # allowance for a fresh worker to import math-verify / sympy on a busy machine
+_DEFAULT_CHECKER: MathChecker | None = None
+
+
+def default_checker() -> MathChecker:
+    global _DEFAULT_CHECKER
+    if _DEFAULT_CHECKER is None:
+        _DEFAULT_CHECKER = MathChecker()
+    return _DEFAULT_CHECKER
+
+
+# ------------------------------------------------------------------------------------------------
+# built-in reward functions
+# ------------------------------------------------------------------------------------------------
+
+
+def _text(c) -> str:
+    """A completion as text: strings pass; TRL's conversational form takes the last message's content."""
+    if isinstance(c, str):
+        return c
+    if isinstance(c, list) and c and isinstance(c[-1], dict):
+        return str(c[-1].get("content", ""))
+    return str(c)
+
+
+def accuracy_reward(prompts, completions, answer, *, checker: MathChecker | None = None, fast: bool = True,
+                    **kw) -> list[float | None]:
+    """1.0 if the completion's ``final_answer`` equals the reference ``answer`` (math-verify
+    equivalence; exact integer compare on the fast path), else 0.0. ``answer``: one string per sample.
+    ``fast=False`` sends every sample to math-verify (the naive reference of the fast path)."""
+    if len(answer) != len(completions):
+        raise ValueError(f"accuracy_reward: {len(completions)} completions but {len(answer)} answers")
+    out: list[float | None] = [None] * len(completions)
+    slow = []
+    for i, (c, ref) in enumerate(zip(completions, answer)):
+        text, ref = _text(c), str(ref)
+        pred = final_answer(text)
+        ri, pi = as_integer(ref), as_integer(pred)
+        if fast and ri is not None and pi is not None:
+            out[i] = float(ri == pi)
+        elif fast and ri is not None and pred is None and not _DIGIT.search(text):
+            out[i] = 0.0  # no digit at all: nothing for math-verify to find either
+        else:
+            slow.append((i, (ref, pred, None if pred is not None else text)))
+    if slow:
+        res = (checker or default_checker()).map([a for _, a in slow])
+        for (i, _), ok in zip(slow, res):
+            out[i] = float(bool(ok))
+    return out
+
+
+_FINAL_LINE = re.compile(
+    r"(\\boxed\s*\{|\\fbox\s*\{|####\s*-?[\d$.]|answer\s*(?:is|:|=)\s*[:=]?\s*\$?\\?\(?\s*-?[\d.\\])", re.IGNORECASE
+)
+
+
+def format_reward(prompts, completions, **kw) -> list[float | None]:
+    """1.0 if the completion ends with a clearly marked final answer, else 0.0.
+
+    Rule: the last non-empty line contains ``\\boxed{``, ``\\fbox{``, ``#### <number>`` or
+    "answer is / answer: / answer = <number or LaTeX>" (case-insensitive). Only the last line is
+    inspected, so an answer followed by more text (rambling past the answer) scores 0."""
+    out: list[float | None] = []
+    for c in completions:
+        lines = [ln for ln in _text(c).strip().splitlines() if ln.strip()]
+        out.append(float(bool(lines) and _FINAL_LINE.search(lines[-1]) is not None))
+    return out
+
+
+BUILTIN = {"accuracy": accuracy_reward, "format": format_reward}
+
+
+# ------------------------------------------------------------------------------------------------
+# combining
+# ------------------------------------------------------------------------------------------------
+
+
+class RewardError(ValueError):
+    """A reward configuration or reward function problem (one line, names the function)."""
+
+
+@dataclass
+class RewardConfig:
+    """``funcs``: built-in names (``accuracy``, ``format``) or ``module:function`` user functions with
+    TRL's signature. ``weights``: one per function (default all 1.0). ``timeout_s``: per-answer
+    deadline of the math-verify check."""
+
+    funcs: list[str] = field(default_factory=lambda: ["accuracy"])
+    weights: list[float] | None = None
+    timeout_s: float = 5.0
+
+    def __post_init__(self):
+        if isinstance(self.funcs, str):
+            self.funcs = [f.strip() for f in self.funcs.split(",") if f.strip()]
+        if not self.funcs or not all(isinstance(f, str) and f for f in self.funcs):
+            raise RewardError(f"RewardConfig.funcs must be a non-empty list of names, got {self.funcs!r}")
+        for f in self.funcs:
+            if f not in BUILTIN and ":" not in f:
+                raise RewardError(
+                    f"RewardConfig.funcs: unknown reward {f!r}; use one of {sorted(BUILTIN)} or 'module:function'"
+                )
+        if self.weights is not None:
+            self.weights = [float(w) for w in self.weights]
+            if len(self.weights) != len(self.funcs):
+                raise RewardError(
+                    f"RewardConfig.weights has {len(self.weights)} values for {len(self.funcs)} funcs {self.funcs}"
+                )
+            if not all(math.isfinite(w) for w in self.weights):
+                raise RewardError(f"RewardConfig.weights must be finite, got {self.weights}")
+        if not (isinstance(self.timeout_s, (int, float)) and self.timeout_s > 0):
+            raise RewardError(f"RewardConfig.timeout_s must be > 0 seconds, got {self.timeout_s!r}")
+
+
+def _resolve(spec: str) -> Callable:
+    mod_name, _, attr = spec.partition(":")
+    mod = importlib.import_module(mod_name)
+    fn = mod
+    for part in attr.split("."):
+        fn = getattr(fn, part)
+    return fn
+
+
+def load_function(spec: str) -> Callable:
+    """Import a ``module:function`` spec; a clear ``RewardError`` if it does not import or is not callable."""
+    mod_name, sep, attr = spec.partition(":")
+    if not sep or not mod_name or not attr:
+        raise RewardError(f"reward {spec!r}: expected 'module:function'")
+    try:
+        fn = _resolve(spec)
+    except Exception as e:  # noqa: BLE001 - any import-time failure of user code
+        raise RewardError(
+            f"reward {spec!r} could not be imported: {type(e).__name__}: {e} "
+            f"(is the module on PYTHONPATH / sys.path, and the function name right?)"
+        ) from e
+    if not callable(fn):
+        raise RewardError(f"reward {spec!r} is a {type(fn).__name__}, not a function")
+    return fn
+
+
+class Reward:
+    """Weighted sum of reward functions.
+
+    ``reward(prompts, completions, **columns) -> (total, per_func)``. ``per_func[name]`` is each
+    function's list. A sample's total is None when any function returned None for it (or raised):
+    the trainer excludes that sample (it carries no advantage and no loss). A function that raises
+    yields None for the whole batch and logs ONE warning per function for the run; its failures are
+    counted in ``n_failures[name]``. A wrong-length or non-numeric return raises ``RewardError``.
+    """
+
+    def __init__(self, funcs: dict[str, Callable], weights: list[float]):
+        self.funcs = funcs
+        self.weights = weights
+        self.n_failures = {k: 0 for k in funcs}
+
+    def __call__(self, prompts: list[str], completions: list[str], **columns):
+        n = len(completions)
+        per = {name: self._one(name, f, prompts, completions, n, columns) for name, f in self.funcs.items()}
+        total: list[float | None] = []
+        for i in range(n):
+            vals = [per[k][i] for k in self.funcs]
+            total.append(None if any(v is None for v in vals) else sum(w * v for w, v in zip(self.weights, vals)))
+        return total, per
+
+    def _one(self, name, f, prompts, completions, n, columns) -> list[float | None]:
+        try:
+            vals = f(prompts=prompts, completions=completions, **columns)
+        except Exception as e:  # noqa: BLE001 - user code: skip the batch, keep training
+            if self.n_failures[name] == 0:
+                logger.warning("reward %r raised %s: %s; its samples score None (excluded) until it "
+                               "succeeds (warned once)", name, type(e).__name__, e)
+            self.n_failures[name] += 1
+            return [None] * n
+        return _check_values(name, vals, n)
+
+
+def _check_values(name: str, vals, n: int) -> list[float | None]:
+    if vals is None or isinstance(vals, (str, bytes)) or not hasattr(vals, "__len__"):
+        raise RewardError(f"reward {name!r} must return a list of {n} floats/None, got {type(vals).__name__}")
+    vals = list(vals)
+    if len(vals) != n:
+        raise RewardError(f"reward {name!r} returned {len(vals)} values for {n} completions (one per completion)")
+    out: list[float | None] = []
+    for v in vals:
+        if v is None:
+            out.append(None)
+            continue
+        try:
+            x = float(v)
+        except (TypeError, ValueError):
+            raise RewardError(f"reward {name!r} returned {v!r}; expected a float or None") from None
+        out.append(None if math.isnan(x) else x)
+    return out
+
+
+def build_reward(cfg: RewardConfig) -> Reward:
+    """Resolve every function now (import errors surface before any rollout)."""
+    checker = None
+    funcs: dict[str, Callable] = {}
+    for spec in cfg.funcs:
+        if spec == "accuracy":
+            checker = checker or MathChecker(cfg.timeout_s)
+            fn = _bind_checker(checker)
+        elif spec in BUILTIN:
+            fn = BUILTIN[spec]
+        else:
+            fn = load_function(spec)
+        name, k = spec, 2
+        while name in funcs:
+            name, k = f"{spec}#{k}", k + 1
+        funcs[name] = fn
+    weights = cfg.weights if cfg.weights is not None else [1.0] * len(funcs)
+    reward = Reward(funcs, list(weights))
+    reward.checker = checker
+    return reward
+
+
+def _bind_checker(checker: MathChecker):
+    def accuracy(prompts, completions, answer, **kw):
+        return accuracy_reward(prompts, completions, answer, checker=checker)
+
+    return accuracy

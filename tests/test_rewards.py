@@ -1,0 +1,334 @@
+"""Rewards: extraction tables, math-verify equivalence, the fast path against its naive reference,
+timeouts from a non-main thread, user functions, failure handling, weights."""
+
+from __future__ import annotations
+
+import logging
+import sys
+import textwrap
+import threading
+import time
+
+import pytest
+import torch
+
+from specroll.rl import rewards as R
+from specroll.rl.rewards import (
+    MathChecker,
+    RewardConfig,
+    RewardError,
+    accuracy_reward,
+    as_integer,
+    build_reward,
+    extract_boxed,
+    extract_gsm8k,
+    extract_last_number,
+    final_answer,
+    format_reward,
+)
+
+
+@pytest.fixture(scope="module")
+def checker():
+    c = MathChecker(timeout_s=10.0)
+    yield c
+    c.close()
+
+
+# -- extraction ----------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("text, want", [
+    ("Natalia sold 48/2 = 24 clips.\n#### 72", "72"),
+    ("#### 1,234", "1234"),
+    ("so\n#### -7.", "-7"),
+    ("#### 3.5", "3.5"),
+    ("first #### 1 then #### 2", "2"),
+    ("#### $5", "5"),
+    ("#### x+1", "x+1"),
+    ("no marker 42", None),
+    ("", None),
+])
+def test_extract_gsm8k(text, want):
+    assert extract_gsm8k(text) == want
+
+
+@pytest.mark.parametrize("text, want", [
+    ("The answer is \\boxed{42}.", "42"),
+    ("\\boxed{\\frac{1}{2}}", "\\frac{1}{2}"),
+    ("\\boxed{x^{2} + \\sqrt{y_{1}}} and later \\boxed{\\frac{a}{b^{c}}}", "\\frac{a}{b^{c}}"),
+    ("\\fbox{7}", "7"),
+    ("\\boxed 5$", "5"),
+    ("\\boxed{ 3 }", "3"),
+    ("\\boxed{never closed", None),
+    ("\\boxed{1} then \\boxed{never closed", "1"),
+    ("plain 42", None),
+])
+def test_extract_boxed(text, want):
+    assert extract_boxed(text) == want
+
+
+@pytest.mark.parametrize("text, want", [
+    ("So the total is 42.", "42"),
+    ("We have 1,234,567 stars", "1234567"),
+    ("x = -3", "-3"),
+    ("7-3", "3"),
+    ("13 - 20 = -7.", "-7"),
+    ("pi is about 3.14.", "3.14"),
+    ("costs $.5", "0.5"),
+    ("lists 3, 4, 5", "5"),
+    ("v2 is gone", None),
+    ("no numbers here", None),
+    ("", None),
+])
+def test_extract_last_number(text, want):
+    assert extract_last_number(text) == want
+
+
+@pytest.mark.parametrize("text, want", [
+    ("2 + 3 = 5", "5"),
+    ("\\boxed{12} and then 99", "12"),  # boxed wins over a later number
+    ("#### 8\nbut 9", "8"),
+    ("we get \\frac{1}{2}", None),  # the last number is inside LaTeX: no plain answer
+    ("it is 2^{10}", None),
+    ("1/2", None),
+])
+def test_final_answer(text, want):
+    assert final_answer(text) == want
+
+
+@pytest.mark.parametrize("s, want", [("42", 42), ("1,000", 1000), ("-5", -5), ("12.0", 12), ("$7", 7),
+                                     ("7.", 7), ("3.5", None), ("1/2", None), (None, None), ("x", None)])
+def test_as_integer(s, want):
+    assert as_integer(s) == want
+
+
+# -- accuracy --------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("completion, answer, want", [
+    ("3 + 4 = 7. The answer is 7.", "7", 1.0),
+    ("The answer is 8.", "7", 0.0),
+    ("The total is 1,234 apples.", "1234", 1.0),
+    ("The answer is -3.", "-3", 1.0),
+    ("The answer is 3.", "-3", 0.0),
+    ("no idea", "7", 0.0),
+    ("#### 72", "72", 1.0),
+    ("The answer is 1/2", "0.5", 1.0),
+    ("\\boxed{\\frac{1}{2}}", "0.5", 1.0),
+    ("So it is 0.5", "\\frac{1}{2}", 1.0),
+    ("\\boxed{\\frac{2}{4}}", "1/2", 1.0),
+    ("\\boxed{0.6}", "1/2", 0.0),
+    ("it is $2^{10}$", "1024", 1.0),  # no plain number: math-verify reads the whole text
+    ("\\boxed{\\sqrt{4}}", "2", 1.0),
+    ("\\boxed{x+1}", "1+x", 1.0),
+])
+def test_accuracy_equivalences(completion, answer, want, checker):
+    assert accuracy_reward(["p"], [completion], [answer], checker=checker) == [want]
+
+
+def test_accuracy_conversational_completion(checker):
+    c = [{"role": "assistant", "content": "The answer is 5"}]
+    assert accuracy_reward(["p"], [c], ["5"], checker=checker) == [1.0]
+
+
+def test_accuracy_length_mismatch():
+    with pytest.raises(ValueError, match="2 completions but 1 answers"):
+        accuracy_reward(["p", "p"], ["1", "2"], ["1"])
+
+
+def _integer_cases(n: int, seed: int = 0):
+    """Random integer answers written in the ways models write them, against right and wrong refs."""
+    g = torch.Generator().manual_seed(seed)
+    forms = ["The answer is {x}.", "{a} + {b} = {x}", "#### {x}", "\\boxed{{{x}}}", "so {x}",
+             "{x}.0 is it", "We get {xc} in total.", "x = {x}\nDone", "no digits", "{a} items, then {x}"]
+    comps, refs = [], []
+    for i in range(n):
+        x = int(torch.randint(-2000, 20000, (1,), generator=g))
+        a = int(torch.randint(0, 50, (1,), generator=g))
+        form = forms[i % len(forms)]
+        comps.append(form.format(x=x, a=a, b=x - a, xc=f"{x:,}"))
+        wrong = int(torch.randint(0, 3, (1,), generator=g))
+        ref = x + (wrong - 1 if wrong != 1 else 0)  # a third right, two thirds off by one
+        refs.append(f"{ref:,}" if i % 3 == 0 else str(ref))
+    return comps, refs
+
+
+def test_fast_path_matches_math_verify(checker):
+    comps, refs = _integer_cases(120)
+    fast = accuracy_reward(None, comps, refs, checker=checker, fast=True)
+    slow = accuracy_reward(None, comps, refs, checker=checker, fast=False)
+    assert fast == slow
+    assert 0 < sum(fast) < len(fast)  # both outcomes exercised
+
+
+def test_fast_path_skips_the_worker(monkeypatch):
+    def boom(*a, **k):
+        raise AssertionError("math-verify was called on a plain integer")
+
+    monkeypatch.setattr(MathChecker, "map", boom)
+    comps, refs = _integer_cases(60)
+    comps = [c for c in comps if c != "no digits"]
+    assert len(accuracy_reward(None, comps, refs[: len(comps)], checker=MathChecker(1.0))) == len(comps)
+
+
+# -- timeouts outside the main thread -----------------------------------------------------------------
+
+def _write_module(tmp_path, name, body):
+    (tmp_path / f"{name}.py").write_text(textwrap.dedent(body))
+    sys.path.insert(0, str(tmp_path))
+
+
+def test_timeout_from_non_main_thread(tmp_path):
+    _write_module(tmp_path, "sr_slowmod", """
+        import time
+        def check(x):
+            if x == "hang":
+                time.sleep(120)
+            return x.upper()
+    """)
+    c = MathChecker(timeout_s=1.0, fn="sr_slowmod:check")
+    result = {}
+
+    def run():
+        t0 = time.monotonic()
+        result["out"] = c.map([("a",), ("hang",), ("b",)], on_timeout="TIMEOUT")
+        result["s"] = time.monotonic() - t0
+
+    th = threading.Thread(target=run)
+    th.start()
+    th.join(100)
+    c.close()
+    assert not th.is_alive()
+    assert result["out"] == ["A", "TIMEOUT", "B"]  # the item after the timeout went to a fresh worker
+    assert c.n_timeouts == 1
+    assert result["s"] < 100  # it did not wait for the sleeping worker
+
+
+def test_real_math_verify_from_a_thread(checker):
+    out = {}
+    th = threading.Thread(target=lambda: out.setdefault("r", accuracy_reward(
+        None, ["\\boxed{\\frac{1}{2}}", "\\boxed{3/4}"], ["0.5", "0.5"], checker=checker)))
+    th.start()
+    th.join(120)
+    assert out["r"] == [1.0, 0.0]
+
+
+def test_worker_error_scores_zero(tmp_path):
+    _write_module(tmp_path, "sr_errmod", """
+        def check(x):
+            if x == "bad":
+                raise RuntimeError("nope")
+            return 1
+    """)
+    c = MathChecker(timeout_s=5.0, fn="sr_errmod:check")
+    assert c.map([("ok",), ("bad",), ("ok",)], on_error=0) == [1, 0, 1]
+    assert c.n_errors == 1
+    c.close()
+
+
+# -- format reward -----------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("completion, want", [
+    ("3 + 4 = 7\nThe answer is 7.", 1.0),
+    ("Answer: 12", 1.0),
+    ("so the final answer is \\boxed{\\frac{1}{2}}", 1.0),
+    ("work\n#### 42\n", 1.0),
+    ("The answer is 7. Also, 8 is a nice number.\nBye", 0.0),  # answer not at the end
+    ("I think it is 7", 0.0),
+    ("", 0.0),
+])
+def test_format_reward(completion, want):
+    assert format_reward(["p"], [completion]) == [want]
+
+
+# -- config, combination, user functions ------------------------------------------------------------
+
+def test_reward_config_validation():
+    with pytest.raises(RewardError, match="unknown reward 'acc'"):
+        RewardConfig(funcs=["acc"])
+    with pytest.raises(RewardError, match="weights has 1 values for 2 funcs"):
+        RewardConfig(funcs=["accuracy", "format"], weights=[1.0])
+    with pytest.raises(RewardError, match="timeout_s must be > 0"):
+        RewardConfig(timeout_s=0)
+    with pytest.raises(RewardError, match="non-empty"):
+        RewardConfig(funcs=[])
+    assert RewardConfig(funcs="accuracy, format").funcs == ["accuracy", "format"]
+
+
+def test_weights_and_per_function_values():
+    reward = build_reward(RewardConfig(funcs=["accuracy", "format"], weights=[1.0, 0.25]))
+    comps = ["2 + 2 = 4\nThe answer is 4.", "The answer is 5.", "4 is it, I think"]
+    total, per = reward(["p"] * 3, comps, answer=["4", "4", "4"])
+    assert per["accuracy"] == [1.0, 0.0, 1.0]
+    assert per["format"] == [1.0, 1.0, 0.0]
+    assert total == [1.25, 0.25, 1.0]
+    reward.checker.close()
+
+
+def test_user_function_import(tmp_path):
+    _write_module(tmp_path, "sr_userrew", """
+        def length_bonus(prompts, completions, difficulty, **kw):
+            return [len(c) * d for c, d in zip(completions, difficulty)]
+        def skip_odd(prompts, completions, **kw):
+            return [None if i % 2 else 1.0 for i in range(len(completions))]
+        NOT_CALLABLE = 3
+    """)
+    reward = build_reward(RewardConfig(funcs=["sr_userrew:length_bonus", "sr_userrew:skip_odd"], weights=[2, 1]))
+    total, per = reward(["a", "b"], ["xy", "xyz"], difficulty=[1.0, 10.0])
+    assert per["sr_userrew:length_bonus"] == [2.0, 30.0]
+    assert total == [5.0, None]  # a None from any function excludes the sample
+    with pytest.raises(RewardError, match="not a function"):
+        build_reward(RewardConfig(funcs=["sr_userrew:NOT_CALLABLE"]))
+
+
+def test_user_function_import_error_at_build_time(tmp_path):
+    with pytest.raises(RewardError, match=r"'sr_missing_mod:f' could not be imported: ModuleNotFoundError"):
+        build_reward(RewardConfig(funcs=["sr_missing_mod:f"]))
+    _write_module(tmp_path, "sr_brokenmod", "import does_not_exist_xyz\n")
+    with pytest.raises(RewardError, match="sr_brokenmod:f.*does_not_exist_xyz"):
+        build_reward(RewardConfig(funcs=["sr_brokenmod:f"]))
+    _write_module(tmp_path, "sr_okmod", "def g(prompts, completions, **kw):\n    return [0.0] * len(completions)\n")
+    with pytest.raises(RewardError, match="sr_okmod:nope.*AttributeError"):
+        build_reward(RewardConfig(funcs=["sr_okmod:nope"]))
+
+
+def test_raising_function_gives_none_and_one_warning(tmp_path, caplog):
+    _write_module(tmp_path, "sr_flaky", """
+        calls = {"n": 0}
+        def flaky(prompts, completions, **kw):
+            calls["n"] += 1
+            if calls["n"] <= 3:
+                raise KeyError("missing column")
+            return [1.0] * len(completions)
+    """)
+    reward = build_reward(RewardConfig(funcs=["sr_flaky:flaky", "format"]))
+    with caplog.at_level(logging.WARNING, logger=R.logger.name):
+        for _ in range(3):
+            total, per = reward(["p", "p"], ["Answer: 1", "x"])
+            assert total == [None, None] and per["sr_flaky:flaky"] == [None, None]
+            assert per["format"] == [1.0, 0.0]  # the other function still ran
+        total, _ = reward(["p", "p"], ["Answer: 1", "x"])  # recovered: training continues
+    assert total == [2.0, 1.0]
+    warnings = [r for r in caplog.records if "sr_flaky:flaky" in r.getMessage()]
+    assert len(warnings) == 1 and "KeyError" in warnings[0].getMessage()
+    assert reward.n_failures["sr_flaky:flaky"] == 3
+
+
+@pytest.mark.parametrize("ret, match", [
+    ("[1.0]", "returned 1 values for 2 completions"),
+    ("None", "must return a list of 2"),
+    ("['good', 'bad']", "returned 'good'; expected a float or None"),
+])
+def test_bad_return_values_raise(tmp_path, ret, match):
+    name = f"sr_badret_{abs(hash(ret))}"
+    _write_module(tmp_path, name, f"def f(prompts, completions, **kw):\n    return {ret}\n")
+    reward = build_reward(RewardConfig(funcs=[f"{name}:f"]))
+    with pytest.raises(RewardError, match=match):
+        reward(["p", "p"], ["a", "b"])
+
+
+def test_nan_is_none_and_duplicates_get_names(tmp_path):
+    _write_module(tmp_path, "sr_nanmod", "def f(prompts, completions, **kw):\n    return [float('nan'), 1]\n")
+    reward = build_reward(RewardConfig(funcs=["sr_nanmod:f", "sr_nanmod:f"]))
+    total, per = reward(["p", "p"], ["a", "b"])
+    assert set(per) == {"sr_nanmod:f", "sr_nanmod:f#2"}
+    assert total == [None, 2.0]
