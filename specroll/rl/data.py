@@ -1,0 +1,425 @@
+"""Datasets for the GRPO trainer: the built-in arithmetic task, file loaders, and prompt building.
+
+Every example is a dict with ``question`` (str) and ``answer`` (str, the canonical final answer, e.g.
+"42"), plus every other column of its source; the trainer passes those columns to the reward
+functions as keyword arguments (TRL's convention).
+
+- ``arithmetic(split, n, level, seed)``: seeded integer-answer problems at graded difficulty (see
+  ``LEVELS``). Train and eval are disjoint by construction: every question string is assigned to one
+  split by a stable hash (1 in ``EVAL_BUCKETS`` goes to eval), and each split draws from its own
+  ``torch.Generator`` stream.
+- ``load_examples(cfg, split)``: JSONL / JSON / CSV / Parquet files with field mapping; GSM8K
+  (``#### 42``) and MATH (``problem`` / ``solution`` with ``\\boxed{}``) conventions; a seeded holdout
+  of ``n_eval`` rows (or ``eval_path``) for evaluation.
+- ``build_prompts(examples, tokenizer, cfg)``: system prompt + the tokenizer's chat template, length
+  filter.
+
+Bad input raises ``DataError`` (a ``ValueError``) with one line naming the file, line and field and
+the fix.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import logging
+import zlib
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from .rewards import extract_boxed, extract_gsm8k
+
+logger = logging.getLogger(__name__)
+
+
+class DataError(ValueError):
+    """A dataset problem; the message is one line naming the file / line / field and the fix."""
+
+
+DEFAULT_SYSTEM_PROMPT = (
+    "Solve the math problem. Show brief working, then end with the line 'The answer is N.' "
+    "where N is the final integer answer."
+)
+ANSWER_FORMATS = ("plain", "gsm8k", "boxed", "auto")
+QUESTION_ALIASES = ("question", "problem", "prompt", "query", "input", "instruction")
+ANSWER_ALIASES = ("answer", "solution", "final_answer", "target", "output", "response")
+
+
+@dataclass
+class DataConfig:
+    """Dataset options.
+
+    ``task``: "arithmetic" (built-in generator) or "file" (``path``).
+    ``answer_format``: how the answer column holds the final answer: "plain" (the value itself),
+    "gsm8k" (the number after ``####``), "boxed" (the last ``\\boxed{}``), "auto" (boxed, else ####,
+    else the value).
+    ``level``: arithmetic difficulty (``LEVELS``). ``n_train`` / ``n_eval``: examples per split (for a
+    file, ``n_train`` caps the training rows, 0 = all; ``n_eval`` rows are held out unless
+    ``eval_path`` is given; ``eval_fraction`` overrides ``n_eval`` with a share of the file).
+    ``skip_bad_rows``: skip malformed rows (with a logged count) instead of raising.
+    """
+
+    task: str = "arithmetic"
+    path: str | None = None
+    question_field: str = "question"
+    answer_field: str = "answer"
+    answer_format: str = "plain"
+    level: int = 2
+    n_train: int = 2000
+    n_eval: int = 64
+    seed: int = 0
+    system_prompt: str | None = DEFAULT_SYSTEM_PROMPT
+    max_prompt_tokens: int = 256
+    skip_bad_rows: bool = False
+    eval_path: str | None = None
+    eval_fraction: float | None = None
+
+    def __post_init__(self):
+        if self.task not in ("arithmetic", "file"):
+            raise DataError(f"data.task must be 'arithmetic' or 'file', got {self.task!r}")
+        if self.task == "file" and not self.path:
+            raise DataError("data.task='file' needs data.path (a .jsonl, .json, .csv or .parquet file)")
+        if self.task == "arithmetic" and self.path:
+            raise DataError(f"data.path={self.path!r} is set but data.task='arithmetic'; set data.task=file")
+        if self.answer_format not in ANSWER_FORMATS:
+            raise DataError(f"data.answer_format must be one of {ANSWER_FORMATS}, got {self.answer_format!r}")
+        if self.level not in LEVELS:
+            raise DataError(f"data.level must be one of {sorted(LEVELS)}, got {self.level!r}")
+        _check_int("n_train", self.n_train, 0 if self.task == "file" else 1)
+        _check_int("n_eval", self.n_eval, 0)
+        _check_int("seed", self.seed, None)
+        _check_int("max_prompt_tokens", self.max_prompt_tokens, 1)
+        if self.eval_fraction is not None and not (0.0 < float(self.eval_fraction) < 1.0):
+            raise DataError(f"data.eval_fraction must be in (0, 1), got {self.eval_fraction!r}")
+        if self.eval_path and self.eval_fraction is not None:
+            raise DataError("data.eval_path and data.eval_fraction are exclusive; set one")
+        for name in ("question_field", "answer_field"):
+            if not isinstance(getattr(self, name), str) or not getattr(self, name):
+                raise DataError(f"data.{name} must be a non-empty column name, got {getattr(self, name)!r}")
+        if self.system_prompt is not None and not isinstance(self.system_prompt, str):
+            raise DataError(f"data.system_prompt must be a string or null, got {type(self.system_prompt).__name__}")
+
+
+def _check_int(name: str, v, lo: int | None):
+    if isinstance(v, bool) or not isinstance(v, int) or (lo is not None and v < lo):
+        raise DataError(f"data.{name} must be an integer{f' >= {lo}' if lo is not None else ''}, got {v!r}")
+
+
+# ------------------------------------------------------------------------------------------------
+# built-in arithmetic task
+# ------------------------------------------------------------------------------------------------
+
+LEVELS = {
+    1: "single-digit addition: 'What is a + b?', a, b in 1..9",
+    2: "addition or subtraction, 'What is a + b?' / 'What is a - b?', a, b in 2..20, never negative",
+    3: "one of +, -, x: add / subtract with a, b in 10..99 (never negative), multiply with a, b in 2..12",
+    4: "one-step word problem: a person gains, loses, or buys groups of items (numbers <= 30)",
+    5: "two-step word problem (two operations from +, -, x; intermediate totals stay positive)",
+    6: "three-step word problem (three operations)",
+}
+EVAL_BUCKETS = 5  # 1 question in 5 (by stable hash) belongs to the eval split
+_SPLITS = {"train": 1, "eval": 2}
+_NAMES = ("Sam", "Mia", "Leo", "Ava", "Ben", "Zoe", "Max", "Lily", "Omar", "Nina", "Ivan", "Rosa")
+_ITEMS = ("apples", "marbles", "stickers", "pencils", "cookies", "stamps", "shells", "cards", "books", "coins")
+
+
+def _randint(gen: torch.Generator, lo: int, hi: int) -> int:
+    """Uniform integer in [lo, hi] (inclusive)."""
+    return int(torch.randint(lo, hi + 1, (1,), generator=gen))
+
+
+def _pick(gen: torch.Generator, seq):
+    return seq[_randint(gen, 0, len(seq) - 1)]
+
+
+def _two_operand(gen, op: str, lo: int, hi: int) -> tuple[str, int]:
+    a, b = _randint(gen, lo, hi), _randint(gen, lo, hi)
+    if op == "-" and b > a:
+        a, b = b, a
+    val = {"+": a + b, "-": a - b, "*": a * b}[op]
+    return f"What is {a} {op} {b}?", val
+
+
+def _word_problem(gen, steps: int) -> tuple[str, int]:
+    """A story of ``steps`` arithmetic operations on a count of items; the count stays positive."""
+    name, item = _pick(gen, _NAMES), _pick(gen, _ITEMS)
+    friend = _pick(gen, [n for n in _NAMES if n != name])
+    if _randint(gen, 0, 2) == 0:  # the opening itself is a multiplication step
+        a, b = _randint(gen, 2, 9), _randint(gen, 2, 9)
+        parts, total, done = [f"{name} has {a} bags with {b} {item} in each bag."], a * b, 1
+    else:
+        total = _randint(gen, 5, 30)
+        parts, done = [f"{name} has {total} {item}."], 0
+    while done < steps:
+        kind = _randint(gen, 0, 2)
+        if kind == 0 or total < 3:
+            b = _randint(gen, 2, 20)
+            parts.append(_pick(gen, (f"Then {name} buys {b} more.", f"Then {name} finds {b} more {item}.")))
+            total += b
+        elif kind == 1:
+            b = _randint(gen, 1, total - 1)
+            parts.append(_pick(gen, (f"Then {name} gives {b} to {friend}.", f"Then {name} loses {b} {item}.")))
+            total -= b
+        else:
+            k = _randint(gen, 2, 3)
+            parts.append(f"Then the number of {item} {name} has {'doubles' if k == 2 else 'triples'}.")
+            total *= k
+        done += 1
+    parts.append(f"How many {item} does {name} have now?")
+    return " ".join(parts), total
+
+
+def _make_problem(gen: torch.Generator, level: int) -> tuple[str, int]:
+    if level == 1:
+        return _two_operand(gen, "+", 1, 9)
+    if level == 2:
+        return _two_operand(gen, _pick(gen, "+-"), 2, 20)
+    if level == 3:
+        op = _pick(gen, "+-*")
+        return _two_operand(gen, op, 2, 12) if op == "*" else _two_operand(gen, op, 10, 99)
+    return _word_problem(gen, level - 3)
+
+
+def split_of(question: str) -> str:
+    """The split a question belongs to (stable across runs, seeds and Python versions)."""
+    return "eval" if zlib.crc32(question.encode()) % EVAL_BUCKETS == 0 else "train"
+
+
+def arithmetic(split: str, n: int, level: int, seed: int) -> list[dict]:
+    """``n`` integer-answer problems of ``level`` for ``split`` ("train" | "eval"), deterministic in
+    ``seed``. Eval questions are distinct while the level's eval share allows it; train repeats."""
+    if split not in _SPLITS:
+        raise DataError(f"split must be 'train' or 'eval', got {split!r}")
+    if level not in LEVELS:
+        raise DataError(f"data.level must be one of {sorted(LEVELS)}, got {level!r}")
+    gen = torch.Generator().manual_seed(int(seed) * 1_000_003 + _SPLITS[split])
+    out, seen, tries = [], set(), 0
+    while len(out) < n:
+        q, a = _make_problem(gen, level)
+        tries += 1
+        if split_of(q) != split:
+            continue
+        if split == "eval" and q in seen and tries < 200 * (n + 10):
+            continue
+        seen.add(q)
+        out.append({"question": q, "answer": str(a), "level": level})
+    return out
+
+
+# ------------------------------------------------------------------------------------------------
+# files
+# ------------------------------------------------------------------------------------------------
+
+
+def _read_jsonl(path: Path, skip: bool) -> tuple[list[tuple[int, dict]], list[str]]:
+    rows, bad = [], []
+    with path.open(encoding="utf-8") as f:
+        for ln, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                obj = json.loads(line)
+                if not isinstance(obj, dict):
+                    raise ValueError(f"expected a JSON object, got {type(obj).__name__}")
+            except ValueError as e:
+                msg = f"{path}:{ln}: not a JSON object ({str(e).splitlines()[0]})"
+                if not skip:
+                    raise DataError(msg + "; fix or delete the line, or set data.skip_bad_rows=true") from None
+                bad.append(msg)
+                continue
+            rows.append((ln, obj))
+    return rows, bad
+
+
+def _read_json(path: Path) -> list[tuple[int, dict]]:
+    try:
+        obj = json.loads(path.read_text(encoding="utf-8"))
+    except ValueError as e:
+        raise DataError(f"{path}: invalid JSON ({e}); use a JSON list of objects or JSON Lines (.jsonl)") from None
+    if isinstance(obj, dict) and len(obj) == 1 and isinstance(next(iter(obj.values())), list):
+        obj = next(iter(obj.values()))  # {"data": [...]}
+    if not isinstance(obj, list) or not all(isinstance(r, dict) for r in obj):
+        raise DataError(f"{path}: expected a JSON list of objects (one per example)")
+    return [(i + 1, r) for i, r in enumerate(obj)]
+
+
+def _read_csv(path: Path) -> list[tuple[int, dict]]:
+    with path.open(encoding="utf-8", newline="") as f:
+        reader = csv.DictReader(f)
+        if not reader.fieldnames:
+            raise DataError(f"{path}: empty CSV (no header line)")
+        return [(i + 2, dict(r)) for i, r in enumerate(reader)]  # line 1 is the header
+
+
+def _read_parquet(path: Path) -> list[tuple[int, dict]]:
+    try:
+        import pyarrow.parquet as pq
+    except ImportError:
+        raise DataError(f"{path}: reading Parquet needs pyarrow; run `pip install pyarrow`") from None
+    try:
+        table = pq.read_table(path)
+    except Exception as e:  # noqa: BLE001 - pyarrow raises several types
+        raise DataError(f"{path}: cannot read Parquet ({type(e).__name__}: {e})") from None
+    return [(i + 1, r) for i, r in enumerate(table.to_pylist())]
+
+
+def read_rows(path: str | Path, skip_bad_rows: bool = False) -> list[tuple[int, dict]]:
+    """All rows of a data file as (line or row number, dict)."""
+    p = Path(path)
+    if not p.is_file():
+        raise DataError(f"data file {str(path)!r} does not exist (check data.path / data.eval_path)")
+    suffix = p.suffix.lower()
+    bad: list[str] = []
+    if suffix in (".jsonl", ".ndjson"):
+        rows, bad = _read_jsonl(p, skip_bad_rows)
+    elif suffix == ".json":
+        rows = _read_json(p)
+    elif suffix == ".csv":
+        rows = _read_csv(p)
+    elif suffix in (".parquet", ".pq"):
+        rows = _read_parquet(p)
+    else:
+        raise DataError(f"{p}: unknown file type {suffix!r}; use .jsonl, .json, .csv or .parquet")
+    if bad:
+        logger.warning("skipped %d malformed line(s) in %s (first: %s)", len(bad), p, bad[0])
+    return rows
+
+
+def _pick_field(want: str, default: str, aliases: tuple[str, ...], columns: set[str], path, role: str) -> str:
+    if want in columns:
+        return want
+    if want == default:  # the user kept the default name: look for an obvious alternative
+        for alt in aliases:
+            if alt in columns:
+                return alt
+    raise DataError(
+        f"{path}: no {role} column {want!r}; the file has columns {sorted(columns)} "
+        f"(set data.{role}_field to one of them)"
+    )
+
+
+def final_of(value, fmt: str) -> str | None:
+    """The canonical final answer in an answer cell, per ``answer_format``; None if it has none."""
+    if value is None:
+        return None
+    s = str(value).strip()
+    if isinstance(value, float) and value.is_integer():
+        s = str(int(value))
+    if fmt == "gsm8k":
+        return extract_gsm8k(s)
+    if fmt == "boxed":
+        return extract_boxed(s)
+    if fmt == "auto":
+        return extract_boxed(s) or extract_gsm8k(s) or s or None
+    return s or None
+
+
+def _convert(rows, path, cfg: DataConfig) -> list[dict]:
+    if not rows:
+        raise DataError(f"{path}: the file has no rows")
+    columns = set().union(*(r.keys() for _, r in rows))
+    qf = _pick_field(cfg.question_field, "question", QUESTION_ALIASES, columns, path, "question")
+    af = _pick_field(cfg.answer_field, "answer", ANSWER_ALIASES, columns, path, "answer")
+    out, bad = [], []
+    for ln, row in rows:
+        msg = _row_problem(row, qf, af, cfg.answer_format)
+        if msg:
+            bad.append(f"{path}:{ln}: {msg}")
+            continue
+        ex = dict(row)
+        ex["question"] = str(row[qf]).strip()
+        ex["answer"] = final_of(row[af], cfg.answer_format)
+        if af == "answer" and ex["answer"] != str(row[af]).strip():
+            ex["answer_raw"] = row[af]  # e.g. GSM8K's worked solution
+        out.append(ex)
+    if bad and not cfg.skip_bad_rows:
+        raise DataError(f"{bad[0]} ({len(bad)} bad row(s) in all; fix them or set data.skip_bad_rows=true)")
+    if bad:
+        logger.warning("skipped %d bad row(s) in %s (first: %s)", len(bad), path, bad[0])
+    if not out:
+        raise DataError(f"{path}: no usable rows left (all {len(rows)} were bad; first: {bad[0]})")
+    return out
+
+
+def _row_problem(row: dict, qf: str, af: str, fmt: str) -> str | None:
+    """Why ``row`` is unusable, or None."""
+    q = row.get(qf)
+    if q is None or not str(q).strip():
+        return f"empty or missing {qf!r}"
+    a = row.get(af)
+    if a is None or not str(a).strip():
+        return f"empty or missing {af!r}"
+    if final_of(a, fmt) is None:
+        want = {"gsm8k": "a '#### <answer>' line", "boxed": "a \\boxed{...}"}[fmt]
+        return f"{af!r} has no final answer ({want}); check data.answer_format"
+    if fmt == "plain" and ("####" in str(a) or "\\boxed" in str(a)):
+        hint = "gsm8k" if "####" in str(a) else "boxed"
+        return f"{af!r} looks like a worked solution, not a plain answer; set data.answer_format={hint}"
+    return None
+
+
+def _holdout(examples: list[dict], cfg: DataConfig, path) -> tuple[list[dict], list[dict]]:
+    """Seeded split of one file into (train, eval)."""
+    n_eval = round(cfg.eval_fraction * len(examples)) if cfg.eval_fraction is not None else cfg.n_eval
+    if n_eval >= len(examples):
+        raise DataError(
+            f"{path}: {len(examples)} usable rows, data.n_eval={n_eval} leaves none for training; "
+            "lower data.n_eval or set data.eval_path"
+        )
+    perm = torch.randperm(len(examples), generator=torch.Generator().manual_seed(int(cfg.seed))).tolist()
+    return [examples[i] for i in perm[n_eval:]], [examples[i] for i in perm[:n_eval]]
+
+
+def load_examples(cfg: DataConfig, split: str) -> list[dict]:
+    """Examples of ``split`` ("train" | "eval") for ``cfg``."""
+    if split not in _SPLITS:
+        raise DataError(f"split must be 'train' or 'eval', got {split!r}")
+    if cfg.task == "arithmetic":
+        return arithmetic(split, cfg.n_train if split == "train" else cfg.n_eval, cfg.level, cfg.seed)
+    if cfg.eval_path and split == "eval":
+        ev = _convert(read_rows(cfg.eval_path, cfg.skip_bad_rows), cfg.eval_path, cfg)
+        return ev[: cfg.n_eval] if cfg.n_eval else ev  # n_eval caps an eval file (0 = all of it)
+    rows = _convert(read_rows(cfg.path, cfg.skip_bad_rows), cfg.path, cfg)
+    if cfg.eval_path:
+        train = rows
+    else:
+        train, ev = _holdout(rows, cfg, cfg.path)
+        if split == "eval":
+            return ev
+    return train[: cfg.n_train] if cfg.n_train else train
+
+
+# ------------------------------------------------------------------------------------------------
+# prompts
+# ------------------------------------------------------------------------------------------------
+
+
+def prompt_text(question: str, tokenizer, system_prompt: str | None) -> str:
+    """The chat-formatted prompt string (generation prompt appended). Tokenizers without a chat
+    template get "system\\n\\nquestion\\n"."""
+    messages = ([{"role": "system", "content": system_prompt}] if system_prompt else [])
+    messages.append({"role": "user", "content": question})
+    if getattr(tokenizer, "chat_template", None):
+        return tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    return "\n\n".join(m["content"] for m in messages) + "\n"
+
+
+def build_prompts(examples: list[dict], tokenizer, cfg: DataConfig) -> tuple[list[list[int]], list[dict], int]:
+    """Token ids of each example's prompt. Returns (kept prompt ids, kept examples, number dropped for
+    exceeding ``cfg.max_prompt_tokens``)."""
+    ids_out, kept = [], []
+    for ex in examples:
+        text = prompt_text(ex["question"], tokenizer, cfg.system_prompt)
+        ids = list(tokenizer(text, add_special_tokens=False).input_ids)
+        if len(ids) <= cfg.max_prompt_tokens:
+            ids_out.append(ids)
+            kept.append(ex)
+    dropped = len(examples) - len(kept)
+    if not kept:
+        raise DataError(
+            f"all {len(examples)} prompts are longer than data.max_prompt_tokens={cfg.max_prompt_tokens}; "
+            "raise it or shorten data.system_prompt"
+        )
+    return ids_out, kept, dropped

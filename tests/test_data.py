@@ -1,0 +1,302 @@
+"""Datasets: the arithmetic generator (answers, determinism, disjoint splits), file loaders (JSONL,
+JSON, CSV, Parquet; GSM8K / MATH conventions), bad-input errors, holdout, prompt building."""
+
+from __future__ import annotations
+
+import csv
+import json
+import logging
+import re
+import sys
+from pathlib import Path
+
+import pytest
+
+from specroll.rl.data import (
+    LEVELS,
+    DataConfig,
+    DataError,
+    arithmetic,
+    build_prompts,
+    load_examples,
+    split_of,
+)
+from specroll.rl.rewards import as_integer
+
+GSM8K = Path("/work/shared/data/gsm8k/train.jsonl")
+
+
+# -- config ---------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("kw, match", [
+    ({"task": "web"}, "data.task must be"),
+    ({"task": "file"}, "needs data.path"),
+    ({"path": "x.jsonl"}, "set data.task=file"),
+    ({"answer_format": "latex"}, "data.answer_format must be one of"),
+    ({"level": 99}, "data.level must be one of"),
+    ({"n_train": 0}, "data.n_train must be an integer >= 1"),
+    ({"n_eval": -1}, "data.n_eval must be an integer >= 0"),
+    ({"n_eval": 2.5}, "data.n_eval must be an integer"),
+    ({"max_prompt_tokens": 0}, "data.max_prompt_tokens"),
+    ({"eval_fraction": 1.5}, "data.eval_fraction must be in"),
+    ({"question_field": ""}, "data.question_field"),
+    ({"system_prompt": 3}, "data.system_prompt"),
+])
+def test_config_validation(kw, match):
+    with pytest.raises(DataError, match=match):
+        DataConfig(**kw)
+
+
+# -- arithmetic -------------------------------------------------------------------------------------
+
+_WORDS = {"doubles": 2, "triples": 3}
+
+
+def _solve(q: str) -> int:
+    """An independent solver for the generator's question templates."""
+    m = re.fullmatch(r"What is (\d+) ([-+*]) (\d+)\?", q)
+    if m:
+        a, op, b = int(m.group(1)), m.group(2), int(m.group(3))
+        return {"+": a + b, "-": a - b, "*": a * b}[op]
+    total = None
+    for sent in re.split(r"(?<=[.?])\s+", q):
+        if m := re.match(r"\w+ has (\d+) bags with (\d+) \w+ in each bag\.", sent):
+            total = int(m.group(1)) * int(m.group(2))
+        elif m := re.match(r"\w+ has (\d+) \w+\.", sent):
+            total = int(m.group(1))
+        elif m := re.search(r"(?:buys|finds) (\d+) more", sent):
+            total += int(m.group(1))
+        elif m := re.search(r"(?:gives|loses) (\d+)", sent):
+            total -= int(m.group(1))
+        elif m := re.search(r"(doubles|triples)", sent):
+            total *= _WORDS[m.group(1)]
+        else:
+            assert sent.startswith("How many"), sent
+    return total
+
+
+def _n_ops(q: str) -> int:
+    return len(re.findall(r"bags with|buys|finds|gives|loses|doubles|triples", q)) or 1
+
+
+@pytest.mark.parametrize("level", sorted(LEVELS))
+def test_arithmetic_answers_and_levels(level):
+    exs = arithmetic("train", 200, level, seed=3)
+    assert len(exs) == 200
+    for ex in exs:
+        assert ex["answer"] == str(_solve(ex["question"]))
+        assert int(ex["answer"]) >= 0
+    if level >= 4:
+        assert {_n_ops(ex["question"]) for ex in exs} == {level - 3}
+    if level == 1:
+        assert all(int(ex["answer"]) <= 18 for ex in exs)
+
+
+@pytest.mark.parametrize("level", sorted(LEVELS))
+def test_arithmetic_splits_disjoint_and_deterministic(level):
+    train = arithmetic("train", 500, level, seed=0)
+    ev = arithmetic("eval", 64, level, seed=0)
+    assert train == arithmetic("train", 500, level, seed=0)
+    assert ev == arithmetic("eval", 64, level, seed=0)
+    assert train != arithmetic("train", 500, level, seed=1)
+    assert not {e["question"] for e in train} & {e["question"] for e in ev}
+    assert all(split_of(e["question"]) == "eval" for e in ev)
+    if level >= 2:  # enough distinct eval questions at these levels
+        assert len({e["question"] for e in ev}) == 64
+
+
+def test_arithmetic_bad_split():
+    with pytest.raises(DataError, match="split must be"):
+        arithmetic("test", 3, 1, 0)
+
+
+def test_load_examples_arithmetic():
+    cfg = DataConfig(n_train=10, n_eval=5)
+    assert len(load_examples(cfg, "train")) == 10
+    assert len(load_examples(cfg, "eval")) == 5
+
+
+# -- files ---------------------------------------------------------------------------------------
+
+def _jsonl(path: Path, rows: list) -> Path:
+    path.write_text("".join((r if isinstance(r, str) else json.dumps(r)) + "\n" for r in rows))
+    return path
+
+
+def _rows(n: int) -> list[dict]:
+    return [{"question": f"What is {i} + 1?", "answer": str(i + 1), "id": i} for i in range(n)]
+
+
+def test_jsonl_plain_and_extra_columns(tmp_path):
+    p = _jsonl(tmp_path / "d.jsonl", [{"question": "Q1", "answer": 3, "difficulty": "easy"},
+                                      {"question": "Q2", "answer": 2.0, "difficulty": "hard"}])
+    exs = load_examples(DataConfig(task="file", path=str(p), n_eval=0), "train")
+    assert sorted((e["question"], e["answer"], e["difficulty"]) for e in exs) == [("Q1", "3", "easy"),
+                                                                                 ("Q2", "2", "hard")]
+
+
+def test_gsm8k_convention(tmp_path):
+    p = _jsonl(tmp_path / "g.jsonl", [
+        {"question": "Q", "answer": "She has 600 + 634 = 1,234 beads.\n#### 1,234"},
+        {"question": "R", "answer": "work\n#### -5"},
+    ])
+    exs = load_examples(DataConfig(task="file", path=str(p), answer_format="gsm8k", n_eval=0), "train")
+    by_q = {e["question"]: e for e in exs}
+    assert by_q["Q"]["answer"] == "1234" and by_q["R"]["answer"] == "-5"
+    assert by_q["Q"]["answer_raw"].endswith("#### 1,234")
+    with pytest.raises(DataError, match=r"g\.jsonl:1: 'answer' looks like a worked solution.*answer_format=gsm8k"):
+        load_examples(DataConfig(task="file", path=str(p), n_eval=0), "train")
+
+
+def test_math_convention_autodetects_fields(tmp_path):
+    p = _jsonl(tmp_path / "m.jsonl", [
+        {"problem": "Half of one?", "solution": "It is $\\boxed{\\frac{1}{2}}$.", "level": "Level 1"},
+        {"problem": "Root?", "solution": "So \\boxed{\\sqrt{x^{2}+1}} wins", "level": "Level 5"},
+    ])
+    exs = load_examples(DataConfig(task="file", path=str(p), answer_format="boxed", n_eval=0), "train")
+    assert sorted(e["answer"] for e in exs) == ["\\frac{1}{2}", "\\sqrt{x^{2}+1}"]
+    assert all(e["problem"] == e["question"] and "level" in e for e in exs)
+    auto = load_examples(DataConfig(task="file", path=str(p), answer_format="auto", n_eval=0), "train")
+    assert sorted(e["answer"] for e in auto) == sorted(e["answer"] for e in exs)
+
+
+def test_csv_and_json(tmp_path):
+    p = tmp_path / "d.csv"
+    with p.open("w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=["q", "a"])
+        w.writeheader()
+        w.writerows([{"q": "Q1", "a": "7"}, {"q": "Q2", "a": ""}])
+    cfg = DataConfig(task="file", path=str(p), question_field="q", answer_field="a", n_eval=0)
+    with pytest.raises(DataError, match=r"d\.csv:3: empty or missing 'a'"):  # line 3: after the header
+        load_examples(cfg, "train")
+    cfg.skip_bad_rows = True
+    assert [e["answer"] for e in load_examples(cfg, "train")] == ["7"]
+    j = tmp_path / "d.json"
+    j.write_text(json.dumps({"data": _rows(3)}))
+    assert len(load_examples(DataConfig(task="file", path=str(j), n_eval=1), "train")) == 2
+
+
+def test_parquet(tmp_path):
+    pa = pytest.importorskip("pyarrow")
+    import pyarrow.parquet as pq
+
+    p = tmp_path / "d.parquet"
+    pq.write_table(pa.table({"problem": ["Q1", "Q2"], "answer": ["1", "2"]}), p)
+    exs = load_examples(DataConfig(task="file", path=str(p), n_eval=0), "train")
+    assert sorted(e["question"] for e in exs) == ["Q1", "Q2"]
+
+
+def test_parquet_without_pyarrow(tmp_path, monkeypatch):
+    monkeypatch.setitem(sys.modules, "pyarrow", None)
+    monkeypatch.setitem(sys.modules, "pyarrow.parquet", None)
+    p = tmp_path / "d.parquet"
+    p.write_bytes(b"PAR1")
+    with pytest.raises(DataError, match="pip install pyarrow"):
+        load_examples(DataConfig(task="file", path=str(p), n_eval=0), "train")
+
+
+def test_malformed_jsonl_line(tmp_path, caplog):
+    p = _jsonl(tmp_path / "bad.jsonl", [_rows(1)[0], '{"question": "Q", "answer": ', "[1, 2]", _rows(2)[1]])
+    with pytest.raises(DataError, match=r"bad\.jsonl:2: not a JSON object.*skip_bad_rows=true"):
+        load_examples(DataConfig(task="file", path=str(p), n_eval=0), "train")
+    with caplog.at_level(logging.WARNING):
+        exs = load_examples(DataConfig(task="file", path=str(p), n_eval=0, skip_bad_rows=True), "train")
+    assert len(exs) == 2
+    assert any("skipped 2 malformed line(s)" in r.getMessage() for r in caplog.records)
+
+
+def test_missing_field_lists_columns(tmp_path):
+    p = _jsonl(tmp_path / "d.jsonl", [{"text": "Q", "label": "1"}])
+    with pytest.raises(DataError, match=r"no question column 'question'; the file has columns \['label', 'text'\]"):
+        load_examples(DataConfig(task="file", path=str(p)), "train")
+    with pytest.raises(DataError, match=r"no answer column 'gold'.*data.answer_field"):
+        load_examples(DataConfig(task="file", path=str(p), question_field="text", answer_field="gold"), "train")
+
+
+def test_empty_after_filtering(tmp_path):
+    p = _jsonl(tmp_path / "d.jsonl", [{"question": "Q", "answer": "no marker"}] * 3)
+    cfg = DataConfig(task="file", path=str(p), answer_format="gsm8k", skip_bad_rows=True, n_eval=0)
+    with pytest.raises(DataError, match="no usable rows left"):
+        load_examples(cfg, "train")
+    (tmp_path / "e.jsonl").write_text("\n")
+    with pytest.raises(DataError, match="no rows"):
+        load_examples(DataConfig(task="file", path=str(tmp_path / "e.jsonl")), "train")
+
+
+def test_missing_and_unknown_files(tmp_path):
+    with pytest.raises(DataError, match="does not exist"):
+        load_examples(DataConfig(task="file", path=str(tmp_path / "nope.jsonl")), "train")
+    (tmp_path / "d.txt").write_text("x")
+    with pytest.raises(DataError, match="unknown file type '.txt'"):
+        load_examples(DataConfig(task="file", path=str(tmp_path / "d.txt")), "train")
+
+
+def test_holdout_split(tmp_path):
+    p = _jsonl(tmp_path / "d.jsonl", _rows(50))
+    cfg = DataConfig(task="file", path=str(p), n_eval=10, seed=1)
+    train, ev = load_examples(cfg, "train"), load_examples(cfg, "eval")
+    assert len(train) == 40 and len(ev) == 10
+    assert {e["id"] for e in train}.isdisjoint({e["id"] for e in ev})
+    assert ev == load_examples(cfg, "eval")  # deterministic
+    assert ev != load_examples(DataConfig(task="file", path=str(p), n_eval=10, seed=2), "eval")
+    capped = load_examples(DataConfig(task="file", path=str(p), n_eval=10, seed=1, n_train=5), "train")
+    assert capped == train[:5]
+    frac = DataConfig(task="file", path=str(p), eval_fraction=0.2)
+    assert len(load_examples(frac, "eval")) == 10
+    with pytest.raises(DataError, match="leaves none for training"):
+        load_examples(DataConfig(task="file", path=str(p), n_eval=50), "train")
+
+
+def test_eval_path(tmp_path):
+    p = _jsonl(tmp_path / "train.jsonl", _rows(20))
+    e = _jsonl(tmp_path / "eval.jsonl", _rows(8))
+    cfg = DataConfig(task="file", path=str(p), eval_path=str(e), n_eval=5)
+    assert len(load_examples(cfg, "train")) == 20
+    assert [x["id"] for x in load_examples(cfg, "eval")] == [0, 1, 2, 3, 4]
+
+
+@pytest.mark.skipif(not GSM8K.is_file(), reason="GSM8K train file not present")
+def test_real_gsm8k_file():
+    cfg = DataConfig(task="file", path=str(GSM8K), answer_format="gsm8k", n_train=0, n_eval=64)
+    train, ev = load_examples(cfg, "train"), load_examples(cfg, "eval")
+    assert len(ev) == 64 and len(train) > 7000
+    assert all(as_integer(e["answer"]) is not None for e in train + ev)
+
+
+# -- prompts ---------------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def tok():
+    from specroll.models.hub import tiny_tokenizer
+
+    return tiny_tokenizer()
+
+
+def test_build_prompts_uses_chat_template(tok):
+    exs = arithmetic("eval", 4, 2, 0)
+    cfg = DataConfig(system_prompt="Be brief.")
+    ids, kept, dropped = build_prompts(exs, tok, cfg)
+    assert dropped == 0 and kept == exs and all(isinstance(i, int) for i in ids[0])
+    text = tok.decode(ids[0])
+    assert text.startswith("<|im_start|>system\nBe brief.<|im_end|>")
+    assert exs[0]["question"] in text
+    assert text.endswith("<|im_start|>assistant\n")
+    no_sys = tok.decode(build_prompts(exs, tok, DataConfig(system_prompt=None))[0][0])
+    assert "Be brief." not in no_sys and "system" not in no_sys
+
+
+def test_build_prompts_filters_long(tok):
+    exs = [{"question": "hi", "answer": "1"}, {"question": "hello " * 200, "answer": "2"}]
+    ids, kept, dropped = build_prompts(exs, tok, DataConfig(max_prompt_tokens=64, system_prompt=None))
+    assert dropped == 1 and kept == exs[:1] and len(ids) == 1 and len(ids[0]) <= 64
+    with pytest.raises(DataError, match="max_prompt_tokens=2"):
+        build_prompts(exs, tok, DataConfig(max_prompt_tokens=2))
+
+
+def test_build_prompts_without_chat_template(tok):
+    import copy
+
+    plain = copy.deepcopy(tok)
+    plain.chat_template = None
+    ids, _, _ = build_prompts([{"question": "Q?", "answer": "1"}], plain, DataConfig(system_prompt="S."))
+    assert plain.decode(ids[0]) == "S.\n\nQ?\n"
