@@ -67,6 +67,7 @@ def _bench(sub):
     e.set_defaults(func=_run("specroll.bench.engine:cli"))
     _bench_spec(s)
     _bench_e2e(s)
+    _bench_reuse(s)
 
 
 def _bench_spec(s):
@@ -157,6 +158,26 @@ def _bench_e2e(s):
     b.add_argument("--systems", default="specroll,trl")
     b.add_argument("--out", default="bench_e2e.json")
     b.set_defaults(func=_run("specroll.bench.e2e:cli"))
+
+
+def _bench_reuse(s):
+    b = s.add_parser("reuse", help="SPEC-RL rollout reuse (lenient / exact) vs plain rollouts over short GRPO runs")
+    b.add_argument("--model", default="smollm2-135m")
+    b.add_argument("--epochs", type=int, default=3, help="passes over the prompt set (epoch 1 has no drafts)")
+    b.add_argument("--lenience", default="1,1.2214,1.6487,2.7183,inf", help="lenient mode's l values (inf = reuse all)")
+    b.add_argument("--modes", default="lenient,exact", help="compared against off (always run)")
+    b.add_argument("--prompts", type=int, default=8, help="training prompts (the whole epoch)")
+    b.add_argument("--prompts-per-step", type=int, default=8)
+    b.add_argument("-G", type=int, default=8, help="completions per prompt")
+    b.add_argument("--max-new-tokens", type=int, default=64)
+    b.add_argument("--temperature", type=float, default=1.0)
+    b.add_argument("--lr", type=float, default=1e-5)
+    b.add_argument("--level", type=int, default=2, help="arithmetic task difficulty")
+    b.add_argument("--micro-batch-size", type=int, default=8)
+    b.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"], help="rollout activations")
+    b.add_argument("--seed", type=int, default=0)
+    b.add_argument("--out", default="bench_reuse.json")
+    b.set_defaults(func=_run("specroll.bench.reuse:cli"))
 
 
 COMMANDS = [_models, _generate, _bench, _draft, _train, _eval, _report]

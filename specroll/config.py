@@ -1,7 +1,8 @@
 """Run configuration: one dataclass per component, YAML files, dotted overrides and presets.
 
 ``Config`` groups the sections ``model``, ``rollout``, ``train``, ``loss`` (``rl.losses.LossConfig``),
-``data`` (``rl.data.DataConfig``) and ``reward`` (``rl.rewards.RewardConfig``). Every section checks
+``data`` (``rl.data.DataConfig``), ``reward`` (``rl.rewards.RewardConfig``) and ``reuse``
+(``drafters.reuse.ReuseConfig``: SPEC-RL rollout reuse, ``reuse.mode=exact``). Every section checks
 its own invariants in ``__post_init__``.
 
 Precedence, lowest first: dataclass defaults < ``--preset`` < ``--config FILE.yaml`` < ``key=value``
@@ -21,6 +22,7 @@ from typing import Any
 
 import yaml
 
+from .drafters.reuse import ReuseConfig
 from .rl.data import DataConfig
 from .rl.losses import LossConfig
 from .rl.rewards import RewardConfig
@@ -117,6 +119,7 @@ SECTIONS: dict[str, type] = {
     "loss": LossConfig,
     "data": DataConfig,
     "reward": RewardConfig,
+    "reuse": ReuseConfig,
 }
 
 
@@ -128,6 +131,7 @@ class Config:
     loss: LossConfig = field(default_factory=LossConfig)
     data: DataConfig = field(default_factory=DataConfig)
     reward: RewardConfig = field(default_factory=RewardConfig)
+    reuse: ReuseConfig = field(default_factory=ReuseConfig)
 
     def to_dict(self) -> dict:
         return {name: dataclasses.asdict(getattr(self, name)) for name in SECTIONS}

@@ -424,3 +424,39 @@ def test_off_mode_equals_plain_generation():
     assert len(d.store) == 0
     off = eng.generate(PROMPTS, params, n=2, drafter=d)
     assert [o.completion_ids.tolist() for o in off] == [o.completion_ids.tolist() for o in plain]
+
+
+def test_trainer_checkpoint_keeps_the_store(tmp_path):
+    """Resume keeps reuse: the store (and the coin stream) survive the trainer's checkpoint files."""
+    from specroll.rl import checkpoint as ckpt
+
+    model = small_model(5)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda i: 1.0)
+    eng = Engine(model, eos_ids=[3])
+    d = ReuseDrafter(mode="exact", seed=4)
+    d.after_rollout(eng.generate(PROMPTS, SamplingParams(max_new_tokens=6, seed=0), n=2), step=1)
+    path = ckpt.save_checkpoint(tmp_path, 1, model=model, optimizer=opt, scheduler=sched, state={},
+                                config_yaml="", rng=ckpt.rng_state(), drafter=d)
+    e = ReuseDrafter(mode="exact", seed=123)
+    ckpt.load_training_state(path, model=model, optimizer=opt, scheduler=sched, drafter=e)
+    assert len(e.store) == len(d.store) == 6
+    for p in PROMPTS:
+        for i in range(2):
+            a, b = d.store.get(p, i), e.store.get(p, i)
+            assert torch.equal(a.ids, b.ids) and torch.equal(a.logprobs, b.logprobs) and b.step == 1
+    params = SamplingParams(max_new_tokens=6, seed=9)
+    same = [o.completion_ids.tolist() for o in eng.generate(PROMPTS, params, n=2, drafter=d)]
+    assert same == [o.completion_ids.tolist() for o in eng.generate(PROMPTS, params, n=2, drafter=e)]
+
+
+def test_config_section_builds_the_drafter():
+    from specroll.config import load_config
+    from specroll.drafters.reuse import build_drafter
+
+    cfg = load_config(overrides=["reuse.mode=lenient", "reuse.lenience=inf"])
+    d = build_drafter(cfg.reuse)
+    assert d.mode == "lenient" and math.isinf(d.lenience)
+    assert build_drafter(load_config().reuse) is None  # off by default
+    with pytest.raises(ValueError, match="reuse.mode"):
+        load_config(overrides=["reuse.mode=fast"])

@@ -22,7 +22,7 @@ from collections import Counter
 
 import torch
 
-from ..drafters.reuse import ReuseDrafter
+from ..drafters.reuse import LENIENCE_DEFAULT, ReuseDrafter
 from ..engine.engine import Engine
 from ..engine.sampling import SamplingParams, processed_logprobs
 from ..models.decoder import Decoder, DecoderConfig
@@ -80,7 +80,7 @@ def total_variation(counts: Counter, probs: dict) -> float:
     return 0.5 * sum(abs(counts.get(k, 0) / n - probs.get(k, 0.0)) for k in keys)
 
 
-def measure(lenience=(1.0, math.exp(0.5), math.e, math.inf), n: int = 20000, shift: float = 0.1,
+def measure(lenience=(1.0, LENIENCE_DEFAULT, math.e, math.inf), n: int = 20000, shift: float = 0.1,
             temperature: float = 1.0, top_p: float = 1.0, seed: int = 0) -> dict:
     """TV to the new policy's exact distribution for plain sampling, exact reuse and lenient reuse."""
     old = tiny_policy(seed)

@@ -56,6 +56,35 @@ _ENTRY_OVERHEAD = 64  # bytes charged per stored entry on top of its token data
 _LOGIT_BUDGET = 1 << 23  # max (tokens x vocab) fp32 logits materialised at once in verification
 
 
+# --- configuration ------------------------------------------------------------------------------
+
+@dataclass
+class ReuseConfig:
+    """The ``reuse`` config section: ``reuse.mode=exact``, ``reuse.lenience=inf``, ..."""
+
+    mode: str = "off"  # off | lenient | exact
+    lenience: float = LENIENCE_DEFAULT  # lenient mode's l (inf = reuse everything); e^0.5 by default
+    store_mb: float = 256.0  # rollout store bound (LRU eviction beyond it)
+    seed: int = 0  # seed of the acceptance coins (seeded once, never reseeded)
+
+    def __post_init__(self):
+        if self.mode not in MODES:
+            raise ValueError(f"reuse.mode must be one of {list(MODES)}, got {self.mode!r}")
+        lam = float(self.lenience)
+        if math.isnan(lam) or lam <= 0:
+            raise ValueError(f"reuse.lenience must be > 0 (inf = reuse everything), got {self.lenience!r}")
+        self.lenience = lam
+        if not self.store_mb > 0:
+            raise ValueError(f"reuse.store_mb must be > 0, got {self.store_mb!r}")
+
+
+def build_drafter(cfg: ReuseConfig) -> ReuseDrafter | None:
+    """The drafter a ``reuse`` config section asks for (None when ``mode`` is off)."""
+    if cfg.mode == "off":
+        return None
+    return ReuseDrafter(RolloutStore(int(cfg.store_mb * (1 << 20))), cfg.mode, cfg.lenience, cfg.seed)
+
+
 # --- the rollout store ------------------------------------------------------------------------
 
 def prompt_key(prompt_ids) -> bytes:

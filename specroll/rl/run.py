@@ -54,6 +54,10 @@ def build_trainer(cfg: Config, run_dir: str | Path | None, console=None, drafter
     train_set = prompt_set(train_ex, tok, cfg.data, "train", say)
     eval_set = prompt_set(eval_ex, tok, cfg.data, "eval", say) if eval_ex else None
     decode = lambda ids: tok.decode(ids, skip_special_tokens=True)  # noqa: E731
+    if drafter is None:
+        from ..drafters.reuse import build_drafter
+
+        drafter = build_drafter(cfg.reuse)  # None unless reuse.mode is lenient / exact
     return Trainer(cfg, model, train_set, eval_set, reward, decode, eos, drafter=drafter, run_dir=run_dir,
                    console=console)
 

@@ -1,0 +1,169 @@
+"""`specroll bench reuse`: SPEC-RL rollout reuse vs plain rollouts over a short GRPO training.
+
+Every setting (``off``, ``lenient`` at each l, ``exact``) runs the same GRPO training: same seed, same
+data, same rollout seeds, ``--epochs`` passes over a small prompt set (reshuffled every epoch, so reuse
+is found by prompt, not by batch position).
+
+Epoch 1 has no drafts, so it is identical for every setting (a drafter with an empty store samples
+exactly like plain decoding): it is run once, then the model, optimizer, scheduler and rollout store
+are snapshotted and every setting continues from that snapshot. Its row is repeated per setting
+with ``"shared": true``.
+
+Writes ``{"rows": [{"mode", "lenience", "epoch", "tokens_generated", "rollout_s", "reward_mean",
+"reuse_ratio", "skip_ratio", ...}], "config": ..., "machine": ...}``. ``tokens_generated`` counts
+tokens sampled by the model (completion tokens minus reused ones); ``rollout_s`` is the wall time of
+``Engine.generate`` summed over the epoch's steps, verification included.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+import time
+
+import torch
+
+from .common import machine_info, write_json
+
+ROW_KEYS = ("tokens_generated", "rollout_s", "reward_mean", "reuse_ratio", "skip_ratio")
+
+
+def _floats(s: str, name: str) -> list[float]:
+    from ..cli import CliError
+
+    try:
+        out = [float(x) for x in s.split(",") if x.strip()]
+    except ValueError:
+        out = []
+    if not out or any(math.isnan(x) or x <= 0 for x in out):
+        raise CliError(f"{name} must be a comma-separated list of numbers > 0 (inf allowed), got {s!r}")
+    return out
+
+
+def _modes(s: str) -> list[str]:
+    from ..cli import CliError
+    from ..drafters.reuse import MODES
+
+    out = [m.strip() for m in s.split(",") if m.strip()]
+    bad = [m for m in out if m not in MODES]
+    if not out or bad:
+        raise CliError(f"--modes must be a comma-separated subset of {list(MODES)}, got {s!r}")
+    return out
+
+
+def bench_config(args):
+    from ..config import load_config
+
+    steps_per_epoch = math.ceil(args.prompts / args.prompts_per_step)
+    return load_config(overrides=[
+        f"model.name={args.model}", f"model.rollout_dtype={args.dtype}",
+        f"data.n_train={args.prompts}", "data.n_eval=0", f"data.level={args.level}",
+        f"train.steps={args.epochs * steps_per_epoch}", f"train.prompts_per_step={args.prompts_per_step}",
+        f"train.lr={args.lr}", "train.warmup=0", "train.eval_before=false", f"train.seed={args.seed}",
+        f"train.micro_batch_size={args.micro_batch_size}",
+        f"rollout.G={args.G}", f"rollout.max_new_tokens={args.max_new_tokens}",
+        f"rollout.temperature={args.temperature}",
+    ]), steps_per_epoch
+
+
+def _snapshot(tr) -> dict:
+    return {"model": {k: v.detach().clone() for k, v in tr.model.state_dict().items()},
+            "opt": copy.deepcopy(tr.opt.state_dict()), "sched": copy.deepcopy(tr.sched.state_dict()),
+            "step": tr.step, "version": tr.engine.policy_version, "store": tr.drafter.state_dict()}
+
+
+def _restore(tr, snap: dict, drafter) -> None:
+    with torch.no_grad():
+        tr.model.load_state_dict(snap["model"])
+    tr.opt.load_state_dict(copy.deepcopy(snap["opt"]))
+    tr.sched.load_state_dict(copy.deepcopy(snap["sched"]))
+    tr.step, tr.engine.policy_version = snap["step"], snap["version"]
+    drafter.load_state_dict(snap["store"])
+    tr.drafter = drafter
+
+
+def _epoch_row(ms: list[dict], rows_per_step: int) -> dict:
+    """Aggregate one epoch's step metrics."""
+    gen = sum(m["rollout/tokens_generated"] for m in ms)
+    comp = sum(m["rollout/completion_len_mean"] * rows_per_step for m in ms)
+    return {
+        "tokens_generated": int(round(gen)),
+        "completion_tokens": int(round(comp)),
+        "rollout_s": sum(m["timing/rollout"] for m in ms),
+        "verify_s": sum(m.get("timing/verify", 0.0) for m in ms),
+        "reward_mean": sum(m["reward/mean"] for m in ms) / len(ms),
+        "reuse_ratio": (comp - gen) / max(1.0, comp),
+        "skip_ratio": sum(m.get("spec/skip_ratio", 0.0) for m in ms) / len(ms),
+        "avg_cut_idx": sum(m.get("spec/avg_cut_idx", 0.0) for m in ms) / len(ms),
+    }
+
+
+def _run_epochs(tr, epochs: range, steps_per_epoch: int, rows_per_step: int, say) -> list[dict]:
+    out = []
+    for ep in epochs:
+        ms = []
+        for _ in range(steps_per_epoch):
+            ms.append(tr.train_step())
+        row = {"epoch": ep, **_epoch_row(ms, rows_per_step)}
+        say(f"  epoch {ep}: {row['tokens_generated']} tokens generated, rollout {row['rollout_s']:.1f}s, "
+            f"reward {row['reward_mean']:.3f}, reuse {row['reuse_ratio']:.3f}")
+        out.append(row)
+    return out
+
+
+def run(args, say=print) -> dict:
+    from ..drafters.reuse import ReuseDrafter
+    from ..rl.run import build_trainer
+
+    modes = _modes(args.modes)
+    lenience = _floats(args.lenience, "--lenience")
+    cfg, spe = bench_config(args)
+    rows_per_step = args.prompts_per_step * args.G
+    settings = [("off", None)] + [(m, lam) for m in modes if m == "lenient" for lam in lenience]
+    settings += [(m, None) for m in modes if m == "exact"]
+    tr = build_trainer(cfg, None, drafter=ReuseDrafter(mode="lenient", seed=args.seed))
+    t0 = time.perf_counter()
+    say(f"epoch 1 (shared by every setting): {spe} steps x {rows_per_step} rollouts")
+    first = _run_epochs(tr, range(1, 2), spe, rows_per_step, say)[0]
+    snap = _snapshot(tr)
+    rows = []
+    for mode, lam in settings:
+        say(f"{mode}" + ("" if lam is None else f" l={lam:g}"))
+        d = ReuseDrafter(mode=mode, lenience=lam if lam is not None else 1.0, seed=args.seed + 1)
+        _restore(tr, snap, d)
+        rows.append({"mode": mode, "lenience": lam, **first, "shared": True})
+        for r in _run_epochs(tr, range(2, args.epochs + 1), spe, rows_per_step, say):
+            rows.append({"mode": mode, "lenience": lam, **r, "shared": False})
+    return {"benchmark": "reuse", "rows": rows, "summary": summarize(rows, args.epochs),
+            "config": cfg.to_dict(), "args": {k: v for k, v in vars(args).items() if k != "func"},
+            "wall_s": time.perf_counter() - t0, "machine": machine_info()}
+
+
+def summarize(rows: list[dict], epoch: int) -> list[dict]:
+    """Each setting's last epoch relative to ``off``'s: the figures the issue's speed targets name."""
+    last = [r for r in rows if r["epoch"] == epoch]
+    off = next((r for r in last if r["mode"] == "off"), None)
+    if off is None:
+        return []
+    out = []
+    for r in last:
+        out.append({"mode": r["mode"], "lenience": r["lenience"], "epoch": epoch,
+                    "tokens_vs_off": r["tokens_generated"] / max(1, off["tokens_generated"]),
+                    "rollout_time_vs_off": r["rollout_s"] / off["rollout_s"],
+                    "reward_minus_off": r["reward_mean"] - off["reward_mean"]})
+    return out
+
+
+def cli(args) -> int:
+    from ..cli import CliError
+
+    if args.epochs < 2:
+        raise CliError(f"--epochs must be >= 2 (epoch 1 has nothing to reuse), got {args.epochs}")
+    res = run(args)
+    write_json(args.out, res)
+    for s in res["summary"]:
+        lam = "" if s["lenience"] is None else f" l={s['lenience']:g}"
+        print(f"epoch {s['epoch']} {s['mode']}{lam}: tokens {s['tokens_vs_off']:.2f}x off, "
+              f"rollout time {s['rollout_time_vs_off']:.2f}x off, reward {s['reward_minus_off']:+.3f} vs off")
+    print(f"wrote {args.out}")
+    return 0
