@@ -104,6 +104,15 @@ def test_corrupt_cache_is_pulled_again(tmp_path, how, capsys):
     assert not [p for p in (tmp_path / "models").iterdir() if p.name.startswith(".")]  # no temp leftovers
 
 
+def test_force_pull_rebuilds_a_complete_entry(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("SPECROLL_HOME", str(tmp_path))
+    d = hub.resolve("tiny-llama", quiet=True)
+    (d / "stale-extra-file").write_text("left by an older pull")
+    assert main(["models", "pull", "tiny-llama", "--force"]) == 0
+    assert capsys.readouterr().out.strip() == str(d)
+    assert not (d / "stale-extra-file").exists() and hub.cache_problem(d) is None
+
+
 def test_failed_repull_gives_one_clear_error(tmp_path, monkeypatch):
     calls = []
 

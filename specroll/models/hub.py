@@ -35,7 +35,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..cli import CliError
-from .tiny import build_tiny, tiny_hf_config, tiny_hf_model, tiny_tokenizer  # noqa: F401 (re-exported)
 
 MARKER = "specroll.json"
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3")  # mirrors decoder.SUPPORTED_ARCHS (kept torch-free)
@@ -192,18 +191,30 @@ def cache_problem(d: Path) -> str | None:
             if _sha256(f) != rec["sha256"]:
                 return f"{name} does not match its recorded sha256"
             rec["mtime_ns"], restamp = f.stat().st_mtime_ns, True
-        try:
-            from safetensors import safe_open
-
-            with safe_open(str(f), "pt") as sf:
-                sf.keys()
-        except Exception as e:  # noqa: BLE001
-            return f"{name} is not a readable safetensors file ({_first_line(e)})"
+        bad = _safetensors_problem(f)
+        if bad:
+            return f"{name} is not a readable safetensors file ({bad})"
     if restamp:  # content verified: remember the new mtime (best effort, e.g. after a copy)
         try:
             (d / MARKER).write_text(json.dumps(marker, indent=2))
         except OSError:
             pass
+    return None
+
+
+def _safetensors_problem(f: Path) -> str | None:
+    """Parse the safetensors header (torch-free): valid JSON whose data spans exactly fill the file."""
+    try:
+        with open(f, "rb") as fh:
+            n = int.from_bytes(fh.read(8), "little")
+            if n <= 0 or n > f.stat().st_size - 8:
+                return "header length out of range"
+            header = json.loads(fh.read(n))
+        ends = [int(v["data_offsets"][1]) for k, v in header.items() if k != "__metadata__"]
+    except (OSError, ValueError, KeyError, TypeError, IndexError, AttributeError) as e:
+        return _first_line(e)
+    if max(ends, default=0) != f.stat().st_size - 8 - n:
+        return "tensor data does not match the file size"
     return None
 
 
@@ -378,6 +389,33 @@ def _snapshot(repo_id: str) -> Path:
 def _first_line(e: BaseException) -> str:
     text = str(e).strip().splitlines()
     return f"{type(e).__name__}: {text[0]}" if text else type(e).__name__
+
+
+# --- tiny models (implemented in tiny.py; wrapped here so importing the hub stays torch-free) -----
+
+def tiny_hf_config(arch: str, **overrides):
+    """A small transformers config of the family ``arch``; see ``tiny.tiny_hf_config``."""
+    from .tiny import tiny_hf_config as make
+
+    return make(arch, **overrides)
+
+
+def tiny_hf_model(arch: str, seed: int = 0, **overrides):
+    from .tiny import tiny_hf_model as make
+
+    return make(arch, seed, **overrides)
+
+
+def tiny_tokenizer():
+    from .tiny import tiny_tokenizer as make
+
+    return make()
+
+
+def build_tiny(arch: str, out: Path, seed: int = 0) -> None:
+    from .tiny import build_tiny as build
+
+    build(arch, out, seed)
 
 
 # --- `specroll models ...` ------------------------------------------------------------------------
