@@ -1,0 +1,293 @@
+"""GRPO trainer on a tiny random decoder: learning, exact resume, atomic checkpoints, config errors."""
+
+import math
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+
+from specroll.config import PRESETS, load_config, parse_override
+from specroll.engine.sampling import SamplingParams
+from specroll.models.decoder import Decoder, DecoderConfig
+from specroll.rl import checkpoint as ckpt
+from specroll.rl.trainer import Batch, PromptSet, Trainer, completion_logprobs
+
+TARGET = 7
+VOCAB = 32
+
+
+def tiny_model(seed: int = 0) -> Decoder:
+    torch.manual_seed(seed)
+    cfg = DecoderConfig(arch="llama", vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_layers=2,
+                        num_heads=4, num_kv_heads=2, head_dim=16, max_position=128, tie_embeddings=True)
+    m = Decoder(cfg)
+    with torch.no_grad():
+        for p in m.parameters():
+            if p.dim() > 1:
+                p.normal_(std=0.05)
+    return m.eval()
+
+
+def target_fraction(prompts, completions, **cols):
+    """A trivially learnable reward: the share of TARGET tokens in the completion."""
+    out = []
+    for c in completions:
+        toks = c.split()
+        out.append(sum(t == str(TARGET) for t in toks) / max(1, len(toks)))
+    return out
+
+
+def prompts(n: int = 8, seed: int = 1) -> PromptSet:
+    g = torch.Generator().manual_seed(seed)
+    ids = [torch.randint(3, VOCAB, (int(torch.randint(3, 8, (1,), generator=g)),), generator=g).tolist()
+           for _ in range(n)]
+    return PromptSet(ids, [" ".join(map(str, x)) for x in ids], [{"k": i} for i in range(n)])
+
+
+def decode(ids):
+    return " ".join(map(str, ids))
+
+
+def make_cfg(*over):
+    base = ["train.prompts_per_step=4", "rollout.G=4", "rollout.max_new_tokens=8", "train.lr=3e-3",
+            "train.warmup=0", "model.rollout_dtype=float32", "train.micro_batch_size=16", "train.eval_before=false"]
+    return load_config(overrides=base + list(over))
+
+
+def make_trainer(cfg, run_dir=None, seed=0, drafter=None):
+    ps = prompts()
+    return Trainer(cfg, tiny_model(seed), ps, ps, target_fraction, decode, eos_ids=[0], run_dir=run_dir,
+                   drafter=drafter)
+
+
+def no_timing(m: dict) -> dict:
+    return {k: v for k, v in m.items() if not k.startswith("timing/")}
+
+
+# -- learning --------------------------------------------------------------------------------------
+
+def test_tiny_run_changes_parameters_and_raises_reward():
+    cfg = make_cfg("train.steps=14", "rollout.G=8", "rollout.max_new_tokens=10")
+    tr = make_trainer(cfg)
+    before = [p.detach().clone() for p in tr.model.parameters()]
+    rows = [tr.train_step() for _ in range(cfg.train.steps)]
+    assert any(not torch.equal(a, b) for a, b in zip(before, tr.model.parameters()))
+    first = sum(r["reward/mean"] for r in rows[:3]) / 3
+    last = sum(r["reward/mean"] for r in rows[-3:]) / 3
+    # the base rate of one token in 32 is ~0.03; learning must at least triple it
+    assert last > max(3 * first, first + 0.08), (first, last)
+    assert tr.engine.policy_version == cfg.train.steps
+    for k in ("timing/rollout", "timing/reward", "timing/update", "reward/std", "frac_reward_zero_std",
+              "actor/clip_ratio", "actor/entropy", "actor/grad_norm", "rollout/tokens_generated"):
+        assert k in rows[-1], k
+
+
+def test_training_forward_logprobs_equal_engine_logprobs():
+    # the engine's rollout logprobs are used as old logprobs when mu = 1: they must be the policy's
+    cfg = make_cfg()
+    tr = make_trainer(cfg)
+    ps = prompts()
+    rollouts = tr.engine.generate(ps.ids[:4], SamplingParams(temperature=1.0, max_new_tokens=8, seed=3), n=3)
+    batch = Batch.from_rollouts(rollouts)
+    with torch.no_grad():
+        lp, ent = completion_logprobs(tr.model, batch, torch.arange(len(rollouts)), with_entropy=True)
+    torch.testing.assert_close(lp * batch.cmask, batch.old_lp, atol=2e-5, rtol=0)
+    assert (ent[batch.cmask.bool()] > 0).all()
+
+
+def test_micro_batches_give_the_full_batch_gradient():
+    grads = []
+    for mb in (1, 16):
+        cfg = make_cfg(f"train.micro_batch_size={mb}", "loss.type=grpo")
+        tr = make_trainer(cfg)
+        ps = prompts()
+        rollouts = tr.engine.generate(ps.ids[:4], SamplingParams(temperature=1.0, max_new_tokens=8, seed=3), n=4)
+        rewards = torch.tensor(target_fraction(None, [decode(r.completion_ids.tolist()) for r in rollouts]))
+        rewards = rewards + torch.arange(len(rollouts)) * 0.01  # no zero-variance group
+        tr.update(rollouts, rewards)  # one optimizer step; .grad still holds its gradient
+        grads.append(torch.cat([p.grad.flatten() for p in tr.params]))
+    torch.testing.assert_close(grads[0], grads[1], atol=1e-6, rtol=1e-4)
+
+
+def test_kl_term_is_zero_at_the_reference_and_grows():
+    cfg = make_cfg("train.steps=3", "loss.beta=0.1")
+    tr = make_trainer(cfg)
+    assert tr.ref is not None
+    rows = [tr.train_step() for _ in range(3)]
+    assert rows[0]["actor/kl"] == pytest.approx(0.0, abs=1e-6)
+    assert rows[2]["actor/kl"] > 1e-6
+    assert make_trainer(make_cfg()).ref is None  # no reference model when beta = 0
+
+
+def test_mu_and_mini_batches_take_more_optimizer_steps():
+    cfg = make_cfg("train.steps=1", "train.mu=2", "train.mini_batches=2", "rollout.max_new_tokens=6")
+    tr = make_trainer(cfg)
+    m = tr.train_step()
+    assert m["actor/n_optimizer_steps"] <= 4
+    assert tr.engine.policy_version == m["actor/n_optimizer_steps"]
+    assert m["timing/logprob"] > 0  # old logprobs were recomputed (mu > 1)
+
+
+# -- checkpoints -----------------------------------------------------------------------------------
+
+def test_resume_equals_uninterrupted_run(tmp_path):
+    cfg = make_cfg("train.steps=3")
+    full = make_trainer(cfg, tmp_path / "a")
+    rows = [full.train_step() for _ in range(3)]
+
+    part = make_trainer(cfg, tmp_path / "b")
+    part.train_step(), part.train_step()
+    path = part.save()
+
+    resumed = make_trainer(cfg, tmp_path / "c", seed=123)  # different init: everything must come from disk
+    assert resumed.resume(ckpt.resolve("latest", tmp_path / "b")) == 2
+    assert path.name == "step_000002"
+    third = resumed.train_step()
+    assert no_timing(third) == no_timing(rows[2])
+    for a, b in zip(full.model.parameters(), resumed.model.parameters()):
+        assert torch.equal(a, b)
+
+
+def test_interrupted_checkpoint_write_keeps_the_previous_one(tmp_path, monkeypatch):
+    cfg = make_cfg("train.keep_last=2")
+    tr = make_trainer(cfg, tmp_path)
+    tr.train_step()
+    first = tr.save()
+    tr.train_step()
+    real_save = torch.save
+
+    def dying_save(obj, f, *a, **k):
+        if str(f).endswith("scheduler.pt"):
+            raise OSError("disk full (simulated)")
+        return real_save(obj, f, *a, **k)
+
+    monkeypatch.setattr(ckpt.torch, "save", dying_save)
+    with pytest.raises(OSError, match="simulated"):
+        tr.save()
+    monkeypatch.setattr(ckpt.torch, "save", real_save)
+    assert ckpt.resolve("latest", tmp_path) == first
+    assert not (tmp_path / "step_000002").exists()
+    fresh = make_trainer(cfg, tmp_path, seed=5)
+    assert fresh.resume(first) == 1
+
+
+def test_keep_last_prunes_old_checkpoints(tmp_path):
+    tr = make_trainer(make_cfg("train.keep_last=2"), tmp_path)
+    for _ in range(3):
+        tr.train_step()
+        tr.save()
+    assert [p.name for p in ckpt.list_checkpoints(tmp_path)] == ["step_000002", "step_000003"]
+    with pytest.raises(FileNotFoundError, match="no checkpoint"):
+        ckpt.resolve(tmp_path / "nothing")
+
+
+def test_fit_writes_metrics_eval_and_final_checkpoint(tmp_path):
+    cfg = make_cfg("train.steps=2", "train.eval_before=true")
+    tr = make_trainer(cfg, tmp_path)
+    tr.fit()
+    lines = (tmp_path / "metrics.jsonl").read_text().splitlines()
+    assert len(lines) == 3  # base eval + 2 steps
+    assert "eval/accuracy" in lines[0] and "eval/accuracy" in lines[-1]
+    assert ckpt.list_checkpoints(tmp_path)[-1].name == "step_000002"
+    assert yaml.safe_load((ckpt.list_checkpoints(tmp_path)[-1] / "config.yaml").read_text())["train"]["steps"] == 2
+
+
+# -- drafter hooks ---------------------------------------------------------------------------------
+
+class RecordingDrafter:
+    """Vanilla decoding through the drafter seam, recording the trainer's hook calls."""
+
+    def __init__(self):
+        self.seen = []
+        self.w = torch.zeros(3)
+
+    def max_tokens_per_step(self):
+        return 1
+
+    def begin(self, engine, st, prompts, n):
+        self.engine = engine
+
+    def step(self, st, stop, stats):
+        return self.engine.vanilla_step(st, stop, stats)
+
+    def end(self, engine, st):
+        pass
+
+    def after_rollout(self, rollouts, step):
+        self.seen.append((len(rollouts), step))
+        self.w += 1
+
+    def metrics(self):
+        return {"spec/calls": float(len(self.seen))}
+
+    def state_dict(self):
+        return {"w": self.w}
+
+    def load_state_dict(self, sd):
+        self.w = sd["w"].clone()
+
+
+def test_drafter_hooks_metrics_and_state(tmp_path):
+    d = RecordingDrafter()
+    tr = make_trainer(make_cfg(), tmp_path, drafter=d)
+    m1, m2 = tr.train_step(), tr.train_step()
+    assert d.seen == [(16, 0), (16, 1)]
+    assert m2["spec/calls"] == 2.0 and "timing/draft_update" in m1
+    path = tr.save()
+    d2 = RecordingDrafter()
+    make_trainer(make_cfg(), tmp_path, drafter=d2).resume(path)
+    assert torch.equal(d2.w, torch.full((3,), 2.0))
+
+
+# -- config ----------------------------------------------------------------------------------------
+
+def test_override_parsing_and_types():
+    cfg = load_config(overrides=["train.lr=1e-6", "rollout.G=4", "train.bf16=true", "reward.funcs=accuracy,format"])
+    assert cfg.train.lr == 1e-6 and isinstance(cfg.train.lr, float)
+    assert cfg.rollout.G == 4 and cfg.train.bf16 is True
+    assert cfg.reward.funcs == ["accuracy", "format"]
+    assert parse_override("loss.eps_high=0.28") == {"loss": {"eps_high": 0.28}}
+
+
+@pytest.mark.parametrize("override,msg", [
+    ("train.lrr=1", "unknown config key 'train.lrr'; did you mean 'train.lr'"),
+    ("trian.lr=1", "unknown config section 'trian'; did you mean 'train'"),
+    ("lr=1", "must be section.key"),
+    ("train.lr", "must look like section.key=value"),
+    ("rollout.G=1", "rollout.G must be >= 2"),
+    ("train.lr=abc", "train.lr must be a number"),
+])
+def test_bad_overrides_name_the_key(override, msg):
+    with pytest.raises(ValueError, match=msg.replace("(", r"\(").replace(")", r"\)")):
+        load_config(overrides=[override])
+
+
+def test_yaml_file_and_precedence(tmp_path):
+    f = tmp_path / "x.yaml"
+    f.write_text("train:\n  steps: 7\n  lr: 2.0e-6\nrollout:\n  G: 6\n")
+    cfg = load_config(f, preset="quick", overrides=["train.steps=9"])
+    assert (cfg.train.steps, cfg.train.lr, cfg.rollout.G) == (9, 2e-6, 6)
+    assert cfg.train.prompts_per_step == PRESETS["quick"]["train"]["prompts_per_step"]
+    f.write_text("train:\n  stepz: 7\n")
+    with pytest.raises(ValueError, match=f"{f}: unknown config key 'train.stepz'"):
+        load_config(f)
+    f.write_text("train: [1, 2\n")
+    with pytest.raises(ValueError, match="invalid YAML"):
+        load_config(f)
+
+
+@pytest.mark.parametrize("name", sorted(PRESETS))
+def test_shipped_preset_yaml_matches_code(name):
+    path = Path(__file__).resolve().parents[1] / "configs" / f"{name}.yaml"
+    assert load_config(path).to_dict() == load_config(preset=name).to_dict()
+
+
+def test_lr_schedule_warmup_then_cosine():
+    from specroll.rl.trainer import lr_lambda
+
+    f = lr_lambda(2, 10, True, 0.1)
+    assert [f(0), f(1)] == [1 / 3, 2 / 3]
+    assert f(2) == pytest.approx(1.0)
+    assert f(10) == pytest.approx(0.1)
+    assert f(6) == pytest.approx(0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * 0.5)))
