@@ -38,10 +38,7 @@ class DataError(ValueError):
     """A dataset problem; the message is one line naming the file / line / field and the fix."""
 
 
-DEFAULT_SYSTEM_PROMPT = (
-    "Solve the math problem. Show brief working, then end with the line 'The answer is N.' "
-    "where N is the final integer answer."
-)
+DEFAULT_SYSTEM_PROMPT = "Answer the math question. End your reply with the final answer as a single number."
 ANSWER_FORMATS = ("plain", "gsm8k", "boxed", "auto")
 QUESTION_ALIASES = ("question", "problem", "prompt", "query", "input", "instruction")
 ANSWER_ALIASES = ("answer", "solution", "final_answer", "target", "output", "response")
@@ -66,7 +63,7 @@ class DataConfig:
     question_field: str = "question"
     answer_field: str = "answer"
     answer_format: str = "plain"
-    level: int = 2
+    level: int = 1
     n_train: int = 2000
     n_eval: int = 64
     seed: int = 0
@@ -112,7 +109,7 @@ def _check_int(name: str, v, lo: int | None):
 # ------------------------------------------------------------------------------------------------
 
 LEVELS = {
-    1: "single-digit addition: 'What is a + b?', a, b in 1..9",
+    1: "addition of a one-digit number: 'What is a + b?', one operand in 1..9, the other in 1..20",
     2: "addition or subtraction, 'What is a + b?' / 'What is a - b?', a, b in 2..20, never negative",
     3: "one of +, -, x: add / subtract with a, b in 10..99 (never negative), multiply with a, b in 2..12",
     4: "one-step word problem: a person gains, loses, or buys groups of items (numbers <= 30)",
@@ -173,7 +170,9 @@ def _word_problem(gen, steps: int) -> tuple[str, int]:
 
 def _make_problem(gen: torch.Generator, level: int) -> tuple[str, int]:
     if level == 1:
-        return _two_operand(gen, "+", 1, 9)
+        a, b = _randint(gen, 1, 20), _randint(gen, 1, 9)
+        a, b = (a, b) if _randint(gen, 0, 1) else (b, a)
+        return f"What is {a} + {b}?", a + b
     if level == 2:
         return _two_operand(gen, _pick(gen, "+-"), 2, 20)
     if level == 3:
