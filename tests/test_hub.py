@@ -141,6 +141,13 @@ def test_interrupted_build_leaves_no_entry(tmp_path, monkeypatch):
     assert not list((tmp_path / "models").iterdir())
 
 
+def test_unwritable_cache_is_one_line(tmp_path):
+    blocker = tmp_path / "home"
+    blocker.write_text("a file where the cache directory should be")
+    with pytest.raises(hub.HubError, match="cannot write the model cache .*SPECROLL_HOME"):
+        hub.resolve("tiny-llama", home=blocker, quiet=True)
+
+
 def test_offline_pull_without_cache_is_one_line(tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("SPECROLL_HOME", str(tmp_path))
     monkeypatch.setenv("PIP_CONFIG_FILE", os.devnull)

@@ -239,12 +239,20 @@ def _cached(label: str, target: Path, build, force: bool, quiet: bool) -> Path:
         return target
     if target.exists():
         _log(f"cache entry {target} is unusable ({problem}); pulling it again", quiet)
-    target.parent.mkdir(parents=True, exist_ok=True)
     for attempt in (1, 2):
-        tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
-        tmp.chmod(0o755)
+        try:
+            target.parent.mkdir(parents=True, exist_ok=True)
+            tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
+            tmp.chmod(0o755)
+        except OSError as e:
+            raise HubError(f"cannot write the model cache {target.parent} ({e.strerror or e}); "
+                           "set SPECROLL_HOME to a writable directory") from e
         try:
             build(tmp)
+        except OSError as e:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise HubError(f"writing {label} into {target.parent} failed ({_first_line(e)}); "
+                           "check free disk space or set SPECROLL_HOME") from e
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
             raise
