@@ -122,7 +122,8 @@ def head_loss(head: DraftHead, lm: DraftVocab, embed, ids, H, valid, cfg: Distil
     l_ce = (-(teacher * logq).sum(-1) * m).sum() / m.sum()
     with torch.no_grad():
         top1 = ((logq.argmax(-1) == teacher.argmax(-1)).float() * m).sum() / m.sum()
-    return cfg.w_feat * l_feat + cfg.w_ce * l_ce, {"feat": float(l_feat), "ce": float(l_ce), "top1": float(top1)}
+    return cfg.w_feat * l_feat + cfg.w_ce * l_ce, {"feat": float(l_feat.detach()), "ce": float(l_ce.detach()),
+                                                   "top1": float(top1)}
 
 
 def train_head(head: DraftHead, policy: Decoder, seqs: list[torch.Tensor], hid: list[torch.Tensor],
@@ -145,7 +146,7 @@ def train_head(head: DraftHead, policy: Decoder, seqs: list[torch.Tensor], hid: 
         torch.nn.utils.clip_grad_norm_(head.parameters(), 1.0)
         opt.step()
         sched.step()
-        info.update(step=step, loss=float(loss), elapsed=time.perf_counter() - t0)
+        info.update(step=step, loss=float(loss.detach()), elapsed=time.perf_counter() - t0)
         hist.append(info)
         if log is not None and (step % 20 == 0 or step == cfg.steps - 1):
             log(info)
@@ -157,8 +158,9 @@ def train_head(head: DraftHead, policy: Decoder, seqs: list[torch.Tensor], hid: 
 
 def distill(policy: Decoder, prompts: list[list[int]], *, eos_ids=(), n: int = 4, max_new_tokens: int = 128,
             temperature: float = 1.0, dtype: torch.dtype = torch.bfloat16, draft_vocab: int = 4096,
-            cfg: DistillConfig = DistillConfig(), log=None, time_budget: float | None = None):
+            cfg: DistillConfig | None = None, log=None, time_budget: float | None = None):
     """Generate, collect hidden states, train a fresh head. Returns (head, info dict)."""
+    cfg = cfg or DistillConfig()
     t0 = time.perf_counter()
     engine = Engine(policy, eos_ids=eos_ids, dtype=dtype)
     params = SamplingParams(temperature=temperature, max_new_tokens=max_new_tokens, seed=cfg.seed)

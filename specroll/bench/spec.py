@@ -1,0 +1,105 @@
+"""``specroll bench spec``: EAGLE tree speculation against the vanilla engine, side by side.
+
+Both systems run in one process on the same model, dtype, prompts (held-out built-in arithmetic
+questions, chat-templated) and seeds; completions stop naturally at EOS or ``max_new_tokens``.
+Throughput is completion tokens over wall time summed across ``repeats`` (seed + r each), the two
+systems interleaved so machine noise hits both. ``accept_length`` = tokens emitted per verification
+step (bonus included), ``accept_rate`` = accepted draft nodes / drafted nodes.
+
+Plans: ``static`` (fixed ``--n-verify/--k/--depth``). ``PLANS`` maps a name to a factory
+``(args) -> (plan_fn(B_active) -> Plan, max_plan)``; the concurrency-aware budget registers here.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from ..drafters.eagle import EagleDrafter, Plan, load_head
+from ..engine.engine import Engine
+from ..engine.sampling import SamplingParams
+from .common import DTYPES, machine_info, parse_int_list, write_json
+
+
+def _static(args):
+    plan = Plan(args.n_verify, args.k, args.depth)
+    return (lambda b: plan), plan
+
+
+PLANS = {"static": _static}
+
+
+def bench_prompts(tokenizer, n: int, seed: int) -> list[list[int]]:
+    from ..rl.data import DataConfig, build_prompts, load_examples
+
+    cfg = DataConfig(task="arithmetic", n_eval=n, seed=seed)
+    ids, _, _ = build_prompts(load_examples(cfg, "eval"), tokenizer, cfg)
+    return (ids * (n // max(len(ids), 1) + 1))[:n]
+
+
+def _timed(fn, *args, **kw):
+    t = time.perf_counter()
+    out = fn(*args, **kw)
+    return time.perf_counter() - t, out
+
+
+def bench_batch(engine: Engine, head, prompts, params: SamplingParams, plan_name: str, plan_fn, max_plan,
+                repeats: int) -> dict:
+    van_t = spec_t = 0.0
+    van_n = spec_n = 0
+    totals = torch.zeros(4, dtype=torch.long)
+    for r in range(repeats):
+        p = SamplingParams(**{**params.__dict__, "seed": (params.seed or 0) + r})
+        dt, outs = _timed(engine.generate, prompts, p)
+        van_t, van_n = van_t + dt, van_n + sum(len(o.completion_ids) for o in outs)
+        drafter = EagleDrafter(head, plan_fn=plan_fn, max_plan=max_plan)
+        dt, outs = _timed(engine.generate, prompts, p, drafter=drafter)
+        spec_t, spec_n = spec_t + dt, spec_n + sum(len(o.completion_ids) for o in outs)
+        totals += drafter.totals
+    steps, emitted, drafted, accepted = (int(x) for x in totals)
+    v, s = van_n / van_t, spec_n / spec_t
+    return {"batch": len(prompts), "plan": plan_name, "vanilla_tok_s": v, "spec_tok_s": s, "speedup": s / v,
+            "accept_length": emitted / max(steps, 1), "accept_rate": accepted / max(drafted, 1),
+            "vanilla_tokens": van_n, "spec_tokens": spec_n, "vanilla_s": van_t, "spec_s": spec_t,
+            "plan_max": max_plan.__dict__}
+
+
+def run_bench(args) -> dict:
+    from ..cli import CliError
+    from ..models import hub
+
+    batches = parse_int_list(args.batch_sizes, "--batch-sizes")
+    plans = [p.strip() for p in args.plan.split(",") if p.strip()]
+    for p in plans:
+        if p not in PLANS:
+            raise CliError(f"--plan {p!r} is not available here; known plans: {sorted(PLANS)}")
+    dtype = DTYPES[args.dtype]
+    model, tok = hub.load(args.model, torch.float32)
+    head = load_head(args.draft, model)
+    eos = hub.eos_ids(tok, hub.resolve(args.model, quiet=True))
+    engine = Engine(model, eos_ids=eos, dtype=dtype)
+    params = SamplingParams(temperature=args.temperature, top_p=args.top_p, max_new_tokens=args.max_new_tokens,
+                            seed=args.seed)
+    prompts = bench_prompts(tok, max(batches), args.seed)
+    warm = SamplingParams(max_new_tokens=8, seed=args.seed)
+    engine.generate(prompts[:2], warm)
+    engine.generate(prompts[:2], warm, drafter=EagleDrafter(head, Plan(args.n_verify, args.k, args.depth)))
+    rows = []
+    for name in plans:
+        plan_fn, max_plan = PLANS[name](args)
+        for B in batches:
+            row = bench_batch(engine, head, prompts[:B], params, name, plan_fn, max_plan, args.repeats)
+            print(f"batch {B:3d} {name:8s} vanilla {row['vanilla_tok_s']:7.1f} tok/s  spec {row['spec_tok_s']:7.1f} "
+                  f"tok/s  x{row['speedup']:.2f}  accept_length {row['accept_length']:.2f}", flush=True)
+            rows.append(row)
+    return {"rows": rows, "model": args.model, "draft": str(args.draft), "dtype": args.dtype,
+            "max_new_tokens": args.max_new_tokens, "temperature": args.temperature, "top_p": args.top_p,
+            "repeats": args.repeats, "machine": machine_info()}
+
+
+def cli(args) -> int:
+    out = run_bench(args)
+    write_json(args.out, out)
+    print(f"wrote {args.out}")
+    return 0

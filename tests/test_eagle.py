@@ -1,0 +1,296 @@
+"""EAGLE tree speculation: lossless against plain sampling, greedy-exact, ragged batches, head I/O.
+
+The distribution tests enumerate every completion of a tiny model (vocab 8, 3 new tokens: 512
+sequences), compute its exact probability under the sampling distribution, and run a chi-square
+goodness-of-fit on speculative samples. The same statistic must reject a deliberately wrong rule
+(accept a drafted token with probability p(token), no sampler-match).
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from specroll.drafters.distill import DistillConfig, distill, head_loss, hidden_states, train_head
+from specroll.drafters.eagle import DraftHead, DraftVocab, EagleDrafter, Plan, head_for, load_head, save_head
+from specroll.drafters.verify import Verdict, match_walk
+from specroll.engine.engine import Engine
+from specroll.engine.sampling import SamplingParams, processed_logprobs, sample
+from specroll.models.decoder import Decoder, DecoderConfig
+
+
+def tiny(vocab: int, seed: int, scale: float = 3.0) -> Decoder:
+    torch.manual_seed(seed)
+    cfg = DecoderConfig(arch="llama", vocab_size=vocab, hidden_size=32, intermediate_size=64, num_layers=2,
+                        num_heads=4, num_kv_heads=2, head_dim=8, max_position=256)
+    m = Decoder(cfg).eval()
+    with torch.no_grad():
+        for p in m.parameters():
+            if p.dim() == 2:
+                p.mul_(scale)
+    return m
+
+
+# --- exact distribution + chi-square ---------------------------------------------------------------
+
+V_SMALL, M_SMALL = 8, 3
+PROMPT = [1, 5, 2, 6]
+
+
+@torch.no_grad()
+def exact_probs(model: Decoder, prompt, params: SamplingParams, M: int) -> torch.Tensor:
+    """(V**M,) probability of every completion (index = sum tok_i * V**i) under ``params``."""
+    V = model.cfg.vocab_size
+    prefixes, probs = torch.zeros(1, 0, dtype=torch.long), torch.ones(1, dtype=torch.float64)
+    for _ in range(M):
+        ids = torch.cat([torch.tensor(prompt).expand(len(prefixes), -1), prefixes], 1)
+        h = model(ids, torch.arange(ids.shape[1]).expand_as(ids))
+        p = processed_logprobs(model.logits(h[:, -1]), params).exp().double()  # (n, V)
+        probs = (probs[:, None] * p).flatten()
+        prefixes = torch.cat([prefixes.repeat_interleave(V, 0), torch.arange(V).repeat(len(prefixes))[:, None]], 1)
+    weights = V ** torch.arange(M)
+    order = (prefixes * weights).sum(1)
+    return torch.zeros(V**M, dtype=torch.float64).index_put_((order,), probs)
+
+
+def chi2_pvalue(counts: torch.Tensor, probs: torch.Tensor) -> float:
+    """Goodness of fit; cells with expected count < 5 are lumped. Wilson-Hilferty tail."""
+    n = counts.sum().double()
+    exp = probs * n
+    big = exp >= 5
+    obs = torch.cat([counts[big].double(), counts[~big].double().sum()[None]])
+    ex = torch.cat([exp[big], exp[~big].sum()[None]])
+    keep = ex > 0
+    obs, ex = obs[keep], ex[keep]
+    stat, k = float(((obs - ex) ** 2 / ex).sum()), int(keep.sum()) - 1
+    z = ((stat / k) ** (1 / 3) - (1 - 2 / (9 * k))) / math.sqrt(2 / (9 * k))
+    return 0.5 * math.erfc(z / math.sqrt(2))
+
+
+def sample_counts(engine, params, S, drafter=None) -> torch.Tensor:
+    outs = engine.generate([PROMPT], params, n=S, drafter=drafter)
+    V = engine.model.cfg.vocab_size
+    idx = torch.stack([(o.completion_ids * V ** torch.arange(M_SMALL)).sum() for o in outs])
+    return torch.bincount(idx, minlength=V**M_SMALL)
+
+
+class AdversarialDrafter(EagleDrafter):
+    """Proposes the tokens its (trained) head finds LEAST likely."""
+
+    def draft_logp(self, feat):
+        return torch.log_softmax(-self.lm(feat), dim=-1)
+
+
+def wrong_rule(tree, logits, params, gen):
+    """A plausible but biased rule: accept a drafted child with probability p(child) under the policy
+    at its parent, and emit a fresh policy sample where the walk stops (no sampler-match)."""
+    logp = processed_logprobs(logits, params)  # (B, N, V)
+    samp, plp, slp = sample(logits, params, gen)
+    B, N = tree.tokens.shape
+    p_child = logp.gather(1, tree.parents[..., None].expand(-1, -1, logp.shape[2])).gather(
+        2, tree.tokens[..., None]).squeeze(-1).exp()
+    acc = (torch.rand(B, N, generator=gen) < p_child) & tree.valid
+    acc[:, 0] = False
+    # at every node: the token of its first accepted child, else the policy's own sample
+    first = torch.full((B, N), -1)
+    for c in range(N - 1, 0, -1):
+        par = tree.parents[:, c]
+        first[torch.arange(B), par] = torch.where(acc[:, c], c, first[torch.arange(B), par])
+    pseudo = torch.where(first >= 0, tree.tokens.gather(1, first.clamp(min=0)), samp)
+    path, n_acc = match_walk(tree.tokens, tree.parents, tree.valid, pseudo, tree.max_depth)
+    lp = logp.gather(2, pseudo[..., None]).squeeze(-1)
+    return Verdict(path, n_acc, pseudo.gather(1, path), lp.gather(1, path), lp.gather(1, path))
+
+
+@pytest.fixture(scope="module")
+def small():
+    model = tiny(V_SMALL, seed=3)
+    head, _ = distill(model, [PROMPT, [3, 3, 7]], n=32, max_new_tokens=M_SMALL + 2, dtype=torch.float32,
+                      draft_vocab=0, cfg=DistillConfig(steps=25, lr=3e-3, batch=16))
+    return model, head
+
+
+PARAMS = {"t1": SamplingParams(temperature=1.0, max_new_tokens=M_SMALL, seed=11),
+          "t07p09": SamplingParams(temperature=0.7, top_p=0.9, max_new_tokens=M_SMALL, seed=12)}
+S = 2000
+
+
+@pytest.mark.parametrize("kind", ["random", "trained", "adversarial"])
+@pytest.mark.parametrize("pname", ["t1", "t07p09"])
+def test_tree_speculation_is_lossless(small, kind, pname):
+    model, trained = small
+    params = PARAMS[pname]
+    head = head_for(model, seed=5) if kind == "random" else trained
+    cls = AdversarialDrafter if kind == "adversarial" else EagleDrafter
+    drafter = cls(head, Plan(n_verify=7, k=3, depth=3))
+    counts = sample_counts(Engine(model), params, S, drafter)
+    p = chi2_pvalue(counts, exact_probs(model, PROMPT, params, M_SMALL))
+    assert p > 1e-3, f"{kind} draft at {pname}: chi-square p = {p:.2e}"
+    assert drafter.totals[3] > 0 or kind == "adversarial"  # drafts were actually accepted
+
+
+def test_vanilla_sampler_passes_the_same_statistic(small):
+    model, _ = small
+    counts = sample_counts(Engine(model), PARAMS["t07p09"], S)
+    assert chi2_pvalue(counts, exact_probs(model, PROMPT, PARAMS["t07p09"], M_SMALL)) > 1e-3
+
+
+@pytest.mark.parametrize("pname", ["t1", "t07p09"])
+def test_the_statistic_detects_a_wrong_rule(small, pname):
+    model, head = small
+    params = PARAMS[pname]
+    drafter = EagleDrafter(head, Plan(n_verify=7, k=3, depth=3), rule=wrong_rule)
+    counts = sample_counts(Engine(model), params, S, drafter)
+    assert chi2_pvalue(counts, exact_probs(model, PROMPT, params, M_SMALL)) < 1e-6
+
+
+# --- greedy, ragged batches, logprobs ---------------------------------------------------------------
+
+V_MID = 64
+PROMPTS = [[5, 17, 3], [9, 2, 44, 61, 7, 30, 12], [1], [50, 23, 4, 50, 8]]
+EOS = 7
+
+
+@pytest.fixture(scope="module")
+def mid():
+    model = tiny(V_MID, seed=1, scale=2.5)
+    head, _ = distill(model, PROMPTS, n=8, max_new_tokens=24, temperature=0.0, dtype=torch.float32,
+                      draft_vocab=48, cfg=DistillConfig(steps=40, lr=3e-3, batch=8))
+    return model, head
+
+
+@torch.no_grad()
+def naive_greedy(model, prompt, n_new, stop=()):
+    ids, out = list(prompt), []
+    for _ in range(n_new):
+        h = model(torch.tensor([ids]), torch.arange(len(ids))[None])
+        nxt = int(model.logits(h[0, -1]).argmax())
+        out.append(nxt)
+        ids.append(nxt)
+        if nxt in stop:
+            break
+    return out
+
+
+@pytest.mark.parametrize("plan", [Plan(8, 3, 4), Plan(5, 1, 4), Plan(1, 1, 0)])
+def test_greedy_equals_vanilla_greedy_with_stops(mid, plan):
+    model, head = mid
+    params = SamplingParams(temperature=0, max_new_tokens=20)
+    engine = Engine(model, eos_ids=[EOS])
+    van = engine.generate(PROMPTS, params, n=2)
+    spec = engine.generate(PROMPTS, params, n=2, drafter=EagleDrafter(head, plan))
+    for a, b in zip(van, spec):
+        assert a.completion_ids.tolist() == b.completion_ids.tolist()
+        assert a.finish_reason == b.finish_reason
+        torch.testing.assert_close(a.logprobs, b.logprobs, atol=1e-4, rtol=0)
+
+
+def test_ragged_acceptance_in_one_step_matches_single_row_reference(mid):
+    model, head = mid
+    params = SamplingParams(temperature=0, max_new_tokens=24)
+    drafter = EagleDrafter(head, Plan(10, 3, 5), trace=True)
+    outs = Engine(model, eos_ids=[EOS]).generate(PROMPTS, params, n=1, drafter=drafter)
+    ragged = [t for t in drafter.trace if t.numel() > 1 and int(t.min()) == 0 and int(t.max()) >= 2]
+    assert ragged, f"no step mixed zero and multi-token acceptance: {[t.tolist() for t in drafter.trace]}"
+    for p, o in zip(PROMPTS, outs):
+        assert o.completion_ids.tolist() == naive_greedy(model, p, 24, stop=(EOS,))
+    assert sum(o.n_accepted for o in outs) > 0
+
+
+def test_trained_head_beats_random_head(mid):
+    model, head = mid
+    params = SamplingParams(temperature=0, max_new_tokens=24)
+    got = {}
+    for name, h in (("random", head_for(model, head.vocab_ids, seed=9)), ("trained", head)):
+        d = EagleDrafter(h, Plan(8, 3, 4))
+        Engine(model).generate(PROMPTS, params, n=1, drafter=d)
+        got[name] = d.summary()["accept_length"]
+    assert got["trained"] > got["random"] + 0.3, got
+
+
+@torch.no_grad()
+def test_returned_logprobs_match_teacher_forcing(mid):
+    model, head = mid
+    params = SamplingParams(temperature=0.7, top_p=0.9, max_new_tokens=12, seed=4)
+    outs = Engine(model).generate(PROMPTS, params, n=3, drafter=EagleDrafter(head, Plan(8, 3, 4)))
+    for o in outs:
+        ids = torch.cat([o.prompt_ids, o.completion_ids])
+        logits = model.logits(model(ids[None], torch.arange(len(ids))[None]))[0]
+        P = len(o.prompt_ids)
+        prev = logits[P - 1: len(ids) - 1]
+        want_plp = torch.log_softmax(prev, -1).gather(1, o.completion_ids[:, None]).squeeze(1)
+        want_slp = processed_logprobs(prev, params).gather(1, o.completion_ids[:, None]).squeeze(1)
+        torch.testing.assert_close(o.logprobs, want_plp, atol=1e-4, rtol=0)
+        torch.testing.assert_close(o.sample_logprobs, want_slp, atol=1e-4, rtol=0)
+        assert o.n_drafted > 0
+
+
+def test_same_seed_same_output(mid):
+    model, head = mid
+    params = SamplingParams(temperature=1.0, max_new_tokens=10, seed=7)
+    a = Engine(model).generate(PROMPTS, params, n=2, drafter=EagleDrafter(head, Plan(6, 2, 3)))
+    b = Engine(model).generate(PROMPTS, params, n=2, drafter=EagleDrafter(head, Plan(6, 2, 3)))
+    assert [o.completion_ids.tolist() for o in a] == [o.completion_ids.tolist() for o in b]
+
+
+# --- head: cache consistency, save / load, distillation ----------------------------------------------
+
+@torch.no_grad()
+def test_cached_head_matches_cache_free_pass(mid):
+    model, head = mid
+    seq = torch.tensor([[5, 17, 3, 9, 2, 44, 61, 7]])
+    H = model(seq, torch.arange(8)[None])
+    pos = torch.arange(1, 8)[None]
+    full = head(H[:, :-1], model.embed(seq[:, 1:]), pos)
+    cache = head.new_cache(1, 16, torch.float32)
+    cache.reset(1)
+    parts = []
+    for a, b in ((0, 3), (3, 4), (4, 7)):  # ragged chunks through the cache
+        slots = cache.chain_slots(b - a)
+        parts.append(head(H[:, a:b], model.embed(seq[:, a + 1: b + 1]), pos[:, a:b], cache, cache.mask(b - a), slots))
+        cache.advance(b - a)
+    torch.testing.assert_close(torch.cat(parts, 1), full, atol=1e-5, rtol=0)
+
+
+def test_save_load_roundtrip_and_mismatch(tmp_path, mid):
+    model, head = mid
+    save_head(head, tmp_path / "h", {"note": "test"})
+    back = load_head(tmp_path / "h", model)
+    assert torch.equal(back.vocab_ids, head.vocab_ids)
+    x = torch.randn(2, 3, 32)
+    pos = torch.arange(3).expand(2, 3)
+    torch.testing.assert_close(back(x, x, pos), head(x, x, pos))
+    other = tiny(V_MID + 1, seed=0)
+    with pytest.raises(ValueError, match="vocab_size"):
+        load_head(tmp_path / "h", other)
+    with pytest.raises(FileNotFoundError, match="draft_head.json"):
+        load_head(tmp_path / "missing", model)
+
+
+def test_distillation_lowers_the_loss(mid):
+    model, _ = mid
+    seqs = [torch.tensor(p + naive_greedy(model, p, 12)) for p in PROMPTS]
+    hid = hidden_states(model, seqs)
+    head = head_for(model, seed=2)
+    cfg = DistillConfig(steps=30, lr=3e-3, batch=4)
+    hist = train_head(head, model, seqs, hid, cfg)
+    first = sum(h["loss"] for h in hist[:5]) / 5
+    last = sum(h["loss"] for h in hist[-5:]) / 5
+    assert last < 0.85 * first, (first, last)
+
+
+def test_draft_vocab_maps_indices_to_token_ids():
+    model = tiny(V_MID, seed=0)
+    ids = torch.tensor([3, 10, 40])
+    head = DraftHead(model.cfg, ids)
+    lm = DraftVocab(model, ids)
+    f = torch.randn(2, 32)
+    torch.testing.assert_close(lm(f), model.logits(f)[:, ids])
+    with pytest.raises(ValueError, match="draft vocab"):
+        DraftHead(model.cfg, torch.tensor([V_MID]))
+    assert head.draft_vocab == 3
+    loss, _ = head_loss(head, lm, model.embed, torch.tensor([[1, 3, 10]]), torch.randn(1, 3, 32),
+                        torch.ones(1, 3, dtype=torch.bool), DistillConfig())
+    assert torch.isfinite(loss)

@@ -1,0 +1,134 @@
+"""Tree verification as pure functions: the sampler-match walk, tree tensors, emission truncation."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from specroll.drafters.eagle import DraftTree, EagleDrafter, ancestor_mask, emit_run
+from specroll.drafters.verify import match_walk, sampler_match
+from specroll.engine.sampling import SamplingParams
+
+# One tree per row, N = 6:      0 (root)
+#                              /        \
+#                          1 (t=5)    2 (t=7)
+#                          /    \         \
+#                      3 (t=1) 4 (t=2)   5 (t=3)
+PARENTS = torch.tensor([0, 0, 0, 1, 1, 2])
+TOKENS = torch.tensor([9, 5, 7, 1, 2, 3])
+DEPTH = torch.tensor([0, 1, 1, 2, 2, 2])
+
+
+def tree(B: int) -> DraftTree:
+    return DraftTree.build(TOKENS.expand(B, 6).clone(), PARENTS.expand(B, 6).clone(), DEPTH.expand(B, 6).clone())
+
+
+def test_walk_ragged_acceptance_in_one_batch():
+    t = tree(4)
+    # samples[b, node] = what the policy drew at that node
+    samples = torch.tensor([
+        [5, 2, 0, 0, 0, 0],  # root -> 5 (node 1) -> 2 (node 4): 2 accepted
+        [7, 0, 3, 0, 0, 0],  # root -> 7 (node 2) -> 3 (node 5): 2 accepted
+        [4, 2, 0, 0, 0, 0],  # root drew 4: nothing accepted
+        [5, 8, 0, 0, 0, 0],  # root -> 5 (node 1), then 8 is no child: 1 accepted
+    ])
+    path, n = match_walk(t.tokens, t.parents, t.valid, samples, t.max_depth)
+    assert n.tolist() == [2, 2, 0, 1]
+    assert path.tolist() == [[0, 1, 4], [0, 2, 5], [0, 0, 0], [0, 1, 1]]
+
+
+def test_walk_ignores_invalid_nodes_and_takes_first_duplicate():
+    t = tree(2)
+    t.valid[0, 1] = False  # padding node in row 0
+    t.tokens[1, 2] = 5  # duplicate sibling token in row 1
+    samples = torch.tensor([[5, 1, 0, 0, 0, 0], [5, 1, 0, 0, 0, 0]])
+    path, n = match_walk(t.tokens, t.parents, t.valid, samples, t.max_depth)
+    assert n.tolist() == [0, 2]
+    assert path[1].tolist() == [0, 1, 3]
+
+
+def test_sampler_match_emits_policy_samples_greedy():
+    B, N, V = 3, 6, 10
+    logits = torch.randn(B, N, V)
+    t = tree(B)
+    v = sampler_match(t, logits, SamplingParams(temperature=0), None)
+    arg = logits.argmax(-1)
+    assert torch.equal(v.tokens, arg.gather(1, v.path))  # every emitted token is the policy's own pick
+    for b in range(B):  # each accepted node's token is the policy's pick at its parent
+        for j in range(1, int(v.n_accept[b]) + 1):
+            node, par = int(v.path[b, j]), int(v.path[b, j - 1])
+            assert int(t.tokens[b, node]) == int(arg[b, par]) and int(PARENTS[node]) == par
+    logp = torch.log_softmax(logits, -1)
+    want = torch.stack([logp[b, v.path[b], v.tokens[b]] for b in range(B)])
+    torch.testing.assert_close(v.policy_lp, want)
+
+
+def test_ancestor_mask_and_paths():
+    t = tree(1)
+    m = t.mask[0]
+    assert m[4].tolist() == [True, True, False, False, True, False]
+    assert m[5].tolist() == [True, False, True, False, False, True]
+    assert torch.equal(ancestor_mask(t.parents, 2), t.mask)
+    p = t.paths()[0]
+    assert p[4].tolist() == [0, 1, 4] and p[2].tolist() == [0, 2, -1] and p[0].tolist() == [0, -1, -1]
+
+
+def test_select_is_ancestor_closed_and_ordered():
+    gen = torch.Generator().manual_seed(0)
+    B, K, L = 5, 3, 4
+    # candidates of a random tree grown like EagleDrafter._grow: scores decrease along every path
+    toks, scores, pars, deps = [], [], [], []
+    front = torch.zeros(B, K)
+    front_idx = torch.full((B, K), -1)
+    c = 0
+    for d in range(1, L + 1):
+        n_par = 1 if d == 1 else K
+        lp = -torch.rand(B, n_par, K, generator=gen) * 3
+        base = (torch.zeros(B, 1) if d == 1 else front)[:, :, None]
+        s = (base + lp - 1e-3).flatten(1)
+        par = (torch.full((B, 1), -1) if d == 1 else front_idx)[:, :, None].expand(B, n_par, K).flatten(1)
+        toks.append(torch.randint(50, (B, n_par * K), generator=gen))
+        scores.append(s)
+        pars.append(par)
+        deps.append(torch.full((B, n_par * K), d))
+        top = s.topk(K, dim=-1)
+        front, front_idx = top.values, c + top.indices
+        c += n_par * K
+    t = EagleDrafter._select(torch.zeros(B, dtype=torch.long), torch.cat(toks, 1), torch.cat(scores, 1),
+                             torch.cat(pars, 1), torch.cat(deps, 1), 12)
+    assert t.tokens.shape == (B, 12)
+    idx = torch.arange(12)
+    assert bool((t.parents[:, 1:] < idx[1:]).all())  # parents precede children
+    assert torch.equal(t.depth[:, 1:], t.depth.gather(1, t.parents)[:, 1:] + 1)
+
+
+def test_chain_is_k1_tree():
+    par = torch.tensor([[0, 0, 1, 2]])
+    t = DraftTree.build(torch.tensor([[1, 2, 3, 4]]), par, torch.tensor([[0, 1, 2, 3]]))
+    assert torch.equal(t.mask[0], torch.ones(4, 4, dtype=torch.bool).tril())
+
+
+def _state(n_gen, M, min_new=0):
+    B = len(n_gen)
+    p = SamplingParams(max_new_tokens=M, min_new_tokens=min_new)
+    return SimpleNamespace(row_ids=torch.arange(B), n_gen=torch.tensor(n_gen), tokens=torch.zeros(B, M, dtype=torch.long),
+                           policy_lp=torch.zeros(B, M), sample_lp=torch.zeros(B, M), params=p)
+
+
+@pytest.mark.parametrize("min_new", [0, 4])
+def test_emit_run_truncates_at_first_stop_and_max_new(min_new):
+    st = _state([1, 1, 5], 8, min_new=min_new)
+    toks = torch.tensor([[4, 0, 5, 0], [4, 4, 4, 4], [1, 2, 3, 4]])
+    lp = -torch.arange(12.0).view(3, 4)
+    fin, stopped = emit_run(st, toks, lp, lp * 2, torch.tensor([4, 2, 4]), torch.tensor([0]))
+    if min_new == 0:  # row 0 stops at its first 0; row 1 emits its 2; row 2 fills max_new with 3 of 4
+        assert st.n_gen.tolist() == [3, 3, 8]
+        assert st.tokens[0, 1:3].tolist() == [4, 0]
+    else:  # the first 0 would end the row before min_new_tokens = 4, so the second one stops it
+        assert st.n_gen.tolist() == [5, 3, 8]
+        assert st.tokens[0, 1:5].tolist() == [4, 0, 5, 0]
+    assert fin.tolist() == [True, False, True] and stopped.tolist() == [True, False, False]
+    assert st.tokens[2, 5:].tolist() == [1, 2, 3]
+    assert st.policy_lp[1, 1:3].tolist() == [-4.0, -5.0] and st.sample_lp[1, 1:3].tolist() == [-8.0, -10.0]
