@@ -212,6 +212,13 @@ def test_real_math_verify_from_a_thread(checker):
     assert out["r"] == [1.0, 0.0]
 
 
+def test_worker_that_cannot_start_is_reported(tmp_path):
+    c = MathChecker(timeout_s=1.0, fn="sr_no_such_module_xyz:f")
+    with pytest.raises(RuntimeError, match="failed to start: ModuleNotFoundError.*sr_no_such_module_xyz"):
+        c.map([("a",)])
+    c.close()
+
+
 def test_worker_error_scores_zero(tmp_path):
     _write_module(tmp_path, "sr_errmod", """
         def check(x):
@@ -261,7 +268,7 @@ def test_weights_and_per_function_values():
     assert per["accuracy"] == [1.0, 0.0, 1.0]
     assert per["format"] == [1.0, 1.0, 0.0]
     assert total == [1.25, 0.25, 1.0]
-    reward.checker.close()
+    reward.close()
 
 
 def test_user_function_import(tmp_path):

@@ -30,6 +30,7 @@ import queue
 import re
 import subprocess
 import sys
+import tempfile
 import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -204,6 +205,7 @@ class MathChecker:
         self.n_errors = 0
         self._lock = threading.Lock()
         self._proc = None
+        self._stderr = None
         self._out: queue.Queue | None = None
         self._fresh = False
         self._warned = False
@@ -217,9 +219,10 @@ class MathChecker:
         if self._proc is not None and self._proc.poll() is None:
             return
         self._kill()
+        self._stderr = tempfile.TemporaryFile(mode="w+")
         self._proc = subprocess.Popen(
             [sys.executable, "-c", _WORKER_CODE, json.dumps([p for p in sys.path if p]), self.fn],
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, bufsize=1,
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._stderr, text=True, bufsize=1,
         )
         self._out = queue.Queue()
         threading.Thread(target=_pump, args=(self._proc.stdout, self._out), daemon=True).start()
@@ -229,12 +232,12 @@ class MathChecker:
         if self._proc is not None:
             self._proc.kill()
             self._proc.wait(timeout=10)
-            for f in (self._proc.stdin, self._proc.stdout):
+            for f in (self._proc.stdin, self._proc.stdout, self._stderr):
                 try:
                     f.close()
                 except OSError:
                     pass
-        self._proc = self._out = None
+        self._proc = self._out = self._stderr = None
 
     def close(self):
         with self._lock:
@@ -266,8 +269,12 @@ class MathChecker:
             try:
                 msg = self._out.get(timeout=wait)
             except queue.Empty:
-                msg = None
-            if msg is None:  # deadline passed, or the worker died (EOF)
+                msg = None  # deadline passed
+            else:
+                if msg is None and self._fresh:  # EOF before any answer: the worker could not start
+                    self._proc.wait(timeout=10)
+                    raise RuntimeError(f"reward worker for {self.fn!r} failed to start: {self._last_error()}")
+            if msg is None:  # deadline passed, or the worker died (e.g. out of memory)
                 self._timeout(idx, out, on_timeout)
                 return pending[k + 1 :]
             self._fresh = False
@@ -277,6 +284,11 @@ class MathChecker:
                 logger.debug("math check failed: %s", val)
             out[got] = val if ok else on_error
         return []
+
+    def _last_error(self) -> str:
+        self._stderr.seek(0)
+        lines = [ln for ln in self._stderr.read().splitlines() if ln.strip()]
+        return lines[-1] if lines else f"exit code {self._proc.returncode}"
 
     def _timeout(self, idx, out, on_timeout):
         self.n_timeouts += 1
@@ -453,10 +465,20 @@ class Reward:
     counted in ``n_failures[name]``. A wrong-length or non-numeric return raises ``RewardError``.
     """
 
-    def __init__(self, funcs: dict[str, Callable], weights: list[float]):
+    def __init__(self, funcs: dict[str, Callable], weights: list[float], checker: MathChecker | None = None):
         self.funcs = funcs
         self.weights = weights
+        self.checker = checker  # the math-verify worker of the built-in accuracy reward, if any
         self.n_failures = {k: 0 for k in funcs}
+
+    @property
+    def names(self) -> list[str]:
+        return list(self.funcs)
+
+    def close(self):
+        """Stop the math-verify worker (it also stops with the process)."""
+        if self.checker is not None:
+            self.checker.close()
 
     def __call__(self, prompts: list[str], completions: list[str], **columns):
         n = len(completions)
@@ -515,9 +537,9 @@ def build_reward(cfg: RewardConfig) -> Reward:
             name, k = f"{spec}#{k}", k + 1
         funcs[name] = fn
     weights = cfg.weights if cfg.weights is not None else [1.0] * len(funcs)
-    reward = Reward(funcs, list(weights))
-    reward.checker = checker
-    return reward
+    if checker is not None:
+        checker.start()  # the worker imports sympy while the first rollout runs
+    return Reward(funcs, list(weights), checker)
 
 
 def _bind_checker(checker: MathChecker):
