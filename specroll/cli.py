@@ -168,19 +168,38 @@ def _bench_reuse(s):
     b.add_argument("--modes", default="lenient,exact", help="compared against off (always run)")
     b.add_argument("--prompts", type=int, default=8, help="training prompts (the whole epoch)")
     b.add_argument("--prompts-per-step", type=int, default=8)
-    b.add_argument("-G", type=int, default=8, help="completions per prompt")
-    b.add_argument("--max-new-tokens", type=int, default=64)
+    b.add_argument("-G", type=int, default=4, help="completions per prompt")
+    b.add_argument("--max-new-tokens", type=int, default=48)
     b.add_argument("--temperature", type=float, default=1.0)
     b.add_argument("--lr", type=float, default=1e-5)
     b.add_argument("--level", type=int, default=2, help="arithmetic task difficulty")
-    b.add_argument("--micro-batch-size", type=int, default=8)
+    b.add_argument("--micro-batch-size", type=int, default=16)
+    b.add_argument("--train-bf16", action=argparse.BooleanOptionalAction, default=True,
+                   help="bf16 autocast for the GRPO update (the update is not what this benchmark measures)")
     b.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"], help="rollout activations")
     b.add_argument("--seed", type=int, default=0)
     b.add_argument("--out", default="bench_reuse.json")
     b.set_defaults(func=_run("specroll.bench.reuse:cli"))
 
 
-COMMANDS = [_models, _generate, _bench, _draft, _train, _eval, _report]
+def _profile(sub):
+    p = sub.add_parser("profile", help="measure C_peak: verification forward latency vs tokens per forward")
+    p.add_argument("--model", default="smollm2-135m")
+    p.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"], help="rollout activations")
+    p.add_argument("--max-tokens", type=int, default=512, help="largest batch x tokens per forward measured")
+    p.add_argument("--batches", default="1,4,16", help="batch sizes of the batch x tokens grid")
+    p.add_argument("--context", type=int, default=64, help="cached tokens per row before the timed forward")
+    p.add_argument("--repeats", type=int, default=5, help="timed runs per point (the minimum is kept)")
+    p.add_argument("--delta", type=float, default=0.5,
+                   help="C_peak = largest count with latency <= (1 + delta) x the single-token latency")
+    p.add_argument("--force", action="store_true", help="measure even if a full profile is cached")
+    p.add_argument("--quiet", action="store_true", help="no per-point lines")
+    p.add_argument("--out-dir", default=None, help="also write the JSON and the PNG here "
+                   "(default: PNG beside the cached JSON in $SPECROLL_HOME/profiles)")
+    p.set_defaults(func=_run("specroll.engine.profiler:cli"))
+
+
+COMMANDS = [_models, _generate, _bench, _draft, _train, _eval, _report, _profile]
 
 
 def build_parser() -> argparse.ArgumentParser:

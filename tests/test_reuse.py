@@ -80,8 +80,8 @@ def fill(store: RolloutStore, drafts: list[list[int]]):
             store.put(lb.PROMPT, i, d, torch.zeros(len(d)))
 
 
-def run(engine, params: dict, drafts, mode="exact", lenience=1.0, seed=0, lp_old=None):
-    d = ReuseDrafter(mode=mode, lenience=lenience, seed=seed + 100)
+def run(engine, params: dict, drafts, mode="exact", lenience=1.0, seed=0, lp_old=None, block=0):
+    d = ReuseDrafter(mode=mode, lenience=lenience, seed=seed + 100, verify_block=block)
     if lp_old is None:
         fill(d.store, drafts)
     else:
@@ -126,7 +126,7 @@ def test_exact_reuse_is_lossless(world, pi):
     plain = engine.generate([lb.PROMPT], SamplingParams(**params, max_new_tokens=lb.MAX_NEW, seed=7), n=N_ROWS)
     assert chi2_pvalue(lb.empirical(plain), truth[pi], N_ROWS) > P_MIN  # the reference itself is right
     for k, (kind, drafts) in enumerate(draft_sets(model, engine, params, seed=11 + pi).items()):
-        counts, m = run(engine, params, drafts, seed=20 + 3 * pi + k)
+        counts, m = run(engine, params, drafts, seed=20 + 3 * pi + k, block=k % 2)  # staged / one forward
         p = chi2_pvalue(counts, truth[pi], N_ROWS)
         assert p > P_MIN, f"exact reuse with {kind} drafts departs from plain sampling (p = {p:.2e})"
         if kind == "likely":
@@ -359,13 +359,13 @@ class Probe(ReuseDrafter):
         self.snap["probe"] = (probe_tok, eng.model.logits(h[:, 0]))
 
 
-@pytest.mark.parametrize("mode", ["exact", "lenient"])
-def test_kept_cache_equals_fresh_prefill(mode):
+@pytest.mark.parametrize("mode,block", [("exact", 0), ("exact", 2), ("lenient", 3)])
+def test_kept_cache_equals_fresh_prefill(mode, block):
     model = small_model(2)
-    eng = Engine(model, eos_ids=[])
+    eng = Engine(model, eos_ids=[], prefill_chunk=24)  # several row chunks per verification stage
     params = SamplingParams(temperature=0.8, max_new_tokens=12, seed=0)
     first = eng.generate(PROMPTS, params, n=4)
-    d = Probe(mode=mode, lenience=math.exp(0.5), seed=1)
+    d = Probe(mode=mode, lenience=math.exp(0.5), seed=1, verify_block=block)
     g = torch.Generator().manual_seed(0)
     for r in first:
         if r.prompt_index == 2 and r.sample_index == 3:

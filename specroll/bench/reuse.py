@@ -12,7 +12,8 @@ with ``"shared": true``.
 Writes ``{"rows": [{"mode", "lenience", "epoch", "tokens_generated", "rollout_s", "reward_mean",
 "reuse_ratio", "skip_ratio", ...}], "config": ..., "machine": ...}``. ``tokens_generated`` counts
 tokens sampled by the model (completion tokens minus reused ones); ``rollout_s`` is the wall time of
-``Engine.generate`` summed over the epoch's steps, verification included.
+``Engine.generate`` summed over the epoch's steps, verification included (``rollout_cpu_s``: the same
+in process CPU seconds, steadier on a shared machine).
 """
 
 from __future__ import annotations
@@ -61,6 +62,7 @@ def bench_config(args):
         f"train.steps={args.epochs * steps_per_epoch}", f"train.prompts_per_step={args.prompts_per_step}",
         f"train.lr={args.lr}", "train.warmup=0", "train.eval_before=false", f"train.seed={args.seed}",
         f"train.micro_batch_size={args.micro_batch_size}",
+        f"train.bf16={'true' if args.train_bf16 else 'false'}",
         f"rollout.G={args.G}", f"rollout.max_new_tokens={args.max_new_tokens}",
         f"rollout.temperature={args.temperature}",
     ]), steps_per_epoch
@@ -82,6 +84,21 @@ def _restore(tr, snap: dict, drafter) -> None:
     tr.drafter = drafter
 
 
+def _time_generate(engine) -> None:
+    """Record the CPU time of every ``generate`` call next to the trainer's wall time: on a shared
+    machine the process's CPU seconds are less disturbed by other jobs than wall seconds."""
+    inner = engine.generate
+    engine.cpu_log = []
+
+    def timed(*a, **k):
+        t = time.process_time()
+        out = inner(*a, **k)
+        engine.cpu_log.append(time.process_time() - t)
+        return out
+
+    engine.generate = timed
+
+
 def _epoch_row(ms: list[dict], rows_per_step: int) -> dict:
     """Aggregate one epoch's step metrics."""
     gen = sum(m["rollout/tokens_generated"] for m in ms)
@@ -90,6 +107,7 @@ def _epoch_row(ms: list[dict], rows_per_step: int) -> dict:
         "tokens_generated": int(round(gen)),
         "completion_tokens": int(round(comp)),
         "rollout_s": sum(m["timing/rollout"] for m in ms),
+        "rollout_cpu_s": sum(m["rollout_cpu_s"] for m in ms),
         "verify_s": sum(m.get("timing/verify", 0.0) for m in ms),
         "reward_mean": sum(m["reward/mean"] for m in ms) / len(ms),
         "reuse_ratio": (comp - gen) / max(1.0, comp),
@@ -103,7 +121,9 @@ def _run_epochs(tr, epochs: range, steps_per_epoch: int, rows_per_step: int, say
     for ep in epochs:
         ms = []
         for _ in range(steps_per_epoch):
-            ms.append(tr.train_step())
+            m = tr.train_step()
+            m["rollout_cpu_s"] = tr.engine.cpu_log[-1]
+            ms.append(m)
         row = {"epoch": ep, **_epoch_row(ms, rows_per_step)}
         say(f"  epoch {ep}: {row['tokens_generated']} tokens generated, rollout {row['rollout_s']:.1f}s, "
             f"reward {row['reward_mean']:.3f}, reuse {row['reuse_ratio']:.3f}")
@@ -122,6 +142,7 @@ def run(args, say=print) -> dict:
     settings = [("off", None)] + [(m, lam) for m in modes if m == "lenient" for lam in lenience]
     settings += [(m, None) for m in modes if m == "exact"]
     tr = build_trainer(cfg, None, drafter=ReuseDrafter(mode="lenient", seed=args.seed))
+    _time_generate(tr.engine)
     t0 = time.perf_counter()
     say(f"epoch 1 (shared by every setting): {spe} steps x {rows_per_step} rollouts")
     first = _run_epochs(tr, range(1, 2), spe, rows_per_step, say)[0]
@@ -150,6 +171,7 @@ def summarize(rows: list[dict], epoch: int) -> list[dict]:
         out.append({"mode": r["mode"], "lenience": r["lenience"], "epoch": epoch,
                     "tokens_vs_off": r["tokens_generated"] / max(1, off["tokens_generated"]),
                     "rollout_time_vs_off": r["rollout_s"] / off["rollout_s"],
+                    "rollout_cpu_vs_off": r["rollout_cpu_s"] / off["rollout_cpu_s"],
                     "reward_minus_off": r["reward_mean"] - off["reward_mean"]})
     return out
 

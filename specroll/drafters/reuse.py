@@ -66,6 +66,7 @@ class ReuseConfig:
     lenience: float = LENIENCE_DEFAULT  # lenient mode's l (inf = reuse everything); e^0.5 by default
     store_mb: float = 256.0  # rollout store bound (LRU eviction beyond it)
     seed: int = 0  # seed of the acceptance coins (seeded once, never reseeded)
+    verify_block: int = 16  # draft tokens verified in the first stage (doubling); 0 = all at once
 
     def __post_init__(self):
         if self.mode not in MODES:
@@ -74,6 +75,8 @@ class ReuseConfig:
         if math.isnan(lam) or lam <= 0:
             raise ValueError(f"reuse.lenience must be > 0 (inf = reuse everything), got {self.lenience!r}")
         self.lenience = lam
+        if self.verify_block < 0:
+            raise ValueError(f"reuse.verify_block must be >= 0 (0 = whole draft at once), got {self.verify_block!r}")
         if not self.store_mb > 0:
             raise ValueError(f"reuse.store_mb must be > 0, got {self.store_mb!r}")
 
@@ -82,7 +85,8 @@ def build_drafter(cfg: ReuseConfig) -> ReuseDrafter | None:
     """The drafter a ``reuse`` config section asks for (None when ``mode`` is off)."""
     if cfg.mode == "off":
         return None
-    return ReuseDrafter(RolloutStore(int(cfg.store_mb * (1 << 20))), cfg.mode, cfg.lenience, cfg.seed)
+    return ReuseDrafter(RolloutStore(int(cfg.store_mb * (1 << 20))), cfg.mode, cfg.lenience, cfg.seed,
+                        cfg.verify_block)
 
 
 # --- the rollout store ------------------------------------------------------------------------
@@ -273,14 +277,16 @@ class ReuseDrafter:
     ``after_rollout(rollouts, step)`` after every rollout so the next epoch has drafts."""
 
     def __init__(self, store: RolloutStore | None = None, mode: str = "lenient",
-                 lenience: float = LENIENCE_DEFAULT, seed: int | None = 0):
+                 lenience: float = LENIENCE_DEFAULT, seed: int | None = 0, verify_block: int = 16):
         if mode not in MODES:
             raise ValueError(f"reuse.mode must be one of {MODES}, got {mode!r}")
         lenience = float(lenience)
         if math.isnan(lenience) or lenience <= 0:
             raise ValueError(f"reuse.lenience must be > 0 (inf = reuse everything), got {lenience!r}")
         self.store = store if store is not None else RolloutStore()
-        self.mode, self.lenience = mode, lenience
+        if not isinstance(verify_block, int) or verify_block < 0:
+            raise ValueError(f"reuse.verify_block must be an int >= 0 (0 = whole draft at once), got {verify_block!r}")
+        self.mode, self.lenience, self.verify_block = mode, lenience, verify_block
         self.gen = torch.Generator()
         if seed is None:
             self.gen.seed()
@@ -301,15 +307,14 @@ class ReuseDrafter:
             return
         t = time.perf_counter()
         stop = torch.tensor(sorted(set(engine.eos_ids) | set(st.params.stop_ids)), dtype=torch.long)
-        ids, lp_old, lens, ends_stop = self._gather(prompts, n, st.params, stop)
-        self._order_rows(st, lens)  # rows with drafts first, longest first
-        perm = st.row_ids  # live row i is output row perm[i] (identity before reordering)
-        ids, lp_old, lens, ends_stop = ids[perm], lp_old[perm], lens[perm], ends_stop[perm]
-        n_acc, exclude = self._verify(engine, st, ids, lp_old, lens)
-        st.cache.advance(n_acc)
+        rows = self._gather(prompts, n, st.params, stop)
+        self._order_rows(st, rows["lens"])  # rows with drafts first, longest first
+        rows = {k: v[st.row_ids] for k, v in rows.items()}  # live row i is output row st.row_ids[i]
+        self._verify(engine, st, rows)
+        n_acc, lens = rows["n_acc"], rows["lens"]
         full = (n_acc == lens) & (lens > 0)
-        finished = full & (ends_stop | (lens >= st.params.max_new_tokens))
-        self._pending = _Pending(finished, full & ends_stop, exclude, st.row_ids.clone(),
+        finished = full & (rows["ends_stop"] | (lens >= st.params.max_new_tokens))
+        self._pending = _Pending(finished, full & rows["ends_stop"], rows["exclude"], st.row_ids.clone(),
                                  torch.stack([n_acc, lens, n_acc], 1))
         self._m["timing/verify"] += time.perf_counter() - t
 
@@ -342,8 +347,8 @@ class ReuseDrafter:
         m["completion_tokens"] += int(st.n_gen.sum())
 
     # -- verification ---------------------------------------------------------------------------
-    def _gather(self, prompts, n: int, params: SamplingParams, stop: torch.Tensor):
-        """Drafts of every output row: padded ids (R, L), p_old (R, L), truncated lengths, ends-with-stop."""
+    def _gather(self, prompts, n: int, params: SamplingParams, stop: torch.Tensor) -> dict:
+        """Drafts of every output row: padded ``ids`` / ``lp_old`` (R, L), truncated ``lens``, ``ends_stop``."""
         ids, lps = [], []
         for p in prompts:
             key = prompt_key(p)
@@ -359,7 +364,9 @@ class ReuseDrafter:
             pad_ids[r, : min(L, t.numel())] = t[:L]
             pad_lp[r, : min(L, t.numel())] = lp[:L]
         lens, ends_stop = truncate_drafts(pad_ids, raw.clamp(max=L), stop, params)
-        return pad_ids, pad_lp, lens, ends_stop
+        R = len(ids)
+        return {"ids": pad_ids, "lp_old": pad_lp, "lens": lens, "ends_stop": ends_stop,
+                "n_acc": torch.zeros(R, dtype=torch.long), "exclude": torch.full((R,), -1, dtype=torch.long)}
 
     @staticmethod
     def _order_rows(st, lens: torch.Tensor) -> None:
@@ -369,41 +376,56 @@ class ReuseDrafter:
         st.cache.keep(order)
         st.row_ids, st.logits, st.hidden = st.row_ids[order], st.logits[order], st.hidden[order]
 
-    def _verify(self, engine, st, ids, lp_old, lens):
-        """One chained forward over each row's draft (rows with drafts only, in row chunks). Emits the
-        accepted prefix into the output buffers and leaves the cut's logits in ``st``."""
-        B = lens.numel()
-        n_acc = torch.zeros(B, dtype=torch.long)
-        exclude = torch.full((B,), -1, dtype=torch.long)
-        n_draft = int((lens > 0).sum())
-        if n_draft == 0:
-            return n_acc, exclude
-        per = max(1, engine.prefill_chunk // int(lens[0]))
-        for s in range(0, n_draft, per):
-            e = min(n_draft, s + per)
-            n_acc[s:e], exclude[s:e] = self._verify_chunk(engine, st, s, e, ids, lp_old, lens)
-        return n_acc, exclude
+    def _verify(self, engine, st, rows: dict) -> None:
+        """Chained forwards over the drafts, in stages of ``verify_block`` tokens that double each stage:
+        after a stage only rows that accepted all of it (and have draft left) go on, so a row rejected
+        early does not pay for its whole draft. Each stage extends the kept KV cache (the continuation's
+        prefill), emits the accepted tokens and leaves the next-token logits in ``st``. Live rows
+        ``[0, alive)`` are the ones still verifying; they stay first in the batch."""
+        alive = int((rows["lens"] > 0).sum())
+        start, block = 0, self.verify_block or st.params.max_new_tokens
+        while alive:
+            T = min(block, int(rows["lens"][:alive].max()) - start)
+            per = max(1, engine.prefill_chunk // T)
+            for s in range(0, alive, per):
+                self._verify_chunk(engine, st, rows, s, min(alive, s + per), start, T)
+            go_on = (rows["n_acc"][:alive] == start + T) & (rows["lens"][:alive] > start + T)
+            alive, start, block = self._keep_first(st, rows, go_on), start + T, 2 * block
 
-    def _verify_chunk(self, engine, st, s, e, ids, lp_old, lens):
-        T = int(lens[s:e].max())
-        x, L = ids[s:e, :T], lens[s:e]
+    @staticmethod
+    def _keep_first(st, rows: dict, first: torch.Tensor) -> int:
+        """Permute live rows ``[0, len(first))`` so the ``first`` ones lead; returns how many they are."""
+        m, k = first.numel(), int(first.sum())
+        if k == 0 or k == m or bool(first[:k].all()):
+            return k
+        perm = torch.cat([first.nonzero().squeeze(1), (~first).nonzero().squeeze(1)])
+        st.cache.view(slice(0, m)).keep(perm)  # in place, on the batch prefix only
+        for t in (st.row_ids, st.logits, st.hidden, *rows.values()):
+            t[:m] = t[:m][perm]
+        return k
+
+    def _verify_chunk(self, engine, st, rows: dict, s: int, e: int, start: int, T: int) -> None:
+        """Verify draft tokens ``[start, start + T)`` of live rows ``[s, e)`` in one forward."""
+        x = rows["ids"][s:e, start : start + T]
+        L = (rows["lens"][s:e] - start).clamp(0, T)  # draft tokens of each row in this stage
         sub = st.cache.view(slice(s, e))
         slots = sub.chain_slots(T)
         h = engine.forward(sub, x, slots, slots, sub.mask(T))  # (b, T, D)
-        H = torch.cat([st.hidden[s:e, None].to(h.dtype), h], 1)  # H[:, k] predicts draft token k
+        H = torch.cat([st.hidden[s:e, None].to(h.dtype), h], 1)  # H[:, k] predicts draft token start + k
         lp_new, plp = self._score(engine, H[:, :T], x, L, st.params)
         if self.mode == "exact":
             acc = exact_accept(lp_new, self.gen)
         else:
-            acc = lenient_accept(lp_new, lp_old[s:e, :T], self.lenience, self.gen)
+            acc = lenient_accept(lp_new, rows["lp_old"][s:e, start : start + T], self.lenience, self.gen)
         n = cut_index(acc, L)
-        self._emit_prefix(st, st.row_ids[s:e], x, plp, lp_new, n)
-        rows = torch.arange(e - s)
-        st.hidden[s:e] = H[rows, n].to(st.hidden.dtype)
-        st.logits[s:e] = engine.model.logits(H[rows, n])
-        rejected = n < L
-        ex = torch.where(rejected, x[rows, n.clamp(max=T - 1)], -1) if self.mode == "exact" else torch.full_like(n, -1)
-        return n, ex
+        sub.advance(n)
+        self._emit_prefix(st, st.row_ids[s:e], x, plp, lp_new, n, start)
+        rows["n_acc"][s:e] = start + n
+        b = torch.arange(e - s)
+        st.hidden[s:e] = H[b, n].to(st.hidden.dtype)
+        st.logits[s:e] = engine.model.logits(H[b, n])
+        if self.mode == "exact":
+            rows["exclude"][s:e] = torch.where(n < L, x[b, n.clamp(max=T - 1)], -1)
 
     @staticmethod
     def _score(engine, H, x, L, params):
@@ -424,15 +446,15 @@ class ReuseDrafter:
         return lp_new, plp
 
     @staticmethod
-    def _emit_prefix(st, rows, x, plp, slp, n):
+    def _emit_prefix(st, rows, x, plp, slp, n, start: int):
         k = torch.arange(x.shape[1])
         keep = k < n[:, None]
         r = rows[:, None].expand_as(x)[keep]
-        c = k.expand_as(x)[keep]
+        c = (k + start).expand_as(x)[keep]
         st.tokens[r, c] = x[keep]
         st.policy_lp[r, c] = plp[keep]
         st.sample_lp[r, c] = slp[keep]
-        st.n_gen[rows] = n
+        st.n_gen[rows] = start + n
 
     # -- store + metrics ------------------------------------------------------------------------
     def after_rollout(self, rollouts, step: int = 0) -> None:
