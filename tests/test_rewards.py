@@ -97,7 +97,7 @@ def test_final_answer(text, want):
 
 
 @pytest.mark.parametrize("s, want", [("42", 42), ("1,000", 1000), ("-5", -5), ("12.0", 12), ("$7", 7),
-                                     ("7.", 7), ("3.5", None), ("1/2", None), (None, None), ("x", None)])
+                                     ("7.", 7), ("1,2", None), ("12,34", None), ("3.5", None), ("1/2", None), (None, None), ("x", None)])
 def test_as_integer(s, want):
     assert as_integer(s) == want
 
@@ -241,6 +241,9 @@ def test_worker_error_scores_zero(tmp_path):
     ("work\n#### 42\n", 1.0),
     ("The answer is 7. Also, 8 is a nice number.\nBye", 0.0),  # answer not at the end
     ("I think it is 7", 0.0),
+    ("9 + 4 = 13\n13", 1.0),
+    ("work\n= $1,234$.", 1.0),
+    ("13 apples", 0.0),
     ("", 0.0),
 ])
 def test_format_reward(completion, want):

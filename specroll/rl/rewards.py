@@ -45,6 +45,7 @@ logger = logging.getLogger(__name__)
 _NUMBER = re.compile(r"(?<![\w.,])(-?)((?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?|\.\d+)")
 _LATEX_NEIGHBOURS = set("/^_{}\\")
 _DIGIT = re.compile(r"\d")
+_INTEGER = re.compile(r"-?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.0+)?")  # "1,234" yes, "1,2" (a list) no
 
 
 def extract_gsm8k(text: str) -> str | None:
@@ -133,10 +134,10 @@ def as_integer(s: str | None) -> int | None:
     """``s`` as an exact integer if it is a plain integer literal ("1,234", "-5", "12.0", "$7"); else None."""
     if s is None:
         return None
-    t = s.strip().strip("$").strip().rstrip(".").replace(",", "")
-    if not re.fullmatch(r"-?\d+(?:\.0+)?", t):
+    t = s.strip().strip("$").strip().rstrip(".")
+    if not _INTEGER.fullmatch(t):
         return None
-    return int(Fraction(t))
+    return int(Fraction(t.replace(",", "")))
 
 
 # ------------------------------------------------------------------------------------------------
@@ -372,16 +373,21 @@ _FINAL_LINE = re.compile(
 )
 
 
+_BARE = re.compile(r"=?\s*\$?-?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?\$?\.?")
+
+
 def format_reward(prompts, completions, **kw) -> list[float | None]:
     """1.0 if the completion ends with a clearly marked final answer, else 0.0.
 
     Rule: the last non-empty line contains ``\\boxed{``, ``\\fbox{``, ``#### <number>`` or
-    "answer is / answer: / answer = <number or LaTeX>" (case-insensitive). Only the last line is
-    inspected, so an answer followed by more text (rambling past the answer) scores 0."""
+    "answer is / answer: / answer = <number or LaTeX>" (case-insensitive), or is a bare number
+    ("42", "$42$.", "= 42"). Only the last line is inspected, so an answer followed by more text
+    (rambling past the answer) scores 0."""
     out: list[float | None] = []
     for c in completions:
-        lines = [ln for ln in _text(c).strip().splitlines() if ln.strip()]
-        out.append(float(bool(lines) and _FINAL_LINE.search(lines[-1]) is not None))
+        lines = [ln.strip() for ln in _text(c).strip().splitlines() if ln.strip()]
+        ok = bool(lines) and (_FINAL_LINE.search(lines[-1]) is not None or _BARE.fullmatch(lines[-1]) is not None)
+        out.append(float(ok))
     return out
 
 
