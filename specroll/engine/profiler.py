@@ -1,0 +1,353 @@
+"""C_peak profiler: how many tokens one verification forward can take at about the cost of one.
+
+What this module owns: timing the policy's verification forward (a real KV-cache forward through
+``Engine.forward`` plus the lm_head over every new token, exactly what tree verification costs)
+against tokens per forward and against batch x tokens; the knee rule ``find_c_peak``; the JSON cache
+of results per (model, dtype, machine fingerprint, torch version) under ``$SPECROLL_HOME/profiles``;
+the PNG; ``get_c_peak`` for training; the ``specroll profile`` command.
+
+Measurement. Each of B rows is prefilled with ``context`` random tokens (not timed); then a forward
+of T new tokens per row (causal mask over the new tokens, written after the context, never
+committed, so repeats write the same slots) plus logits at all B*T positions is timed. A point is
+the minimum over ``repeats`` runs: on a shared machine interference only ever adds time, so the
+minimum is the least-biased estimate of the forward's own cost (the median is recorded too).
+
+The knee rule (``find_c_peak``). C_peak is the largest measured token count whose latency is at
+most (1 + delta) x the single-token latency, delta = 0.5 by default, read off the lower envelope
+of the curve (latency(T) := min over counts >= T) so that an upward noise spike at a small count
+cannot end the search early. Why this rule: with the roofline cost model latency(T) ~ a + b*T
+(weight streaming a, compute b per token), it gives C_peak ~ delta * a / b, i.e. half the ridge point
+where compute time equals weight-streaming time. Within that budget a verification step costs at
+most 1.5 plain decode steps, so any draft tree whose acceptance length (tokens per step, bonus
+included) exceeds 1.5 already pays, which a working draft head clears easily; beyond the ridge every
+extra verified token costs about as much as the whole step did, and speculation loses at any
+realistic acceptance. A throughput-saturation rule would instead land at or beyond the ridge
+(latency ~2x), where a tree that accepts 2 tokens only breaks even.
+
+Departure from FastGRPO: the paper reads C_peak off GPU utilisation; here it is measured directly as
+verification latency, the quantity the speedup depends on. ``c_peak_by_batch`` (the same rule over
+B*T at B rows, baseline = the B-row single-token step) checks that the budget is in total tokens,
+as the plan N = C_peak / B assumes; training uses the B = 1 value.
+"""
+
+from __future__ import annotations
+
+import datetime
+import hashlib
+import json
+import math
+import os
+import platform
+import re
+import time
+from pathlib import Path
+
+import torch
+
+DEFAULT_DELTA = 0.5
+DEFAULT_CONTEXT = 64
+DEFAULT_BATCHES = (1, 4, 16)
+FORMAT = "specroll-profile/1"
+
+
+# --- the knee rule (pure) ---------------------------------------------------------------------------
+
+def token_grid(max_tokens: int) -> list[int]:
+    """Half-octave geometric grid 1, 2, 3, 4, 6, 8, 12, 16, ... up to and including ``max_tokens``."""
+    if max_tokens < 1:
+        raise ValueError(f"max_tokens must be >= 1, got {max_tokens}")
+    out = sorted(t for i in range(max_tokens.bit_length() + 1) for t in {2**i, 3 * 2**i} if t <= max_tokens)
+    if out[-1] != max_tokens:
+        out.append(max_tokens)
+    return out
+
+
+def lower_envelope(latencies: list[float]) -> list[float]:
+    """Non-decreasing lower envelope: value i is min(latencies[i:])."""
+    out, low = [], math.inf
+    for x in reversed(latencies):
+        low = min(low, x)
+        out.append(low)
+    return out[::-1]
+
+
+def find_c_peak(tokens, latencies, delta: float = DEFAULT_DELTA) -> int:
+    """Largest count in ``tokens`` (strictly increasing) whose enveloped latency is at most
+    (1 + delta) x the latency at the smallest count. See the module docstring for why."""
+    tokens, lat = [int(t) for t in tokens], [float(x) for x in latencies]
+    if not tokens or len(tokens) != len(lat):
+        raise ValueError(f"need equally long, non-empty tokens and latencies; got {len(tokens)} and {len(lat)}")
+    if tokens[0] < 1 or any(b <= a for a, b in zip(tokens, tokens[1:])):
+        raise ValueError(f"tokens must be positive and strictly increasing, got {tokens}")
+    if not all(math.isfinite(x) and x > 0 for x in lat):
+        raise ValueError(f"latencies must be finite and > 0, got {lat}")
+    if not delta > 0:
+        raise ValueError(f"delta must be > 0, got {delta}")
+    env = lower_envelope(lat)
+    limit = (1 + delta) * env[0]
+    return max(t for t, x in zip(tokens, env) if x <= limit)
+
+
+# --- identity and cache -----------------------------------------------------------------------------
+
+def fingerprint() -> dict:
+    """The machine facts a profile depends on: CPU model, cores, torch threads, torch version."""
+    cpu = platform.processor() or platform.machine()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    return {"cpu": cpu, "cores": os.cpu_count(), "torch_threads": torch.get_num_threads(),
+            "torch": torch.__version__}
+
+
+def dtype_name(dtype) -> str:
+    name = str(dtype).replace("torch.", "")
+    if name not in ("float32", "bfloat16"):
+        raise ValueError(f"dtype must be float32 or bfloat16, got {dtype!r}")
+    return name
+
+
+def profile_key(model: str, dtype, fp: dict | None = None) -> str:
+    """File stem of a profile: readable model/dtype plus a hash of everything the result depends on."""
+    fp = fp or fingerprint()
+    d = dtype_name(dtype)
+    ident = json.dumps({"model": str(model), "dtype": d, **fp}, sort_keys=True)
+    slug = re.sub(r"[^A-Za-z0-9._-]+", "_", Path(str(model)).name or str(model))[:48]
+    return f"{slug}__{d}__{hashlib.sha1(ident.encode()).hexdigest()[:12]}"
+
+
+def profiles_dir() -> Path:
+    from ..models.hub import home
+
+    return home() / "profiles"
+
+
+def profile_path(model: str, dtype, fp: dict | None = None) -> Path:
+    return profiles_dir() / f"{profile_key(model, dtype, fp)}.json"
+
+
+def load_profile(model: str, dtype, fp: dict | None = None) -> dict | None:
+    """The cached profile for this (model, dtype, machine, torch), or None."""
+    path = profile_path(model, dtype, fp)
+    if not path.is_file():
+        return None
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise ValueError(f"{path}: unreadable profile ({e}); delete it or rerun `specroll profile --force`") from e
+    if data.get("format") != FORMAT or not isinstance(data.get("c_peak"), int) or data["c_peak"] < 1:
+        raise ValueError(f"{path}: field 'format'/'c_peak' is not a specroll profile; delete it or rerun "
+                         "`specroll profile --force`")
+    return data
+
+
+def save_profile(result: dict, path: Path | None = None) -> Path:
+    from ..bench.common import write_json
+
+    path = path or profile_path(result["model"], result["dtype"], result["fingerprint"])
+    write_json(path, result)
+    return path
+
+
+# --- measurement ------------------------------------------------------------------------------------
+
+def _prefilled_cache(engine, batch: int, context: int, tokens: int, gen: torch.Generator):
+    from .cache import KVCache
+
+    cfg = engine.model.cfg
+    cache = KVCache.for_model(cfg, batch, context + tokens, engine.dtype)
+    cache.reset(batch)
+    prompts = [torch.randint(cfg.vocab_size, (context,), generator=gen) for _ in range(batch)]
+    engine.prefill(cache, prompts)
+    return cache
+
+
+@torch.no_grad()
+def time_verify(engine, batch: int, tokens: int, context: int = DEFAULT_CONTEXT, repeats: int = 5,
+                seed: int = 0, max_seconds: float = 3.0) -> tuple[float, float]:
+    """(min, median) seconds of one verification forward of ``tokens`` new tokens on each of ``batch``
+    rows after ``context`` cached tokens, logits included. At least 2 timed runs, then up to
+    ``repeats`` while under ``max_seconds``."""
+    gen = torch.Generator().manual_seed(seed)
+    cache = _prefilled_cache(engine, batch, context, tokens, gen)
+    ids = torch.randint(engine.model.cfg.vocab_size, (batch, tokens), generator=gen)
+    slots = cache.chain_slots(tokens)
+    mask = cache.mask(tokens)
+
+    def run():
+        h = engine.forward(cache, ids, slots, slots, mask)
+        return engine.model.logits(h)
+
+    run()  # warm-up (weight packing, allocator)
+    times, spent = [], 0.0
+    while len(times) < 2 or (len(times) < repeats and spent < max_seconds):
+        t = time.perf_counter()
+        run()
+        dt = time.perf_counter() - t
+        times.append(dt)
+        spent += dt
+    times.sort()
+    return times[0], times[len(times) // 2]
+
+
+def measure(engine, max_tokens: int = 512, batches=DEFAULT_BATCHES, context: int = DEFAULT_CONTEXT,
+            repeats: int = 5, log=None) -> list[dict]:
+    """Points {batch, tokens_per_row, total_tokens, latency_s, median_s} over ``batches`` x the token
+    grid, keeping batch * tokens <= max_tokens."""
+    points = []
+    for b in batches:
+        for t in token_grid(max(1, max_tokens // b)):
+            lo, med = time_verify(engine, b, t, context, repeats)
+            points.append({"batch": b, "tokens_per_row": t, "total_tokens": b * t, "latency_s": lo, "median_s": med})
+            if log:
+                log(f"B={b:3d} T={t:4d}  total {b * t:4d}  {lo * 1e3:8.2f} ms  {b * t / lo:9.1f} tok/s")
+    return points
+
+
+def summarise(points: list[dict], delta: float = DEFAULT_DELTA) -> dict:
+    """C_peak (from the B = 1 curve, else the smallest batch) and the per-batch check."""
+    by_batch: dict[int, list[dict]] = {}
+    for p in points:
+        by_batch.setdefault(p["batch"], []).append(p)
+    per = {}
+    for b, ps in sorted(by_batch.items()):
+        ps = sorted(ps, key=lambda p: p["total_tokens"])
+        per[b] = find_c_peak([p["total_tokens"] for p in ps], [p["latency_s"] for p in ps], delta)
+    main_b = min(by_batch)
+    main = sorted(by_batch[main_b], key=lambda p: p["total_tokens"])
+    c = per[main_b]
+    base = lower_envelope([p["latency_s"] for p in main])
+    at = next(i for i, p in enumerate(main) if p["total_tokens"] == c)
+    knee = {"single_token_ms": base[0] * 1e3, "c_peak_ms": base[at] * 1e3, "ratio": base[at] / base[0]}
+    if at + 1 < len(main):
+        knee.update(next_tokens=main[at + 1]["total_tokens"], next_ms=base[at + 1] * 1e3,
+                    next_ratio=base[at + 1] / base[0])
+    return {"c_peak": c, "c_peak_by_batch": {str(b): v for b, v in per.items()}, "knee": knee,
+            "capped": c == main[-1]["total_tokens"]}
+
+
+def run_profile(model_name: str, dtype, engine=None, max_tokens: int = 512, batches=DEFAULT_BATCHES,
+                context: int = DEFAULT_CONTEXT, repeats: int = 5, delta: float = DEFAULT_DELTA,
+                mode: str = "full", log=None) -> dict:
+    """Measure and summarise; returns the JSON-ready result (not saved)."""
+    d = dtype_name(dtype)
+    if engine is None:
+        engine = _load_engine(model_name, d)
+    fp = fingerprint()
+    t0 = time.perf_counter()
+    points = measure(engine, max_tokens, batches, context, repeats, log)
+    return {"format": FORMAT, "model": str(model_name), "dtype": d, "fingerprint": fp, "mode": mode,
+            "rule": "largest total tokens with lower-envelope latency <= (1 + delta) x single-token latency",
+            "delta": delta, "context": context, "max_tokens": max_tokens, "batches": list(batches),
+            "repeats": repeats, **summarise(points, delta), "points": points,
+            "seconds": time.perf_counter() - t0,
+            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
+
+
+def _load_engine(model_name: str, dtype: str):
+    from ..models import hub
+    from .engine import Engine
+
+    model, _ = hub.load(model_name, torch.float32)
+    return Engine(model, dtype=getattr(torch, dtype))
+
+
+def get_c_peak(model_name: str, dtype, engine=None, profile_if_missing: bool = True, log=None) -> int:
+    """C_peak for training: the cached profile's, or a quick profile (saved) on first use."""
+    cached = load_profile(model_name, dtype)
+    if cached is not None:
+        return cached["c_peak"]
+    if not profile_if_missing:
+        raise FileNotFoundError(f"no C_peak profile for {model_name} ({dtype_name(dtype)}) on this machine at "
+                                f"{profile_path(model_name, dtype)}; run `specroll profile --model {model_name} "
+                                f"--dtype {dtype_name(dtype)}`")
+    result = run_profile(model_name, dtype, engine, **QUICK, log=log)
+    save_profile(result)
+    return result["c_peak"]
+
+
+QUICK = {"max_tokens": 64, "batches": (1,), "repeats": 3, "mode": "quick"}
+
+
+# --- figure and command -----------------------------------------------------------------------------
+
+def plot_profile(result: dict, png: str | Path) -> Path:
+    """Latency and throughput against total tokens per forward, one line per batch size."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4.2))
+    for b in result["batches"]:
+        ps = sorted((p for p in result["points"] if p["batch"] == b), key=lambda p: p["total_tokens"])
+        x = [p["total_tokens"] for p in ps]
+        ax1.plot(x, [p["latency_s"] * 1e3 for p in ps], marker="o", ms=3, label=f"B={b}")
+        ax2.plot(x, [p["total_tokens"] / p["latency_s"] for p in ps], marker="o", ms=3, label=f"B={b}")
+    c, k = result["c_peak"], result["knee"]
+    ax1.axhline((1 + result["delta"]) * k["single_token_ms"], color="grey", ls=":", lw=1,
+                label=f"(1+{result['delta']:g}) x single-token")
+    for ax in (ax1, ax2):
+        ax.axvline(c, color="red", ls="--", lw=1, label=f"C_peak = {c}")
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("tokens per forward (batch x tokens per row)")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    ax1.set_yscale("log")
+    ax1.set_ylabel("verification forward latency (ms)")
+    ax2.set_ylabel("tokens verified per second")
+    fp = result["fingerprint"]
+    fig.suptitle(f"{result['model']} {result['dtype']}, {fp['torch_threads']} threads, context {result['context']}")
+    fig.tight_layout()
+    png = Path(png)
+    png.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(png, dpi=110)
+    plt.close(fig)
+    return png
+
+
+def describe(result: dict) -> str:
+    k = result["knee"]
+    s = (f"C_peak = {result['c_peak']} tokens per forward ({result['model']}, {result['dtype']}, "
+         f"{result['fingerprint']['torch_threads']} threads): {k['single_token_ms']:.2f} ms at 1 token, "
+         f"{k['c_peak_ms']:.2f} ms at {result['c_peak']} (x{k['ratio']:.2f})")
+    if "next_tokens" in k:
+        s += f", {k['next_ms']:.2f} ms at {k['next_tokens']} (x{k['next_ratio']:.2f})"
+    elif result.get("capped"):
+        s += "; no knee below the largest tested count (raise --max-tokens)"
+    return s
+
+
+def cli(args) -> int:
+    from ..bench.common import parse_int_list
+    from ..cli import CliError
+
+    if args.max_tokens < 1:
+        raise CliError(f"--max-tokens must be >= 1, got {args.max_tokens}")
+    if not args.delta > 0:
+        raise CliError(f"--delta must be > 0, got {args.delta}")
+    batches = tuple(parse_int_list(args.batches, "--batches"))
+    cached = None if args.force else load_profile(args.model, args.dtype)
+    if cached is not None and cached.get("mode") == "full":
+        print(describe(cached))
+        print(f"cached: {profile_path(args.model, args.dtype)} (use --force to measure again)")
+        return 0
+    result = run_profile(args.model, args.dtype, max_tokens=args.max_tokens, batches=batches, context=args.context,
+                         repeats=args.repeats, delta=args.delta, log=None if args.quiet else print)
+    path = save_profile(result)
+    out_dir = Path(args.out_dir) if args.out_dir else path.parent
+    if args.out_dir:
+        save_profile(result, out_dir / path.name)
+    png = plot_profile(result, out_dir / f"{path.stem}.png")
+    print(describe(result))
+    print(f"by batch (total tokens): {result['c_peak_by_batch']}")
+    print(f"wrote {path} and {png}")
+    return 0
+
+
+__all__ = ["find_c_peak", "fingerprint", "get_c_peak", "load_profile", "lower_envelope", "measure", "plot_profile",
+           "profile_key", "profile_path", "run_profile", "save_profile", "time_verify", "token_grid"]

@@ -1,0 +1,286 @@
+"""Concurrency-aware budget (engine/budget.py) and the C_peak profiler (engine/profiler.py).
+
+The budget is checked at its edges and against the tree the drafter builds; the knee rule on
+synthetic latency curves with known answers; the profiler end to end on a tiny model with a very
+short grid (cache key, JSON round trip, PNG, ``get_c_peak``, the CLI line).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+
+from specroll.engine import budget, profiler
+from specroll.engine.budget import PLAIN, BudgetPlanner, Plan, plan, tree_capacity
+
+# --- the plan ---------------------------------------------------------------------------------------
+
+
+def test_plan_formula_at_batch_1():
+    p = plan(1, 16, alpha=1.0, k_max=4, l_min=1, l_max=6)
+    assert p == Plan(16, 4, 4)  # N = 16, K = min(15, 4), L = floor(log2(16)) = 4; capacity 52 >= 15
+    p = plan(1, 16, alpha=2.0, k_max=4, l_min=1, l_max=6)
+    assert p == Plan(16, 4, 3)
+    assert plan(2, 17, alpha=1.0, k_max=8, l_min=1, l_max=6) == Plan(8, 7, 3)
+
+
+def test_plain_decode_when_batch_reaches_half_the_budget():
+    # B >= C/2 gives N <= 1 for B > C/2; FastGRPO's log2 sees 0 there. Never a crash, plain decode.
+    for c in (2, 7, 16, 33.5):
+        for b in range(math.ceil(c / 2) + 1, int(4 * c) + 2):
+            assert plan(b, c) == PLAIN, (b, c)
+    assert plan(8, 16) == Plan(2, 1, 1)  # exactly C/2: one draft node, a chain of depth 1
+
+
+def test_batch_at_or_above_budget_and_tiny_budgets():
+    assert plan(16, 16) == PLAIN
+    assert plan(1000, 16) == PLAIN
+    assert plan(1, 1) == PLAIN  # C_peak in [1, 2): the machine is compute-bound at one token
+    assert plan(1, 1.99) == PLAIN
+    assert plan(1, 2) == Plan(2, 1, 1)
+    assert PLAIN.plain and not Plan(2, 1, 1).plain
+
+
+def test_huge_budget_is_bounded_by_the_tree_shape():
+    p = plan(1, 10**9, alpha=1.0, k_max=4, l_min=1, l_max=6)
+    assert (p.k, p.depth) == (4, 6)
+    assert p.n_verify == 1 + tree_capacity(4, 6) == 1 + 4 + 5 * 16
+
+
+@pytest.mark.parametrize("alpha,k_max,l_min,l_max", [(1.0, 4, 1, 6), (2.0, 8, 2, 5), (0.5, 1, 1, 10), (4.0, 3, 3, 3)])
+def test_plan_is_monotone_and_consistent_with_the_tree(alpha, k_max, l_min, l_max):
+    for c in (1, 2, 3, 5, 8, 16, 24, 64, 100, 512):
+        prev = None
+        for b in range(1, 2 * c + 2):
+            p = plan(b, c, alpha, k_max, l_min, l_max)
+            n = c // b
+            assert p.plain == (n <= 1)
+            if p.plain:
+                assert p == PLAIN
+            else:
+                assert 2 <= p.n_verify <= n  # never above the budget N = floor(C / B)
+                assert 1 <= p.k <= min(n - 1, k_max)
+                assert p.depth <= min(l_max, n - 1)
+                assert p.depth >= min(l_min, n - 1)
+                # the drafter can fill the tree: N - 1 draft nodes fit a top-K depth-L tree, and no
+                # deeper than the node count
+                assert p.n_verify - 1 <= tree_capacity(p.k, p.depth)
+                assert p.depth <= p.n_verify - 1
+            if prev is not None:  # a larger batch never gets a larger plan
+                assert p.n_verify <= prev.n_verify and p.k <= prev.k and p.depth <= prev.depth
+            prev = p
+
+
+def test_depth_follows_log2_of_n_over_alpha_inside_the_clamp():
+    for n in range(2, 200):
+        p = plan(1, n, alpha=1.0, k_max=8, l_min=1, l_max=20)
+        assert p.depth == min(max(int(math.floor(math.log2(n))), 1), n - 1)
+
+
+@pytest.mark.parametrize("kw,match", [
+    (dict(b_active=0, c_peak=16), "b_active"),
+    (dict(b_active=-3, c_peak=16), "b_active"),
+    (dict(b_active=1, c_peak=0.5), "c_peak"),
+    (dict(b_active=1, c_peak=float("nan")), "c_peak"),
+    (dict(b_active=1, c_peak=16, alpha=0), "alpha"),
+    (dict(b_active=1, c_peak=16, alpha=-1.0), "alpha"),
+    (dict(b_active=1, c_peak=16, k_max=0), "k_max"),
+    (dict(b_active=1, c_peak=16, l_min=0), "l_min"),
+    (dict(b_active=1, c_peak=16, l_min=4, l_max=3), "l_min"),
+])
+def test_invalid_arguments_raise_one_clear_error(kw, match):
+    with pytest.raises(ValueError, match=match):
+        plan(**kw)
+
+
+def test_plan_record_rejects_inconsistent_shapes():
+    with pytest.raises(ValueError):
+        Plan(0, 0, 0)
+    with pytest.raises(ValueError):
+        Plan(4, 0, 2)
+    with pytest.raises(ValueError):
+        Plan(4, 2, 0)
+
+
+def test_planner_replans_per_active_count_and_bounds_every_plan():
+    planner = BudgetPlanner(24, alpha=1.0, k_max=4, l_min=1, l_max=6)
+    seen = [planner(b) for b in (8, 6, 3, 1)]  # rows finish: the batch shrinks, speculation grows
+    assert seen == [plan(b, 24, 1.0, 4, 1, 6) for b in (8, 6, 3, 1)]
+    assert [p.n_verify for p in seen] == sorted(p.n_verify for p in seen)
+    m = planner.max_plan
+    for b in range(1, 40):
+        p = planner(b)
+        assert p.n_verify <= m.n_verify and p.k <= m.k and p.depth <= m.depth
+    with pytest.raises(ValueError, match="c_peak"):
+        BudgetPlanner(0)
+
+
+def test_adaptive_plan_drives_the_eagle_drafter(tiny, monkeypatch):
+    """Through the drafter's ``plan_fn`` seam: every verification forward has exactly the planned
+    node count for the live batch (re-planned as rows finish, plain decode when the batch is large),
+    and greedy output equals vanilla greedy."""
+    from specroll.drafters.eagle import EagleDrafter, head_for
+    from specroll.engine.engine import Engine
+    from specroll.engine.sampling import SamplingParams
+
+    model, _, _ = tiny("llama", seed=3)
+    engine = Engine(model, eos_ids=[2])
+    planner = BudgetPlanner(8, alpha=1.0, k_max=3, l_min=1, l_max=4)
+    prompts = [[1, 5, 9, 14, 30], [1, 7, 7], [1, 40, 41, 42, 43, 44]]
+    params = SamplingParams(temperature=0.0, max_new_tokens=24)
+    calls = []
+    forward = engine.forward
+
+    def spy(cache, ids, positions, slots, mask):
+        calls.append(tuple(ids.shape))
+        return forward(cache, ids, positions, slots, mask)
+
+    monkeypatch.setattr(engine, "forward", spy)
+    head = head_for(model, seed=1)
+    for n in (2, 1):  # 6 rows > C/2: plain decode at first; 3 rows and fewer: speculation grows
+        calls.clear()
+        spec = engine.generate(prompts, params, n=n, drafter=EagleDrafter(head, plan_fn=planner,
+                                                                          max_plan=planner.max_plan))
+        steps = calls[1:]  # calls[0] is the prefill
+        assert steps and all(t == planner(b).n_verify for b, t in steps)
+        assert steps[0] == ((6, 1) if n == 2 else (3, 2))
+        vanilla = engine.generate(prompts, params, n=n)
+        assert [o.completion_ids.tolist() for o in spec] == [o.completion_ids.tolist() for o in vanilla]
+
+
+# --- the knee rule ----------------------------------------------------------------------------------
+
+def _flat_then_linear(tokens, knee, base=10.0, slope=None):
+    slope = base / knee if slope is None else slope  # beyond the knee every token costs base/knee
+    return [base + max(0, t - knee) * slope for t in tokens]
+
+
+@pytest.mark.parametrize("knee", [4, 8, 16, 64])
+def test_knee_rule_finds_a_known_knee(knee):
+    grid = profiler.token_grid(512)
+    lat = _flat_then_linear(grid, knee, slope=10.0)  # steep: one extra token past the knee costs a step
+    assert profiler.find_c_peak(grid, lat) == knee
+
+
+def test_knee_rule_reads_the_threshold_on_a_gentle_slope():
+    grid = profiler.token_grid(512)
+    lat = _flat_then_linear(grid, 16, base=10.0, slope=10.0 / 32)  # +50% at 16 tokens past the knee
+    assert profiler.find_c_peak(grid, lat, delta=0.5) == 32
+    assert profiler.find_c_peak(grid, lat, delta=0.25) == 24
+
+
+def test_knee_rule_is_robust_to_noise():
+    g = torch.Generator().manual_seed(0)
+    grid = profiler.token_grid(512)
+    for trial in range(20):
+        knee = [8, 16, 32][trial % 3]
+        clean = _flat_then_linear(grid, knee, slope=5.0)
+        noise = 1 + 0.1 * (2 * torch.rand(len(grid), generator=g) - 1)  # +-10%
+        lat = [c * float(n) for c, n in zip(clean, noise)]
+        lat[1] *= 3.0  # an interference spike at a small count must not end the search
+        assert profiler.find_c_peak(grid, lat) == knee
+
+
+def test_knee_rule_linear_from_the_start_gives_a_small_budget():
+    grid = profiler.token_grid(512)
+    assert profiler.find_c_peak(grid, [1.0 * t for t in grid]) == 1  # compute-bound at one token
+    assert profiler.find_c_peak(grid, [5.0 + t for t in grid]) == 4  # 1.5 x 6 = 9 = 5 + 4 < 5 + 6
+
+
+def test_knee_rule_always_flat_gives_the_largest_tested():
+    grid = profiler.token_grid(384)
+    assert profiler.find_c_peak(grid, [7.0] * len(grid)) == 384
+
+
+def test_knee_rule_rejects_bad_input():
+    with pytest.raises(ValueError):
+        profiler.find_c_peak([1, 2], [1.0])
+    with pytest.raises(ValueError):
+        profiler.find_c_peak([2, 1], [1.0, 1.0])
+    with pytest.raises(ValueError):
+        profiler.find_c_peak([1, 2], [1.0, 0.0])
+    with pytest.raises(ValueError):
+        profiler.find_c_peak([1, 2], [1.0, 1.0], delta=0)
+
+
+def test_token_grid():
+    assert profiler.token_grid(1) == [1]
+    assert profiler.token_grid(64) == [1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64]
+    assert profiler.token_grid(100)[-2:] == [96, 100]
+
+
+# --- the profiler end to end ------------------------------------------------------------------------
+
+@pytest.fixture()
+def tiny_engine(tiny):
+    from specroll.engine.engine import Engine
+
+    model, _, _ = tiny("llama")
+    return Engine(model)
+
+
+def test_profile_key_depends_on_everything_the_result_depends_on():
+    fp = {"cpu": "X", "cores": 2, "torch_threads": 2, "torch": "2.13.0"}
+    k = profiler.profile_key("smollm2-135m", "float32", fp)
+    assert k.startswith("smollm2-135m__float32__")
+    assert k == profiler.profile_key("smollm2-135m", torch.float32, dict(fp))
+    others = [profiler.profile_key("smollm2-135m", "bfloat16", fp), profiler.profile_key("tiny-llama", "float32", fp)]
+    others += [profiler.profile_key("smollm2-135m", "float32", {**fp, f: v})
+               for f, v in (("cpu", "Y"), ("cores", 4), ("torch_threads", 1), ("torch", "2.14.0"))]
+    assert len({k, *others}) == len(others) + 1
+    with pytest.raises(ValueError, match="dtype"):
+        profiler.profile_key("m", "float16", fp)
+
+
+def test_profile_round_trip_and_get_c_peak(tiny_engine, tmp_path, monkeypatch):
+    monkeypatch.setenv("SPECROLL_HOME", str(tmp_path))
+    result = profiler.run_profile("tiny-llama", "float32", engine=tiny_engine, max_tokens=8, batches=(1, 2),
+                                  context=8, repeats=2)
+    totals = [(p["batch"], p["total_tokens"]) for p in result["points"]]
+    assert totals == [(1, 1), (1, 2), (1, 3), (1, 4), (1, 6), (1, 8), (2, 2), (2, 4), (2, 6), (2, 8)]
+    b1 = [p for p in result["points"] if p["batch"] == 1]
+    assert result["c_peak"] == profiler.find_c_peak([p["total_tokens"] for p in b1], [p["latency_s"] for p in b1])
+    assert set(result["c_peak_by_batch"]) == {"1", "2"}
+    assert all(p["latency_s"] <= p["median_s"] for p in result["points"])
+    path = profiler.save_profile(result)
+    assert path == tmp_path / "profiles" / f"{profiler.profile_key('tiny-llama', 'float32')}.json"
+    assert profiler.load_profile("tiny-llama", torch.float32) == json.loads(json.dumps(result))
+    assert profiler.load_profile("tiny-llama", "bfloat16") is None
+    assert profiler.get_c_peak("tiny-llama", "float32", profile_if_missing=False) == result["c_peak"]
+    png = profiler.plot_profile(result, tmp_path / "p.png")
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    path.write_text(json.dumps({**result, "c_peak": "sixteen"}))
+    with pytest.raises(ValueError, match="c_peak"):
+        profiler.load_profile("tiny-llama", "float32")
+
+
+def test_get_c_peak_profiles_on_first_use(tiny_engine, tmp_path, monkeypatch):
+    monkeypatch.setenv("SPECROLL_HOME", str(tmp_path))
+    with pytest.raises(FileNotFoundError, match="specroll profile"):
+        profiler.get_c_peak("tiny-llama", "float32", tiny_engine, profile_if_missing=False)
+    monkeypatch.setattr(profiler, "QUICK", {**profiler.QUICK, "max_tokens": 4, "repeats": 2})
+    c = profiler.get_c_peak("tiny-llama", "float32", tiny_engine)
+    cached = profiler.load_profile("tiny-llama", "float32")
+    assert cached["mode"] == "quick" and cached["c_peak"] == c and 1 <= c <= 4
+    assert budget.BudgetPlanner(c)(1).n_verify <= c
+
+
+def test_profile_cli_prints_c_peak(tmp_path, monkeypatch, capsys):
+    from specroll.cli import main
+
+    monkeypatch.setenv("SPECROLL_HOME", str(tmp_path))
+    argv = ["profile", "--model", "tiny-llama", "--dtype", "float32", "--max-tokens", "4", "--batches", "1",
+            "--context", "4", "--repeats", "2", "--quiet", "--out-dir", str(tmp_path / "out")]
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    line = next(s for s in out.splitlines() if s.startswith("C_peak = "))
+    c = int(line.split()[2])
+    assert "tiny-llama" in line and "float32" in line and 1 <= c <= 4
+    assert len(list((tmp_path / "out").glob("*.png"))) == 1 and len(list((tmp_path / "out").glob("*.json"))) == 1
+    assert main(argv[:-2]) == 0  # second run: cached, says so
+    assert "cached:" in capsys.readouterr().out
+    assert main(["profile", "--model", "tiny-llama", "--batches", "0"]) == 2
+    assert "--batches" in capsys.readouterr().err
