@@ -306,3 +306,28 @@ def test_build_prompts_without_chat_template(tok):
     plain.chat_template = None
     ids, _, _ = build_prompts([{"question": "Q?", "answer": "1"}], plain, DataConfig(system_prompt="S."))
     assert plain.decode(ids[0]) == "S.\n\nQ?\n"
+
+
+# -- probe ---------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("n, c, k", [(8, 0, 1), (8, 3, 1), (8, 3, 2), (8, 3, 4), (8, 8, 8), (5, 1, 5), (6, 2, 3)])
+def test_pass_at_k_matches_enumeration(n, c, k):
+    from itertools import combinations
+
+    from specroll.rl.probe import pass_at_k
+
+    samples = [1] * c + [0] * (n - c)
+    subsets = list(combinations(range(n), k))
+    brute = sum(any(samples[i] for i in s) for s in subsets) / len(subsets)
+    assert pass_at_k(n, c, k) == pytest.approx(brute)
+
+
+@pytest.mark.slow
+def test_probe_end_to_end_tiny_model():
+    from specroll.rl.probe import probe
+
+    res = probe("tiny-llama", DataConfig(n_eval=4), n_problems=4, n_samples=4, max_new_tokens=8)
+    assert res["n_problems"] == 4 and set(res["pass"]) == {"pass@1", "pass@2", "pass@4"}
+    p = list(res["pass"].values())
+    assert all(0.0 <= a <= b <= 1.0 for a, b in zip(p, p[1:]))
+    json.dumps(res)
