@@ -342,3 +342,10 @@ def test_nan_is_none_and_duplicates_get_names(tmp_path):
     total, per = reward(["p", "p"], ["a", "b"])
     assert set(per) == {"sr_nanmod:f", "sr_nanmod:f#2"}
     assert total == [None, 2.0]
+
+
+def test_accuracy_without_answer_column_is_an_error():
+    reward = build_reward(RewardConfig(funcs=["accuracy"]))
+    with pytest.raises(RewardError, match="needs an 'answer' column; got columns \\['gold'\\]"):
+        reward(["p"], ["1"], gold=["1"])
+    reward.close()

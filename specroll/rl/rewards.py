@@ -468,7 +468,8 @@ class Reward:
     function's list. A sample's total is None when any function returned None for it (or raised):
     the trainer excludes that sample (it carries no advantage and no loss). A function that raises
     yields None for the whole batch and logs ONE warning per function for the run; its failures are
-    counted in ``n_failures[name]``. A wrong-length or non-numeric return raises ``RewardError``.
+    counted in ``n_failures[name]``. A wrong-length or non-numeric return, or a ``RewardError`` raised by
+    the function (e.g. the built-in accuracy reward missing its ``answer`` column), propagates.
     """
 
     def __init__(self, funcs: dict[str, Callable], weights: list[float], checker: MathChecker | None = None):
@@ -498,6 +499,8 @@ class Reward:
     def _one(self, name, f, prompts, completions, n, columns) -> list[float | None]:
         try:
             vals = f(prompts=prompts, completions=completions, **columns)
+        except RewardError:
+            raise  # a contract problem (e.g. a missing column): retrying cannot fix it
         except Exception as e:  # noqa: BLE001 - user code: skip the batch, keep training
             if self.n_failures[name] == 0:
                 logger.warning("reward %r raised %s: %s; its samples score None (excluded) until it "
@@ -549,7 +552,9 @@ def build_reward(cfg: RewardConfig) -> Reward:
 
 
 def _bind_checker(checker: MathChecker):
-    def accuracy(prompts, completions, answer, **kw):
+    def accuracy(prompts, completions, answer=None, **kw):
+        if answer is None:
+            raise RewardError(f"the accuracy reward needs an 'answer' column; got columns {sorted(kw)}")
         return accuracy_reward(prompts, completions, answer, checker=checker)
 
     return accuracy
