@@ -152,9 +152,7 @@ def _bench_e2e(s):
     b.add_argument("--max-new-tokens", type=int, default=64)
     b.add_argument("--steps", type=int, default=3)
     b.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
-                   help="training dtype of both systems (rollouts: --rollout-dtype)")
-    b.add_argument("--rollout-dtype", default="float32", choices=["float32", "bfloat16"],
-                   help="specroll rollout activations (TRL generates in --dtype)")
+                   help="both systems: bfloat16 = bf16 rollouts + bf16 autocast (TRL: bf16=True)")
     b.add_argument("--systems", default="specroll,trl")
     b.add_argument("--out", default="bench_e2e.json")
     b.set_defaults(func=_run("specroll.bench.e2e:cli"))

@@ -68,18 +68,19 @@ class RolloutConfig:
 @dataclass
 class TrainConfig:
     steps: int = 16  # GRPO steps (one rollout batch each)
-    prompts_per_step: int = 8
-    lr: float = 1e-5
+    prompts_per_step: int = 4
+    lr: float = 2e-5
     weight_decay: float = 0.0
-    warmup: int = 2  # linear warmup, in optimizer steps
+    warmup: int = 1  # linear warmup, in optimizer steps
     cosine: bool = True  # cosine decay to min_lr_ratio * lr after warmup (else constant)
     min_lr_ratio: float = 0.1
     grad_clip: float = 1.0  # max grad norm (0 = off)
     micro_batch_size: int = 8  # rows per forward/backward; gradients accumulate over micro-batches
     mu: int = 1  # optimisation passes over each rollout batch
     mini_batches: int = 1  # optimizer steps per pass (splits the batch by prompt groups)
+    share_prompt: bool = True  # training forward runs each group's prompt once (else once per row)
     recompute_old_logprobs: bool = False  # else mu=1 uses the engine's rollout logprobs (no extra forward)
-    bf16: bool = False  # bf16 autocast for the training forward/backward
+    bf16: bool = True  # bf16 autocast for the training forward/backward (fp32 master weights)
     eval_every: int = 0  # evaluate every N steps (0 = only before and after training)
     eval_before: bool = True  # evaluate the base model at step 0
     eval_temperature: float = 0.0  # 0 = greedy pass@1

@@ -51,7 +51,8 @@ def decode(ids):
 
 def make_cfg(*over):
     base = ["train.prompts_per_step=4", "rollout.G=4", "rollout.max_new_tokens=8", "train.lr=3e-3",
-            "train.warmup=0", "model.rollout_dtype=float32", "train.micro_batch_size=16", "train.eval_before=false"]
+            "train.warmup=0", "model.rollout_dtype=float32", "train.micro_batch_size=16", "train.eval_before=false",
+            "train.bf16=false"]
     return load_config(overrides=base + list(over))
 
 
@@ -115,8 +116,9 @@ def test_kl_term_is_zero_at_the_reference_and_grows():
     tr = make_trainer(cfg)
     assert tr.ref is not None
     rows = [tr.train_step() for _ in range(3)]
+    print([r["actor/kl"] for r in rows])
     assert rows[0]["actor/kl"] == pytest.approx(0.0, abs=1e-6)
-    assert rows[2]["actor/kl"] > 1e-6
+    assert rows[2]["actor/kl"] > 1e-4
     assert make_trainer(make_cfg()).ref is None  # no reference model when beta = 0
 
 
@@ -291,3 +293,26 @@ def test_lr_schedule_warmup_then_cosine():
     assert f(2) == pytest.approx(1.0)
     assert f(10) == pytest.approx(0.1)
     assert f(6) == pytest.approx(0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * 0.5)))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_shared_prompt_forward_equals_per_row_forward(dtype):
+    from specroll.rl.trainer import shared_prompt_logprobs
+
+    tr = make_trainer(make_cfg())
+    ps = prompts()
+    rollouts = tr.engine.generate(ps.ids[:3], SamplingParams(temperature=1.0, max_new_tokens=8, seed=4), n=4)
+    batch = Batch.from_rollouts(rollouts)
+    group = torch.arange(len(rollouts)) // 4
+    rows = torch.tensor([0, 5, 6, 7, 11, 2])  # rows of several groups, in any order
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=dtype == torch.bfloat16):
+        ref, ref_ent = completion_logprobs(tr.model, batch, rows, with_entropy=True)
+        got, ent = shared_prompt_logprobs(tr.model, batch, rows, group, with_entropy=True)
+    m = batch.cmask[rows].bool()
+    tol = 1e-5 if dtype == torch.float32 else 3e-2
+    torch.testing.assert_close(got[m], ref[m], atol=tol, rtol=0)
+    torch.testing.assert_close(ent[m], ref_ent[m], atol=tol, rtol=0)
+    # and its gradient is the per-row pass's gradient
+    g1 = torch.autograd.grad(ref[m].sum(), tr.model.embed.weight)[0]
+    g2 = torch.autograd.grad(got[m].sum(), tr.model.embed.weight)[0]
+    torch.testing.assert_close(g2, g1, atol=tol * 10, rtol=tol * 10)

@@ -114,7 +114,10 @@ def train_cli(args) -> int:
             info = f"reward {m.get('reward/mean', float('nan')):.3f}  {m.get('timing/step', 0):.1f}s/step"
             prog.update(task, completed=step, info=info)
 
-        rows = trainer.fit(progress=on_step)
+        try:
+            rows = trainer.fit(progress=on_step)
+        finally:
+            getattr(trainer.reward, "close", lambda: None)()
     wall = time.perf_counter() - t0
     console.print(summary_table(rows, wall, run_dir))
     return 0
@@ -136,7 +139,10 @@ def eval_cli(args) -> int:
     decode = lambda ids: tok.decode(ids, skip_special_tokens=True)  # noqa: E731
     cfg.train.eval_temperature = args.temperature
     tr = Trainer(cfg, model, ev, ev, reward, decode, eos)
-    m = tr.evaluate()
+    try:
+        m = tr.evaluate()
+    finally:
+        reward.close()
     what = args.checkpoint or cfg.model.name
     console.print(f"eval {what}: accuracy {m['eval/accuracy']:.3f} on {m['eval/n']} problems "
                   f"(T={args.temperature}, mean length {m['eval/completion_len']:.1f} tokens, {m['timing/eval']:.1f}s)")

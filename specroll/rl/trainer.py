@@ -139,6 +139,69 @@ def completion_logprobs(model, batch: Batch, rows: torch.Tensor, with_entropy: b
     return logp, ent
 
 
+def shared_prompt_logprobs(model, batch: Batch, rows: torch.Tensor, group: torch.Tensor,
+                           with_entropy: bool = False):
+    """Same result as ``completion_logprobs``, but each distinct prompt is run once.
+
+    ``group`` (N,) maps every batch row to its prompt (rows of a GRPO group share it). Pass 1 runs
+    the micro-batch's distinct prompts and keeps every layer's K/V (with autograd); pass 2 runs only
+    the completion tokens, attending to their prompt's K/V plus their own causal prefix. With G = 8
+    and prompts as long as completions this removes ~45% of the training forward/backward FLOPs.
+    """
+    uniq, inv = torch.unique(group[rows], return_inverse=True)  # distinct prompts; row -> prompt slot
+    first = torch.stack([rows[(inv == i).nonzero()[0, 0]] for i in range(len(uniq))])  # a row per prompt
+    plen = batch.plen[first]  # (U,)
+    Lp = int(plen.max())
+    pids = batch.seq[first, :Lp]
+    U = len(uniq)
+    dtype = model.dtype
+    x = model.embed(pids).to(dtype)
+    pos = torch.arange(Lp).expand(U, Lp)
+    cos, sin = model.rope(pos, dtype)
+    pvalid = torch.arange(Lp)[None] < plen[:, None]  # (U, Lp)
+    m1 = model.fold_mask(torch.ones(Lp, Lp, dtype=torch.bool).tril()[None] & pvalid[:, None, :])
+    kvs: list[tuple[torch.Tensor, torch.Tensor]] = []
+
+    def keep(k, v):
+        K, V = k.transpose(1, 2), v.transpose(1, 2)  # (U, KV, Lp, hd)
+        kvs.append((K, V))
+        return K, V
+
+    for layer in model.layers:
+        x = layer(x, cos, sin, keep, m1)
+    h_last = model.norm(x)[torch.arange(U), plen - 1]  # (U, D): predicts completion token 0
+
+    C = batch.comp.shape[1]
+    b = len(rows)
+    cids = batch.comp[rows]  # (b, C)
+    my_plen = plen[inv]
+    cpos = my_plen[:, None] + torch.arange(C)[None]
+    cos2, sin2 = model.rope(cpos, dtype)
+    key_prompt = pvalid[inv][:, None, :].expand(b, C, Lp)
+    key_comp = torch.ones(C, C, dtype=torch.bool).tril()[None].expand(b, C, C)
+    m2 = model.fold_mask(torch.cat([key_prompt, key_comp], dim=2))  # (b, ., C, Lp + C)
+    y = model.embed(cids).to(dtype)
+    for i, layer in enumerate(model.layers):
+        Kp, Vp = kvs[i]
+
+        def join(k, v, Kp=Kp, Vp=Vp):
+            return (torch.cat([Kp[inv], k.transpose(1, 2).to(Kp.dtype)], dim=2),
+                    torch.cat([Vp[inv], v.transpose(1, 2).to(Vp.dtype)], dim=2))
+
+        y = layer(y, cos2, sin2, join, m2)
+    hc = model.norm(y)  # (b, C, D); position j predicts token j + 1
+    h = torch.cat([h_last[inv][:, None].to(hc.dtype), hc[:, : C - 1]], dim=1)
+    logits = model.logits(h)
+    logz = torch.logsumexp(logits, dim=-1)
+    logp = logits.gather(-1, cids[..., None]).squeeze(-1) - logz
+    ent = None
+    if with_entropy:
+        with torch.no_grad():
+            lp = logits - logz[..., None]
+            ent = -(lp.exp() * lp).sum(-1)
+    return logp, ent
+
+
 def lr_lambda(warmup: int, total: int, cosine: bool, min_ratio: float) -> Callable[[int], float]:
     def f(i: int) -> float:
         if i < warmup:
@@ -273,8 +336,14 @@ class Trainer:
         parts = []
         for chunk in rows.split(self.cfg.train.micro_batch_size):
             with self._autocast():
-                parts.append(completion_logprobs(model, batch, chunk)[0].float())
+                parts.append(self._forward(model, batch, chunk)[0].float())
         return torch.cat(parts)
+
+    def _forward(self, model, batch: Batch, rows: torch.Tensor, with_entropy: bool = False):
+        if self.cfg.train.share_prompt:
+            group = torch.arange(batch.seq.shape[0]) // self.cfg.rollout.G
+            return shared_prompt_logprobs(model, batch, rows, group, with_entropy)
+        return completion_logprobs(model, batch, rows, with_entropy)
 
     def _autocast(self):
         return torch.autocast("cpu", dtype=torch.bfloat16, enabled=self.cfg.train.bf16)
@@ -335,7 +404,7 @@ class Trainer:
         for chunk in pos.split(cfg.train.micro_batch_size):
             r = rows[chunk]
             with self._autocast():
-                logp, ent = completion_logprobs(self.model, batch, r, with_entropy=True)
+                logp, ent = self._forward(self.model, batch, r, with_entropy=True)
             w = w_all[chunk]
             loss, st = policy_loss(logp.float(), old[r], adv[r], w, cfg.loss, None if ref is None else ref[r])
             loss.backward()
