@@ -73,6 +73,20 @@ def test_nonexistent_path_errors_clearly(tmp_path):
         hub.resolve(str(missing))
 
 
+def test_relative_missing_path_is_not_taken_for_a_hub_id():
+    with pytest.raises(hub.HubError, match="unknown model './no/such-model'"):
+        hub.resolve("./no/such-model")
+
+
+def test_eos_ids_merge_tokenizer_and_generation_config(tmp_path):
+    tok = tiny_tokenizer()
+    (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": [7, 2, 9]}))
+    assert hub.eos_ids(tok, tmp_path) == [2, 7, 9]
+    (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": 5}))
+    assert hub.eos_ids(tok, tmp_path) == [2, 5]
+    assert hub.eos_ids(tok, tmp_path / "absent") == [2]
+
+
 # --- cache integrity ------------------------------------------------------------------------------
 
 def _corrupt(d, how: str) -> None:
