@@ -4,9 +4,9 @@ Every setting (``off``, ``lenient`` at each l, ``exact``) runs the same GRPO tra
 data, same rollout seeds, ``--epochs`` passes over a small prompt set (reshuffled every epoch, so reuse
 is found by prompt, not by batch position).
 
-Epoch 1 has no drafts, so it is identical for every setting (a drafter with an empty store samples
-exactly like plain decoding): it is run once, then the model, optimizer, scheduler and rollout store
-are snapshotted and every setting continues from that snapshot. Its row is repeated per setting
+Epoch 1 has no drafts, so it is identical for every setting: it is run once with plain decoding while
+the store records its completions, then the model, optimizer, scheduler and rollout store are
+snapshotted and every setting continues from that snapshot. Its row is repeated per setting
 with ``"shared": true``.
 
 Writes ``{"rows": [{"mode", "lenience", "epoch", "tokens_generated", "rollout_s", "reward_mean",
@@ -66,6 +66,18 @@ def bench_config(args):
         f"rollout.G={args.G}", f"rollout.max_new_tokens={args.max_new_tokens}",
         f"rollout.temperature={args.temperature}",
     ]), steps_per_epoch
+
+
+def _recorder(seed: int):
+    """Epoch 1's drafter: plain decoding (like ``off``) that still fills the store for later epochs.
+    (A prompt drawn twice within epoch 1 is then not reused there, as under ``off``.)"""
+    from ..drafters.reuse import ReuseDrafter
+
+    class Recorder(ReuseDrafter):
+        def after_rollout(self, rollouts, step: int = 0) -> None:
+            self.store.put_rollouts(rollouts, step)
+
+    return Recorder(mode="off", seed=seed)
 
 
 def _snapshot(tr) -> dict:
@@ -141,7 +153,7 @@ def run(args, say=print) -> dict:
     rows_per_step = args.prompts_per_step * args.G
     settings = [("off", None)] + [(m, lam) for m in modes if m == "lenient" for lam in lenience]
     settings += [(m, None) for m in modes if m == "exact"]
-    tr = build_trainer(cfg, None, drafter=ReuseDrafter(mode="lenient", seed=args.seed))
+    tr = build_trainer(cfg, None, drafter=_recorder(args.seed))
     _time_generate(tr.engine)
     t0 = time.perf_counter()
     say(f"epoch 1 (shared by every setting): {spe} steps x {rows_per_step} rollouts")

@@ -24,6 +24,10 @@ Departures from SPEC-RL (arXiv 2509.23232):
   kept up to the cut (``cache.advance``); the slots written past the cut are overwritten later.
 - Keyed by a hash of the prompt token ids plus the sample index, not by batch position, so the data
   loader may shuffle.
+- Staged verification: the first forward scores ``verify_block`` draft tokens per row (16 by default),
+  and only rows that accepted all of them go on to the next, twice as long, stage. A row rejected at
+  token 3 of a 200-token draft does not pay a 200-token forward (SPEC-RL scores the whole draft);
+  in exact mode, where acceptance decays quickly, this is most of the verification cost.
 - Fresh randomness: the acceptance coins come from the drafter's own ``torch.Generator``, seeded once
   at construction and never reseeded (SPEC-RL reseeds 1234 on every call). Its state is saved with
   the store, so a resumed run continues the same stream.
