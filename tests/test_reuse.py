@@ -460,3 +460,29 @@ def test_config_section_builds_the_drafter():
     assert build_drafter(load_config().reuse) is None  # off by default
     with pytest.raises(ValueError, match="reuse.mode"):
         load_config(overrides=["reuse.mode=fast"])
+
+
+def test_bench_reuse_aggregates_and_validates():
+    from specroll.bench import reuse as bench
+    from specroll.cli import CliError, build_parser
+
+    ms = [{"rollout/tokens_generated": 30.0, "rollout/completion_len_mean": 10.0, "timing/rollout": 2.0,
+           "rollout_cpu_s": 1.0, "reward/mean": 0.5, "spec/skip_ratio": 0.25, "spec/avg_cut_idx": 4.0},
+          {"rollout/tokens_generated": 10.0, "rollout/completion_len_mean": 5.0, "timing/rollout": 1.0,
+           "rollout_cpu_s": 0.5, "reward/mean": 0.0, "spec/skip_ratio": 0.75, "spec/avg_cut_idx": 2.0}]
+    row = bench._epoch_row(ms, rows_per_step=4)
+    assert row["completion_tokens"] == 60 and row["tokens_generated"] == 40
+    assert row["reuse_ratio"] == pytest.approx(20 / 60) and row["skip_ratio"] == pytest.approx(0.5)
+    assert row["rollout_s"] == 3.0 and row["reward_mean"] == 0.25
+    rows = [{"mode": "off", "lenience": None, "epoch": 3, "tokens_generated": 100, "rollout_s": 4.0,
+             "rollout_cpu_s": 2.0, "reward_mean": 0.5},
+            {"mode": "lenient", "lenience": 1.0, "epoch": 3, "tokens_generated": 25, "rollout_s": 2.0,
+             "rollout_cpu_s": 1.5, "reward_mean": 0.25}]
+    s = bench.summarize(rows, 3)[1]
+    assert s["tokens_vs_off"] == 0.25 and s["rollout_time_vs_off"] == 0.5 and s["reward_minus_off"] == -0.25
+    args = build_parser().parse_args(["bench", "reuse", "--lenience", "1,inf", "--modes", "exact"])
+    assert bench._floats(args.lenience, "--lenience") == [1.0, math.inf] and bench._modes(args.modes) == ["exact"]
+    with pytest.raises(CliError, match="lenience"):
+        bench._floats("1,-2", "--lenience")
+    with pytest.raises(CliError, match="modes"):
+        bench._modes("lenient,fast")
