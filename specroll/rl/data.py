@@ -112,8 +112,9 @@ LEVELS = {
     1: "addition of a one-digit number: 'What is a + b?', one operand in 1..9, the other in 1..20",
     2: "addition or subtraction, 'What is a + b?' / 'What is a - b?', a, b in 2..20, never negative",
     3: "one of +, -, x: add / subtract with a, b in 10..99 (never negative), multiply with a, b in 2..12",
-    4: "one-step word problem: a person gains, loses, or buys groups of items (numbers <= 30)",
-    5: "two-step word problem (two operations from +, -, x; intermediate totals stay positive)",
+    4: "one-step word problem: start with 5..30 items then gain 2..20 or lose some, or 'a bags with b "
+       "items each' (a, b in 2..9); or the count doubles / triples",
+    5: "two-step word problem (two of the level-4 operations in a row; the count stays positive)",
     6: "three-step word problem (three operations)",
 }
 EVAL_BUCKETS = 5  # 1 question in 5 (by stable hash) belongs to the eval split
