@@ -316,3 +316,23 @@ def test_shared_prompt_forward_equals_per_row_forward(dtype):
     g1 = torch.autograd.grad(ref[m].sum(), tr.model.embed.weight)[0]
     g2 = torch.autograd.grad(got[m].sum(), tr.model.embed.weight)[0]
     torch.testing.assert_close(g2, g1, atol=tol * 10, rtol=tol * 10)
+
+
+# -- the CLI on a tiny hub model -------------------------------------------------------------------
+
+def test_cli_train_resume_eval_report(tmp_path, capsys):
+    from specroll.cli import main
+
+    out = tmp_path / "run"
+    common = ["model.name=tiny-llama", "rollout.max_new_tokens=6", "data.n_train=16", "data.n_eval=4",
+              "train.prompts_per_step=2", "rollout.G=2", "model.rollout_dtype=float32"]
+    assert main(["train", "--preset", "quick", "--out", str(out), "train.steps=1", *common]) == 0
+    assert (out / "metrics.jsonl").is_file() and (out / "step_000001" / "model.safetensors").is_file()
+    assert main(["train", "--out", str(out), "--resume", "latest", "train.steps=2"]) == 0
+    assert [p.name for p in ckpt.list_checkpoints(out)] == ["step_000001", "step_000002"]
+    assert main(["eval", "--checkpoint", str(out), "--json", str(tmp_path / "e.json")]) == 0
+    assert "accuracy" in (tmp_path / "e.json").read_text()
+    assert main(["report", str(out)]) == 0 and (out / "curves.png").is_file()
+    # bad input: one line naming the key, exit code 2
+    assert main(["train", "--out", str(tmp_path / "x"), "train.stepz=3"]) == 2
+    assert "unknown config key 'train.stepz'; did you mean 'train.steps'" in capsys.readouterr().err

@@ -105,6 +105,10 @@ def summary_table(rows: list[dict], wall: float, run_dir: str | Path):
         first = sum(r["reward/mean"] for r in steps[:k]) / k
         last = sum(r["reward/mean"] for r in steps[-k:]) / k
         table.add_row(f"reward/mean (first {k} -> last {k})", f"{first:.3f} -> {last:.3f}", "", "")
+        cpu = sum(r.get("timing/step_cpu", 0.0) for r in steps)
+        wall = sum(r.get("timing/step", 0.0) for r in steps)
+        table.add_row("train steps: wall / CPU s", f"{wall:.1f} / {cpu:.1f}", f"{wall / len(steps):.1f} / "
+                      f"{cpu / len(steps):.1f}", "")
         toks = sum(r.get("rollout/tokens_generated", 0) for r in steps)
         table.add_row("tokens generated", f"{int(toks)}", f"{toks / len(steps):.0f}", "")
     evals = [r for r in rows if "eval/accuracy" in r]

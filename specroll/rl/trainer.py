@@ -270,7 +270,7 @@ class Trainer:
     def train_step(self) -> dict:
         """Run step ``self.step + 1``. Returns its metrics (also written and kept in ``self.metrics``)."""
         G = self.cfg.rollout.G
-        t_step = time.perf_counter()
+        t_step, cpu_step = time.perf_counter(), time.process_time()
         prompts = self.train_set.take(self.batch_indices(self.step))
         m: dict = {}
         t = time.perf_counter()
@@ -290,6 +290,7 @@ class Trainer:
         self.step += 1
         m["lr"] = self.sched.get_last_lr()[0]
         m["timing/step"] = time.perf_counter() - t_step
+        m["timing/step_cpu"] = time.process_time() - cpu_step  # CPU seconds, all threads (wall on a busy box lies)
         return m
 
     def _rollout_metrics(self, rollouts: list[Rollout], rewards: torch.Tensor, per_func: dict) -> dict:
@@ -367,7 +368,7 @@ class Trainer:
         m["timing/logprob"] = time.perf_counter() - t
         t = time.perf_counter()
         groups = torch.arange(len(rollouts) // G).chunk(cfg.train.mini_batches)
-        acc = {"clip": 0.0, "kl": 0.0, "w": 0.0, "ent": 0.0, "ntok": 0.0, "loss": 0.0, "gn": [], "n_opt": 0}
+        acc = {"clip": 0.0, "kl": 0.0, "w": 0.0, "ent": 0.0, "ntok": 0.0, "loss": 0.0, "gn": [], "n_opt": 0, "rows": 0}
         for _ in range(cfg.train.mu):
             for grp in groups:
                 rows = (grp[:, None] * G + torch.arange(G)).flatten()
@@ -384,7 +385,8 @@ class Trainer:
             m["actor/entropy"] = acc["ent"] / acc["ntok"]
         if acc["gn"]:
             m["actor/grad_norm"] = sum(acc["gn"]) / len(acc["gn"])
-        m["actor/rows_trained"] = int(all_rows.numel())
+        m["actor/rows_in_loss"] = int(all_rows.numel())
+        m["actor/rows_forwarded"] = acc["rows"]  # rows with a nonzero gradient, summed over optimizer steps
         return m
 
     def _optimizer_step(self, batch: Batch, rows: torch.Tensor, adv, old, ref, acc: dict) -> None:
@@ -397,6 +399,7 @@ class Trainer:
         if not bool(live.any()):
             return
         pos = live.nonzero().squeeze(1)
+        acc["rows"] += len(pos)
         # micro-batches of similar length (less padding); weights make the order irrelevant
         pos = pos[torch.argsort(batch.clen[rows[pos]] + batch.plen[rows[pos]], stable=True)]
         self.opt.zero_grad(set_to_none=True)
