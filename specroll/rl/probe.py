@@ -53,6 +53,7 @@ def probe(model: str = "smollm2-135m", data: DataConfig | None = None, n_problem
     out = {
         "model": str(model), "task": data.task, "level": data.level if data.task == "arithmetic" else None,
         "path": data.path, "n_problems": len(examples), "n_samples": n_samples, "dropped_long_prompts": dropped,
+        "system_prompt": data.system_prompt, "dtype": dtype,
         "temperature": temperature, "max_new_tokens": max_new_tokens, "seed": seed,
         "pass": {f"pass@{k}": round(sum(pass_at_k(n_samples, c, k) for c in per_problem) / len(per_problem), 4)
                  for k in ks},
