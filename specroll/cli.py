@@ -109,6 +109,7 @@ def _draft(sub):
     t.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"],
                    help="rollout / hidden-state dtype (the head trains in fp32)")
     t.add_argument("--seed", type=int, default=0)
+    t.add_argument("--init", default=None, help="continue training this draft head directory")
     t.add_argument("--out", required=True, help="output directory")
     p.set_defaults(func=_run("specroll.drafters.distill:cli"))
 

@@ -28,7 +28,7 @@ import torch.nn.functional as F
 from ..engine.engine import Engine
 from ..engine.sampling import SamplingParams
 from ..models.decoder import Decoder
-from .eagle import DraftHead, DraftVocab, head_for, save_head
+from .eagle import DraftHead, DraftVocab, head_for, load_head, save_head
 
 
 @dataclass
@@ -158,8 +158,9 @@ def train_head(head: DraftHead, policy: Decoder, seqs: list[torch.Tensor], hid: 
 
 def distill(policy: Decoder, prompts: list[list[int]], *, eos_ids=(), n: int = 4, max_new_tokens: int = 128,
             temperature: float = 1.0, dtype: torch.dtype = torch.bfloat16, draft_vocab: int = 4096,
-            cfg: DistillConfig | None = None, log=None, time_budget: float | None = None):
-    """Generate, collect hidden states, train a fresh head. Returns (head, info dict)."""
+            cfg: DistillConfig | None = None, log=None, time_budget: float | None = None,
+            init: DraftHead | None = None):
+    """Generate, collect hidden states, train a head (fresh, or continue ``init``). Returns (head, info)."""
     cfg = cfg or DistillConfig()
     t0 = time.perf_counter()
     engine = Engine(policy, eos_ids=eos_ids, dtype=dtype)
@@ -168,8 +169,11 @@ def distill(policy: Decoder, prompts: list[list[int]], *, eos_ids=(), n: int = 4
     t_gen = time.perf_counter() - t0
     hid = hidden_states(policy, seqs, dtype)
     t_hid = time.perf_counter() - t0 - t_gen
-    ids = frequent_vocab(seqs, policy.cfg.vocab_size, draft_vocab, always=eos_ids)
-    head = head_for(policy, ids, seed=cfg.seed)
+    if init is not None:
+        head = init
+    else:
+        ids = frequent_vocab(seqs, policy.cfg.vocab_size, draft_vocab, always=eos_ids)
+        head = head_for(policy, ids, seed=cfg.seed)
     hist = train_head(head, policy, seqs, hid, cfg, log, time_budget)
     info = {"sequences": len(seqs), "tokens": int(sum(len(s) for s in seqs)), "gen_s": t_gen, "hidden_s": t_hid,
             "train_s": hist[-1]["elapsed"] if hist else 0.0, "steps": len(hist),
@@ -206,9 +210,10 @@ def cli(args) -> int:
         print(f"step {info['step']:5d}  loss {info['loss']:.4f}  feat {info['feat']:.4f}  ce {info['ce']:.3f}  "
               f"top1 {info['top1']:.3f}  {info['elapsed']:.0f}s", flush=True)
 
+    init = load_head(args.init, policy) if args.init else None
     head, info = distill(policy, prompts, eos_ids=eos, n=args.n, max_new_tokens=args.max_new_tokens,
                          temperature=args.temperature, dtype=getattr(torch, args.dtype), draft_vocab=args.draft_vocab,
-                         cfg=cfg, log=log, time_budget=args.time_budget)
+                         cfg=cfg, log=log, time_budget=args.time_budget, init=init)
     meta = {"model": args.model, "prompts": len(prompts), **info, "config": asdict(cfg)}
     out = save_head(head, args.out, meta)
     print(json.dumps({k: v for k, v in info.items() if k != "final"}, indent=None))
