@@ -8,9 +8,10 @@ the PNG; ``get_c_peak`` for training; the ``specroll profile`` command.
 
 Measurement. Each of B rows is prefilled with ``context`` random tokens (not timed); then a forward
 of T new tokens per row (causal mask over the new tokens, written after the context, never
-committed, so repeats write the same slots) plus logits at all B*T positions is timed. A point is
-the minimum over ``repeats`` runs: on a shared machine interference only ever adds time, so the
-minimum is the least-biased estimate of the forward's own cost (the median is recorded too).
+committed, so repeats write the same slots) plus logits at all B*T positions is timed. The whole
+grid is timed in ``repeats`` interleaved passes and a point is its minimum over passes: on a shared
+machine interference only ever adds time, so the minimum is the least-biased estimate of the
+forward's own cost (the median is recorded too).
 
 The knee rule (``find_c_peak``). C_peak is the largest measured token count whose latency is at
 most (1 + delta) x the single-token latency, delta = 0.5 by default, read off the lower envelope
@@ -166,45 +167,65 @@ def _prefilled_cache(engine, batch: int, context: int, tokens: int, gen: torch.G
     return cache
 
 
-@torch.no_grad()
-def time_verify(engine, batch: int, tokens: int, context: int = DEFAULT_CONTEXT, repeats: int = 5,
-                seed: int = 0, max_seconds: float = 3.0) -> tuple[float, float]:
-    """(min, median) seconds of one verification forward of ``tokens`` new tokens on each of ``batch``
-    rows after ``context`` cached tokens, logits included. At least 2 timed runs, then up to
-    ``repeats`` while under ``max_seconds``."""
-    gen = torch.Generator().manual_seed(seed)
-    cache = _prefilled_cache(engine, batch, context, tokens, gen)
-    ids = torch.randint(engine.model.cfg.vocab_size, (batch, tokens), generator=gen)
-    slots = cache.chain_slots(tokens)
-    mask = cache.mask(tokens)
+class VerifyPoint:
+    """One measurement point: a forward of ``tokens`` new tokens on each row of ``cache`` (prefilled,
+    see ``_prefilled_cache``), written after the context and never committed, plus logits at every
+    new position. Points of one batch size share a cache."""
 
-    def run():
-        h = engine.forward(cache, ids, slots, slots, mask)
-        return engine.model.logits(h)
+    def __init__(self, engine, cache, tokens: int, gen: torch.Generator):
+        self.engine, self.cache, self.batch, self.tokens = engine, cache, cache.batch, tokens
+        self.ids = torch.randint(engine.model.cfg.vocab_size, (cache.batch, tokens), generator=gen)
+        self.slots = cache.chain_slots(tokens)
+        self.mask = cache.mask(tokens)
 
-    run()  # warm-up (weight packing, allocator)
-    times, spent = [], 0.0
-    while len(times) < 2 or (len(times) < repeats and spent < max_seconds):
+    @torch.no_grad()
+    def run(self) -> float:
         t = time.perf_counter()
-        run()
-        dt = time.perf_counter() - t
-        times.append(dt)
-        spent += dt
-    times.sort()
+        h = self.engine.forward(self.cache, self.ids, self.slots, self.slots, self.mask)
+        self.engine.model.logits(h)
+        return time.perf_counter() - t
+
+
+def time_verify(engine, batch: int, tokens: int, context: int = DEFAULT_CONTEXT, repeats: int = 5,
+                seed: int = 0) -> tuple[float, float]:
+    """(min, median) seconds of one verification forward (after one warm-up run)."""
+    gen = torch.Generator().manual_seed(seed)
+    pt = VerifyPoint(engine, _prefilled_cache(engine, batch, context, tokens, gen), tokens, gen)
+    pt.run()
+    times = sorted(pt.run() for _ in range(max(1, repeats)))
     return times[0], times[len(times) // 2]
 
 
 def measure(engine, max_tokens: int = 512, batches=DEFAULT_BATCHES, context: int = DEFAULT_CONTEXT,
-            repeats: int = 5, log=None) -> list[dict]:
+            repeats: int = 5, seed: int = 0, log=None) -> list[dict]:
     """Points {batch, tokens_per_row, total_tokens, latency_s, median_s} over ``batches`` x the token
-    grid, keeping batch * tokens <= max_tokens."""
-    points = []
+    grid, keeping batch * tokens <= max_tokens.
+
+    The grid is timed in ``repeats`` interleaved passes (every point once per pass, after a warm-up
+    pass) and each point keeps its minimum: a burst of interference from other processes then costs
+    one sample of many points rather than every sample of a few."""
+    gen = torch.Generator().manual_seed(seed)
+    pts = []
     for b in batches:
-        for t in token_grid(max(1, max_tokens // b)):
-            lo, med = time_verify(engine, b, t, context, repeats)
-            points.append({"batch": b, "tokens_per_row": t, "total_tokens": b * t, "latency_s": lo, "median_s": med})
-            if log:
-                log(f"B={b:3d} T={t:4d}  total {b * t:4d}  {lo * 1e3:8.2f} ms  {b * t / lo:9.1f} tok/s")
+        grid = token_grid(max(1, max_tokens // b))
+        cache = _prefilled_cache(engine, b, context, grid[-1], gen)
+        pts += [VerifyPoint(engine, cache, t, gen) for t in grid]
+    for pt in pts:
+        pt.run()
+    times = [[] for _ in pts]
+    for r in range(max(1, repeats)):
+        for i, pt in enumerate(pts):
+            times[i].append(pt.run())
+        if log:
+            log(f"pass {r + 1}/{repeats}: {sum(t[-1] for t in times):.2f} s")
+    points = []
+    for pt, ts in zip(pts, times):
+        ts = sorted(ts)
+        points.append({"batch": pt.batch, "tokens_per_row": pt.tokens, "total_tokens": pt.batch * pt.tokens,
+                       "latency_s": ts[0], "median_s": ts[len(ts) // 2]})
+        if log:
+            log(f"B={pt.batch:3d} T={pt.tokens:4d}  total {pt.batch * pt.tokens:4d}  {ts[0] * 1e3:8.2f} ms "
+                f"(median {ts[len(ts) // 2] * 1e3:8.2f})  {pt.batch * pt.tokens / ts[0]:9.1f} tok/s")
     return points
 
 
@@ -222,7 +243,7 @@ def summarise(points: list[dict], delta: float = DEFAULT_DELTA) -> dict:
     c = per[main_b]
     base = lower_envelope([p["latency_s"] for p in main])
     at = next(i for i, p in enumerate(main) if p["total_tokens"] == c)
-    knee = {"single_token_ms": base[0] * 1e3, "c_peak_ms": base[at] * 1e3, "ratio": base[at] / base[0]}
+    knee = {"base_tokens": main[0]["total_tokens"], "single_token_ms": base[0] * 1e3, "c_peak_ms": base[at] * 1e3, "ratio": base[at] / base[0]}
     if at + 1 < len(main):
         knee.update(next_tokens=main[at + 1]["total_tokens"], next_ms=base[at + 1] * 1e3,
                     next_ratio=base[at + 1] / base[0])
@@ -237,9 +258,11 @@ def run_profile(model_name: str, dtype, engine=None, max_tokens: int = 512, batc
     d = dtype_name(dtype)
     if engine is None:
         engine = _load_engine(model_name, d)
+    elif dtype_name(engine.dtype) != d:
+        raise ValueError(f"the engine runs {dtype_name(engine.dtype)} but the profile asked for {d}")
     fp = fingerprint()
     t0 = time.perf_counter()
-    points = measure(engine, max_tokens, batches, context, repeats, log)
+    points = measure(engine, max_tokens, batches, context, repeats, log=log)
     return {"format": FORMAT, "model": str(model_name), "dtype": d, "fingerprint": fp, "mode": mode,
             "rule": "largest total tokens with lower-envelope latency <= (1 + delta) x single-token latency",
             "delta": delta, "context": context, "max_tokens": max_tokens, "batches": list(batches),
@@ -313,10 +336,11 @@ def plot_profile(result: dict, png: str | Path) -> Path:
 def describe(result: dict) -> str:
     k = result["knee"]
     s = (f"C_peak = {result['c_peak']} tokens per forward ({result['model']}, {result['dtype']}, "
-         f"{result['fingerprint']['torch_threads']} threads): {k['single_token_ms']:.2f} ms at 1 token, "
-         f"{k['c_peak_ms']:.2f} ms at {result['c_peak']} (x{k['ratio']:.2f})")
+         f"{result['fingerprint']['torch_threads']} threads; lower-envelope latency): "
+         f"{k.get('base_tokens', 1)} tokens {k['single_token_ms']:.2f} ms, "
+         f"{result['c_peak']} tokens {k['c_peak_ms']:.2f} ms (x{k['ratio']:.2f})")
     if "next_tokens" in k:
-        s += f", {k['next_ms']:.2f} ms at {k['next_tokens']} (x{k['next_ratio']:.2f})"
+        s += f", {k['next_tokens']} tokens {k['next_ms']:.2f} ms (x{k['next_ratio']:.2f})"
     elif result.get("capped"):
         s += "; no knee below the largest tested count (raise --max-tokens)"
     return s
@@ -349,5 +373,5 @@ def cli(args) -> int:
     return 0
 
 
-__all__ = ["find_c_peak", "fingerprint", "get_c_peak", "load_profile", "lower_envelope", "measure", "plot_profile",
+__all__ = ["VerifyPoint", "find_c_peak", "fingerprint", "get_c_peak", "load_profile", "lower_envelope", "measure", "plot_profile",
            "profile_key", "profile_path", "run_profile", "save_profile", "time_verify", "token_grid"]
