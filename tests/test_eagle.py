@@ -294,3 +294,27 @@ def test_draft_vocab_maps_indices_to_token_ids():
     loss, _ = head_loss(head, lm, model.embed, torch.tensor([[1, 3, 10]]), torch.randn(1, 3, 32),
                         torch.ones(1, 3, dtype=torch.bool), DistillConfig())
     assert torch.isfinite(loss)
+
+
+# --- CLI ---------------------------------------------------------------------------------------------
+
+def test_cli_draft_train_then_bench_spec(tmp_path, monkeypatch, capsys):
+    import json
+
+    from specroll.cli import main
+
+    monkeypatch.setenv("SPECROLL_HOME", str(tmp_path / "home"))
+    head_dir, out = tmp_path / "head", tmp_path / "spec.json"
+    assert main(["draft", "train", "--model", "tiny-llama", "--prompts", "2", "-n", "2", "--max-new-tokens", "4",
+                 "--steps", "3", "--draft-vocab", "0", "--dtype", "float32", "--out", str(head_dir)]) == 0
+    common = ["bench", "spec", "--model", "tiny-llama", "--draft", str(head_dir), "--batch-sizes", "1,2",
+              "--max-new-tokens", "4", "--n-verify", "4", "--k", "2", "--depth", "2", "--dtype", "float32"]
+    assert main(common + ["--out", str(out)]) == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert [r["batch"] for r in rows] == [1, 2]
+    for r in rows:
+        assert {"batch", "plan", "vanilla_tok_s", "spec_tok_s", "speedup", "accept_length", "accept_rate"} <= set(r)
+        assert r["plan"] == "static" and r["accept_length"] >= 1.0
+    assert main(common + ["--plan", "nope", "--out", str(out)]) == 2
+    assert "known plans" in capsys.readouterr().err
+    assert main(["bench", "spec", "--model", "tiny-llama", "--draft", str(tmp_path / "none"), "--out", str(out)]) == 2
