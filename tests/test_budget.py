@@ -13,7 +13,7 @@ import math
 import pytest
 import torch
 
-from specroll.engine import budget, profiler
+from specroll.engine import profiler
 from specroll.engine.budget import PLAIN, BudgetPlanner, Plan, plan, tree_capacity
 
 # --- the plan ---------------------------------------------------------------------------------------
@@ -265,7 +265,9 @@ def test_get_c_peak_profiles_on_first_use(tiny_engine, tmp_path, monkeypatch):
     c = profiler.get_c_peak("tiny-llama", "float32", tiny_engine)
     cached = profiler.load_profile("tiny-llama", "float32")
     assert cached["mode"] == "quick" and cached["c_peak"] == c and 1 <= c <= 4
-    assert budget.BudgetPlanner(c)(1).n_verify <= c
+    planner = profiler.adaptive_planner("tiny-llama", "float32", k_max=2)
+    assert (planner.c_peak, planner.k_max) == (c, 2) and planner(1).n_verify <= c
+    assert profiler.adaptive_planner("not-profiled", "float32", c_peak=12).c_peak == 12  # no profile needed
 
 
 def test_profile_cli_prints_c_peak(tmp_path, monkeypatch, capsys):

@@ -296,6 +296,16 @@ def get_c_peak(model_name: str, dtype, engine=None, profile_if_missing: bool = T
 QUICK = {"max_tokens": 64, "batches": (1,), "repeats": 3, "mode": "quick"}
 
 
+def adaptive_planner(model_name: str, dtype, engine=None, c_peak: float | None = None, log=None, **shape):
+    """A ``BudgetPlanner`` for this model and dtype on this machine: ``c_peak`` if given, else the
+    cached profile's (quick-profiled on first use). ``shape``: alpha, k_max, l_min, l_max."""
+    from .budget import BudgetPlanner
+
+    if c_peak is None:
+        c_peak = get_c_peak(model_name, dtype, engine, log=log)
+    return BudgetPlanner(c_peak, **shape)
+
+
 # --- figure and command -----------------------------------------------------------------------------
 
 def plot_profile(result: dict, png: str | Path) -> Path:
@@ -373,5 +383,5 @@ def cli(args) -> int:
     return 0
 
 
-__all__ = ["VerifyPoint", "find_c_peak", "fingerprint", "get_c_peak", "load_profile", "lower_envelope", "measure", "plot_profile",
+__all__ = ["VerifyPoint", "adaptive_planner", "find_c_peak", "fingerprint", "get_c_peak", "load_profile", "lower_envelope", "measure", "plot_profile",
            "profile_key", "profile_path", "run_profile", "save_profile", "time_verify", "token_grid"]
