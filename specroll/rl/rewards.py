@@ -321,11 +321,16 @@ _STARTUP_S = 60.0  # allowance for a fresh worker to import math-verify / sympy 
 _DEFAULT_CHECKER: MathChecker | None = None
 
 
+_DEFAULT_LOCK = threading.Lock()
+
+
 def default_checker() -> MathChecker:
+    """The process-wide checker used by ``accuracy_reward`` when none is passed (5 s deadline)."""
     global _DEFAULT_CHECKER
-    if _DEFAULT_CHECKER is None:
-        _DEFAULT_CHECKER = MathChecker()
-    return _DEFAULT_CHECKER
+    with _DEFAULT_LOCK:
+        if _DEFAULT_CHECKER is None:
+            _DEFAULT_CHECKER = MathChecker()
+        return _DEFAULT_CHECKER
 
 
 # ------------------------------------------------------------------------------------------------
