@@ -439,11 +439,15 @@ class ReuseDrafter:
         hv, xv = H[valid], x[valid]
         lp_v, plp_v = torch.empty(xv.numel()), torch.empty(xv.numel())
         step = max(1, _LOGIT_BUDGET // engine.model.cfg.vocab_size)
+        plain = params.temperature == 1.0 and params.top_p == 1.0 and params.top_k == 0
         for a in range(0, xv.numel(), step):
             logits = engine.model.logits(hv[a : a + step])
-            t = xv[a : a + step, None]
-            lp_v[a : a + step] = processed_logprobs(logits, params).gather(-1, t).squeeze(1)
-            plp_v[a : a + step] = token_logprobs(logits, t.squeeze(1))
+            t = xv[a : a + step]
+            plp_v[a : a + step] = token_logprobs(logits, t)
+            if plain:  # sampling distribution == policy: one log-normaliser pass, not two
+                lp_v[a : a + step] = plp_v[a : a + step]
+            else:
+                lp_v[a : a + step] = processed_logprobs(logits, params).gather(-1, t[:, None]).squeeze(1)
         lp_new = torch.full(x.shape, float("-inf"))
         plp = torch.zeros(x.shape)
         lp_new[valid], plp[valid] = lp_v, plp_v
