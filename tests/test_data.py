@@ -150,7 +150,8 @@ def test_gsm8k_convention(tmp_path):
     by_q = {e["question"]: e for e in exs}
     assert by_q["Q"]["answer"] == "1234" and by_q["R"]["answer"] == "-5"
     assert by_q["Q"]["answer_raw"].endswith("#### 1,234")
-    with pytest.raises(DataError, match=r"g\.jsonl:1: 'answer' looks like a worked solution.*answer_format=gsm8k"):
+    with pytest.raises(DataError, match=r"g\.jsonl:1: 'answer' looks like a worked solution.*answer_format=gsm8k "
+                                        r"\(the same holds for every row\)"):
         load_examples(DataConfig(task="file", path=str(p), n_eval=0), "train")
 
 

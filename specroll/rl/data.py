@@ -339,7 +339,9 @@ def _convert(rows, path, cfg: DataConfig) -> list[dict]:
             ex["answer_raw"] = row[af]  # e.g. GSM8K's worked solution
         out.append(ex)
     if bad and not cfg.skip_bad_rows:
-        raise DataError(f"{bad[0]} ({len(bad)} bad row(s) in all; fix them or set data.skip_bad_rows=true)")
+        more = ("the same holds for every row" if len(bad) == len(rows) else
+                f"{len(bad)} bad row(s) in all; fix them or set data.skip_bad_rows=true")
+        raise DataError(f"{bad[0]} ({more})")
     if bad:
         logger.warning("skipped %d bad row(s) in %s (first: %s)", len(bad), path, bad[0])
     if not out:
