@@ -119,7 +119,8 @@ LEVELS = {
 }
 # Measured with ``python -m specroll.rl.probe --level L --dtype bfloat16`` (SmolLM2-135M-Instruct, T=1,
 # 96 new tokens, the default system prompt, 64 eval problems x 8 samples, reading the final answer):
-#   level 1: pass@1 0.109, pass@8 0.469;  level 2: 0.106 / 0.516;  level 4: 0.051 / 0.297.
+#   level 1: pass@1 0.109, pass@8 0.469;  level 2: 0.106 / 0.516;  level 3: 0.080 / 0.391;
+#   level 4: 0.051 / 0.297.
 # Level 1 is the default: the easiest task, and about half of the 8-sample groups have mixed rewards.
 EVAL_BUCKETS = 5  # 1 question in 5 (by stable hash) belongs to the eval split
 _SPLITS = {"train": 1, "eval": 2}
