@@ -286,3 +286,19 @@ def test_profile_cli_prints_c_peak(tmp_path, monkeypatch, capsys):
     assert "cached:" in capsys.readouterr().out
     assert main(["profile", "--model", "tiny-llama", "--batches", "0"]) == 2
     assert "--batches" in capsys.readouterr().err
+
+
+def test_summary_flags_a_noisy_profile():
+    grid = profiler.token_grid(64)
+    lat = _flat_then_linear(grid, 8, slope=10.0)
+
+    def result(spread):
+        pts = [{"batch": 1, "tokens_per_row": t, "total_tokens": t, "latency_s": x, "median_s": x * spread}
+               for t, x in zip(grid, lat)]
+        return {"model": "m", "dtype": "float32", "fingerprint": {"torch_threads": 2}, "delta": 0.5,
+                **profiler.summarise(pts, 0.5)}
+
+    quiet, noisy = result(1.1), result(3.0)
+    assert quiet["c_peak"] == noisy["c_peak"] == 8
+    assert "warning" not in profiler.describe(quiet)
+    assert "warning: noisy" in profiler.describe(noisy)

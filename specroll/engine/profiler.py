@@ -48,6 +48,7 @@ import torch
 DEFAULT_DELTA = 0.5
 DEFAULT_CONTEXT = 64
 DEFAULT_BATCHES = (1, 4, 16)
+NOISY = 1.5  # median / min latency per point above which a profile is flagged as noisy
 FORMAT = "specroll-profile/1"
 
 
@@ -247,8 +248,9 @@ def summarise(points: list[dict], delta: float = DEFAULT_DELTA) -> dict:
     if at + 1 < len(main):
         knee.update(next_tokens=main[at + 1]["total_tokens"], next_ms=base[at + 1] * 1e3,
                     next_ratio=base[at + 1] / base[0])
+    ratios = sorted(p["median_s"] / p["latency_s"] for p in points)
     return {"c_peak": c, "c_peak_by_batch": {str(b): v for b, v in per.items()}, "knee": knee,
-            "capped": c == main[-1]["total_tokens"]}
+            "capped": c == main[-1]["total_tokens"], "noise": ratios[len(ratios) // 2]}
 
 
 def run_profile(model_name: str, dtype, engine=None, max_tokens: int = 512, batches=DEFAULT_BATCHES,
@@ -353,6 +355,9 @@ def describe(result: dict) -> str:
         s += f", {k['next_tokens']} tokens {k['next_ms']:.2f} ms (x{k['next_ratio']:.2f})"
     elif result.get("capped"):
         s += "; no knee below the largest tested count (raise --max-tokens)"
+    if result.get("noise", 1.0) > NOISY:
+        s += (f"\nwarning: noisy machine (median/min latency x{result['noise']:.2f} per point); C_peak may be off "
+              "by a grid step: rerun with more --repeats on a quieter machine (--force)")
     return s
 
 
