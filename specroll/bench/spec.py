@@ -3,7 +3,8 @@
 Both systems run in one process on the same model, dtype, prompts (held-out built-in arithmetic
 questions, chat-templated) and seeds; completions stop naturally at EOS or ``max_new_tokens``.
 Throughput is completion tokens over wall time summed across ``repeats`` (seed + r each), the two
-systems interleaved so machine noise hits both. ``accept_length`` = tokens emitted per verification
+systems interleaved so machine noise hits both. ``--force-length`` ignores stop tokens so every
+row of both systems emits exactly ``max_new_tokens`` (equal work; natural lengths differ per sample). ``accept_length`` = tokens emitted per verification
 step (bonus included), ``accept_rate`` = accepted draft nodes / drafted nodes.
 
 Plans: ``static`` (fixed ``--n-verify/--k/--depth``). ``PLANS`` maps a name to a factory
@@ -80,7 +81,7 @@ def run_bench(args) -> dict:
     eos = hub.eos_ids(tok, hub.resolve(args.model, quiet=True))
     engine = Engine(model, eos_ids=eos, dtype=dtype)
     params = SamplingParams(temperature=args.temperature, top_p=args.top_p, max_new_tokens=args.max_new_tokens,
-                            seed=args.seed)
+                            seed=args.seed, min_new_tokens=args.max_new_tokens if args.force_length else 0)
     prompts = bench_prompts(tok, max(batches), args.seed)
     warm = SamplingParams(max_new_tokens=8, seed=args.seed)
     engine.generate(prompts[:2], warm)
@@ -94,7 +95,7 @@ def run_bench(args) -> dict:
                   f"tok/s  x{row['speedup']:.2f}  accept_length {row['accept_length']:.2f}", flush=True)
             rows.append(row)
     return {"rows": rows, "model": args.model, "draft": str(args.draft), "dtype": args.dtype,
-            "max_new_tokens": args.max_new_tokens, "temperature": args.temperature, "top_p": args.top_p,
+            "max_new_tokens": args.max_new_tokens, "force_length": args.force_length, "temperature": args.temperature, "top_p": args.top_p,
             "repeats": args.repeats, "machine": machine_info()}
 
 
