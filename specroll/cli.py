@@ -76,7 +76,10 @@ def _bench_spec(s):
     b.add_argument("--draft", required=True, help="draft head directory (from `specroll draft train`)")
     b.add_argument("--batch-sizes", default="1,4,16,64")
     b.add_argument("--max-new-tokens", type=int, default=128)
-    b.add_argument("--plan", default="static", help="static (fixed --n-verify/--k/--depth)")
+    b.add_argument("--plan", default="static", help="static (fixed --n-verify/--k/--depth), adaptive "
+                   "(N = C_peak / live rows, K <= --k, depth <= --depth), or both: static,adaptive")
+    b.add_argument("--c-peak", type=float, default=None,
+                   help="adaptive plan's budget (default: this machine's `specroll profile`, quick-profiled if missing)")
     b.add_argument("--n-verify", type=int, default=16, help="tree nodes verified per row, root included")
     b.add_argument("--k", type=int, default=4, help="top-K expansion per level")
     b.add_argument("--depth", type=int, default=5, help="draft tree depth")

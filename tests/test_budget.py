@@ -302,3 +302,25 @@ def test_summary_flags_a_noisy_profile():
     assert quiet["c_peak"] == noisy["c_peak"] == 8
     assert "warning" not in profiler.describe(quiet)
     assert "warning: noisy" in profiler.describe(noisy)
+
+
+def test_bench_spec_static_and_adaptive_rows_and_figure(tmp_path, monkeypatch, capsys):
+    """`bench spec --plan static,adaptive` wiring: a row per plan and batch, the adaptive plan from
+    --c-peak through BudgetPlanner, and speedup_vs_batch.png. (Speed is not asserted here.)"""
+    from specroll.cli import main
+    from specroll.drafters.eagle import head_for, save_head
+    from specroll.models import hub
+
+    model, _ = hub.load("tiny-llama")
+    save_head(head_for(model), tmp_path / "head")
+    out = tmp_path / "b" / "spec.json"
+    assert main(["bench", "spec", "--model", "tiny-llama", "--draft", str(tmp_path / "head"), "--batch-sizes", "1,4",
+                 "--max-new-tokens", "6", "--plan", "static,adaptive", "--c-peak", "8", "--dtype", "float32",
+                 "--out", str(out)]) == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert [(r["batch"], r["plan"]) for r in rows] == [(1, "static"), (4, "static"), (1, "adaptive"), (4, "adaptive")]
+    assert rows[2]["plan_max"] == {"n_verify": 8, "k": 4, "depth": 3}  # BudgetPlanner(8, k_max=4, l_max=5)(1)
+    assert (out.parent / "speedup_vs_batch.png").read_bytes()[:4] == b"\x89PNG"
+    assert main(["bench", "spec", "--model", "tiny-llama", "--draft", str(tmp_path / "head"), "--plan", "greedy",
+                 "--out", str(out)]) == 2
+    assert "--plan" in capsys.readouterr().err

@@ -14,6 +14,7 @@ Plans: ``static`` (fixed ``--n-verify/--k/--depth``). ``PLANS`` maps a name to a
 from __future__ import annotations
 
 import time
+from pathlib import Path
 
 import torch
 
@@ -28,7 +29,16 @@ def _static(args):
     return (lambda b: plan), plan
 
 
-PLANS = {"static": _static}
+def _adaptive(args):
+    """FastGRPO's concurrency-aware plan: N = C_peak / B_active re-planned every step (engine/budget.py),
+    with --k / --depth as K_max / L_max; C_peak from --c-peak or this machine's cached profile."""
+    from ..engine.profiler import adaptive_planner
+
+    planner = adaptive_planner(args.model, args.dtype, c_peak=args.c_peak, k_max=args.k, l_max=args.depth, log=print)
+    return planner, planner.max_plan
+
+
+PLANS = {"static": _static, "adaptive": _adaptive}
 
 
 def bench_prompts(tokenizer, n: int, seed: int) -> list[list[int]]:
@@ -99,8 +109,35 @@ def run_bench(args) -> dict:
             "repeats": args.repeats, "machine": machine_info()}
 
 
+def plot_speedup_vs_batch(rows: list[dict], png) -> Path:
+    """Speedup over the vanilla engine against batch size, one line per plan (FastGRPO Fig. 3)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(5.5, 4))
+    for name in dict.fromkeys(r["plan"] for r in rows):
+        rs = sorted((r for r in rows if r["plan"] == name), key=lambda r: r["batch"])
+        ax.plot([r["batch"] for r in rs], [r["speedup"] for r in rs], marker="o", label=name)
+    ax.axhline(1.0, color="grey", ls=":", lw=1, label="vanilla")
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("batch size (concurrent rows)")
+    ax.set_ylabel("speedup over vanilla decoding (tokens/s)")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    png = Path(png)
+    png.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(png, dpi=110)
+    plt.close(fig)
+    return png
+
+
 def cli(args) -> int:
     out = run_bench(args)
     write_json(args.out, out)
     print(f"wrote {args.out}")
+    if len({r["plan"] for r in out["rows"]}) > 1:
+        print(f"wrote {plot_speedup_vs_batch(out['rows'], Path(args.out).with_name('speedup_vs_batch.png'))}")
     return 0
