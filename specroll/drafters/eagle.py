@@ -42,7 +42,7 @@ from torch import nn
 
 from ..engine.cache import KVCache
 from ..engine.sampling import sample
-from ..models.decoder import Block, Decoder, DecoderConfig, FastLinear, RMSNorm, rope_inv_freq
+from ..models.decoder import Block, Decoder, DecoderConfig, FastLinear, RMSNorm, fold_mask, rope_inv_freq
 from .verify import sampler_match
 
 HEAD_WEIGHTS = "draft_head.safetensors"
@@ -101,13 +101,7 @@ class DraftHead(nn.Module):
         if mask is None:
             T = x.shape[1]
             mask = torch.ones(T, T, dtype=torch.bool).tril()[None]
-        return self.norm(self.block(x, cos, sin, kv, self._fold(mask)))
-
-    def _fold(self, mask: torch.Tensor) -> torch.Tensor:
-        """(B, T, S) -> (B, 1, G*T, S): the GQA-folded query layout ``Block`` expects."""
-        g = self.cfg.num_heads // self.cfg.num_kv_heads
-        B, T, S = mask.shape
-        return mask[:, None, None].expand(B, 1, g, T, S).reshape(B, 1, g * T, S)
+        return self.norm(self.block(x, cos, sin, kv, fold_mask(mask, self.cfg.num_heads // self.cfg.num_kv_heads)))
 
     def new_cache(self, batch: int, length: int, dtype: torch.dtype) -> KVCache:
         return KVCache.for_model(self.cfg, batch, length, dtype)

@@ -180,6 +180,12 @@ def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tenso
     return x * cos + rot * sin
 
 
+def fold_mask(mask: torch.Tensor, groups: int) -> torch.Tensor:
+    """(B, T, S) visibility -> (B, 1, groups*T, S): the layout of queries folded per KV head (``Block``)."""
+    B, T, S = mask.shape
+    return mask[:, None, None].expand(B, 1, groups, T, S).reshape(B, 1, groups * T, S)
+
+
 class Block(nn.Module):
     def __init__(self, cfg: DecoderConfig):
         super().__init__()
@@ -269,12 +275,10 @@ class Decoder(nn.Module):
         return self.norm(x)
 
     def fold_mask(self, mask: torch.Tensor | None) -> torch.Tensor | None:
-        """(B, T, S) visibility -> (B, 1, G*T, S), matching the folded GQA query layout; None if all visible."""
+        """``fold_mask`` for this model's GQA grouping; None if every query sees every key."""
         if mask is None or bool(mask.all()):
             return None
-        g = self.cfg.num_heads // self.cfg.num_kv_heads
-        B, T, S = mask.shape
-        return mask[:, None, None].expand(B, 1, g, T, S).reshape(B, 1, g * T, S)
+        return fold_mask(mask, self.cfg.num_heads // self.cfg.num_kv_heads)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """lm_head over the given hidden states (any leading shape), as fp32."""
