@@ -336,13 +336,7 @@ class ReuseDrafter:
         tok, plp, slp = sample_at_cut(st.logits, exclude, st.params, st.gen)
         finished, stopped = eng.emit(st, tok, plp, slp, stop)
         done2, stop2, tok = eng.retire(st, finished, stopped, tok)
-        if st.row_ids.numel():
-            cache = st.cache
-            slots = cache.chain_slots(1)
-            h = eng.forward(cache, tok[:, None], slots, slots, cache.mask(1))
-            cache.advance(1)
-            st.hidden = h[:, 0]
-            st.logits = eng.model.logits(st.hidden)
+        eng.decode_forward(st, tok)
         return torch.cat([done1, done2]), torch.cat([stop1, stop2])
 
     def end(self, engine, st) -> None:

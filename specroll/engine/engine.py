@@ -197,11 +197,16 @@ class Engine:
         tok, plp, slp = sample(st.logits, st.params, st.gen)
         finished, stopped = self.emit(st, tok, plp, slp, stop)
         done_rows, done_stop, tok = self.retire(st, finished, stopped, tok)
-        if st.row_ids.numel():
-            cache = st.cache
-            slots = cache.chain_slots(1)
-            h = self.forward(cache, tok[:, None], slots, slots, cache.mask(1))
-            cache.advance(1)
-            st.hidden = h[:, 0]
-            st.logits = self.model.logits(st.hidden)
+        self.decode_forward(st, tok)
         return done_rows, done_stop
+
+    def decode_forward(self, st: DecodeState, tok: torch.Tensor) -> None:
+        """Feed one token per live row: append its K/V and set the rows' next logits and hidden."""
+        if not st.row_ids.numel():
+            return
+        cache = st.cache
+        slots = cache.chain_slots(1)
+        h = self.forward(cache, tok[:, None], slots, slots, cache.mask(1))
+        cache.advance(1)
+        st.hidden = h[:, 0]
+        st.logits = self.model.logits(st.hidden)

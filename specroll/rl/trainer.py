@@ -129,8 +129,13 @@ def completion_logprobs(model, batch: Batch, rows: torch.Tensor, with_entropy: b
     at = (plen[:, None] - 1 + torch.arange(C)[None]).clamp(max=L - 1)  # position predicting token j
     h = hidden.gather(1, at[..., None].expand(b, C, hidden.shape[-1]))
     logits = model.logits(h)  # (b, C, V) fp32
+    return logprobs_and_entropy(logits, batch.comp[rows], with_entropy)
+
+
+def logprobs_and_entropy(logits: torch.Tensor, ids: torch.Tensor, with_entropy: bool):
+    """log p(ids) under ``logits`` (..., V), and the (no-grad) entropy when asked for."""
     logz = torch.logsumexp(logits, dim=-1)
-    logp = logits.gather(-1, batch.comp[rows][..., None]).squeeze(-1) - logz
+    logp = logits.gather(-1, ids[..., None]).squeeze(-1) - logz
     ent = None
     if with_entropy:
         with torch.no_grad():
@@ -192,14 +197,7 @@ def shared_prompt_logprobs(model, batch: Batch, rows: torch.Tensor, group: torch
     hc = model.norm(y)  # (b, C, D); position j predicts token j + 1
     h = torch.cat([h_last[inv][:, None].to(hc.dtype), hc[:, : C - 1]], dim=1)
     logits = model.logits(h)
-    logz = torch.logsumexp(logits, dim=-1)
-    logp = logits.gather(-1, cids[..., None]).squeeze(-1) - logz
-    ent = None
-    if with_entropy:
-        with torch.no_grad():
-            lp = logits - logz[..., None]
-            ent = -(lp.exp() * lp).sum(-1)
-    return logp, ent
+    return logprobs_and_entropy(logits, cids, with_entropy)
 
 
 def lr_lambda(warmup: int, total: int, cosine: bool, min_ratio: float) -> Callable[[int], float]:
