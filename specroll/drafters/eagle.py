@@ -42,7 +42,16 @@ from torch import nn
 
 from ..engine.cache import KVCache
 from ..engine.sampling import sample
-from ..models.decoder import Block, Decoder, DecoderConfig, FastLinear, RMSNorm, fold_mask, rope_inv_freq
+from ..models.decoder import (
+    Block,
+    Decoder,
+    DecoderConfig,
+    FastLinear,
+    RMSNorm,
+    fold_mask,
+    rope_inv_freq,
+    rope_tables,
+)
 from .verify import sampler_match
 
 HEAD_WEIGHTS = "draft_head.safetensors"
@@ -91,9 +100,7 @@ class DraftHead(nn.Module):
         Returns features (B, T, D) in ``hidden``'s dtype."""
         dtype = hidden.dtype
         x = self.fc(torch.cat([hidden, emb.to(dtype)], dim=-1))
-        freqs = positions.to(torch.float32)[..., None] * self.inv_freq
-        e = torch.cat((freqs, freqs), dim=-1)
-        cos, sin = e.cos().to(dtype)[:, :, None], e.sin().to(dtype)[:, :, None]
+        cos, sin = rope_tables(positions, self.inv_freq, dtype)
         kv = None
         if cache is not None:
             cache.prepare(slots)

@@ -143,13 +143,19 @@ class FastLinear(nn.Linear):
         self._packed[dtype] = (key, packed, b)
         return packed, b
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+        """``x @ W.T + b``, plus ``residual`` when given (fused into the packed matmul's epilogue)."""
         if torch.is_grad_enabled() and (self.weight.requires_grad or x.requires_grad):
-            return F.linear(x, self.weight.to(x.dtype), None if self.bias is None else self.bias.to(x.dtype))
+            y = F.linear(x, self.weight.to(x.dtype), None if self.bias is None else self.bias.to(x.dtype))
+            return y if residual is None else residual + y
         packed, b = self._pack(x.dtype)
         if self._packing_ok and x.dtype in (torch.float32, torch.bfloat16):
-            return torch.ops.mkldnn._linear_pointwise(x, packed, b, "none", [], "")
-        return F.linear(x, packed, b)
+            if residual is not None and residual.dtype == x.dtype:
+                return torch.ops.mkldnn._linear_pointwise.binary(x, residual, packed, b, "add")
+            y = torch.ops.mkldnn._linear_pointwise(x, packed, b, "none", [], "")
+        else:
+            y = F.linear(x, packed, b)
+        return y if residual is None else residual + y
 
     def _apply(self, fn, *args, **kwargs):
         self._packed = {}
@@ -173,11 +179,18 @@ class RMSNorm(nn.Module):
         return rms_norm(x, self.weight, self.eps)
 
 
-def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """HF's rotate-half RoPE. x: (B, T, H, D); cos/sin: (B, T, 1, D)."""
-    half = x.shape[-1] // 2
-    rot = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos + rot * sin
+def rope_tables(positions: torch.Tensor, inv_freq: torch.Tensor, dtype: torch.dtype):
+    """(cos, signed sin), each (B, T, 1, D), for ``rotate``. The sin table carries rotate-half's sign
+    (-sin on the first half), so a rotation is one roll and one fused multiply-add."""
+    freqs = positions.to(torch.float32)[..., None] * inv_freq  # (B, T, D/2)
+    sin = freqs.sin()
+    return (torch.cat((freqs, freqs), dim=-1).cos().to(dtype)[:, :, None],
+            torch.cat((-sin, sin), dim=-1).to(dtype)[:, :, None])
+
+
+def rotate(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> torch.Tensor:
+    """HF's rotate-half RoPE, x * cos + rotate_half(x) * sin. x: (B, T, H, D); tables from ``rope_tables``."""
+    return torch.addcmul(x * cos, x.roll(x.shape[-1] // 2, -1), sin_signed)
 
 
 def fold_mask(mask: torch.Tensor, groups: int) -> torch.Tensor:
@@ -225,10 +238,9 @@ class Block(nn.Module):
         qf = q.view(B, T, nkv, g, hd).permute(0, 2, 3, 1, 4).reshape(B, nkv, g * T, hd)
         a = F.scaled_dot_product_attention(qf, K.to(qf.dtype), V.to(qf.dtype), attn_mask=mask)  # (B, KV, G*T, hd)
         a = a.view(B, nkv, g, T, hd).permute(0, 3, 1, 2, 4).reshape(B, T, nh * hd)
-        x = x + self.o(a)
-        gu = self.gate_up(self.mlp_norm(x))
-        gate, up = gu.chunk(2, dim=-1)
-        return x + self.down(F.silu(gate) * up)
+        x = self.o(a, residual=x)
+        gate, up = self.gate_up(self.mlp_norm(x)).chunk(2, dim=-1)
+        return self.down(F.silu(gate).mul_(up), residual=x)
 
 
 class Decoder(nn.Module):
@@ -247,9 +259,7 @@ class Decoder(nn.Module):
         return self.embed.weight.dtype
 
     def rope(self, positions: torch.Tensor, dtype: torch.dtype):
-        freqs = positions.to(torch.float32)[..., None] * self.inv_freq  # (B, T, D/2)
-        emb = torch.cat((freqs, freqs), dim=-1)
-        return emb.cos().to(dtype)[:, :, None], emb.sin().to(dtype)[:, :, None]
+        return rope_tables(positions, self.inv_freq, dtype)
 
     def forward(self, ids, positions, cache=None, mask=None, slots=None, act_dtype=None):
         """Final (post-norm) hidden states, (B, T, D).
