@@ -384,6 +384,8 @@ class EagleDrafter:
         engine, cache = self.engine, st.cache
         B = st.row_ids.numel()
         plan = self.plan_fn(B)
+        if plan.n_verify <= 1:
+            return self._plain_step(st, stop, stats)
         root_pos = cache.lens[:B].clone()
         tree = self.draft(root_pos, plan)
         N = tree.tokens.shape[1]
@@ -407,6 +409,42 @@ class EagleDrafter:
             self.on_pairs(self.chain_h, v.tokens, v.n_accept + 1)
         self._account(st, stats, v.n_accept, N - 1)
         done_rows, done_stop, _ = engine.retire(st, finished, stopped, v.n_accept)
+        if done_rows.numel():
+            self._compact(st, (~finished).nonzero().squeeze(1))
+        return done_rows, done_stop
+
+    def _plain_step(self, st, stop, stats):
+        """Plain decoding under the drafter's convention (the last emitted token, the root, is not yet
+        in the policy cache): feed the root, sample one token, emit it as the next root. The head is
+        not run; the new (hidden, token) pair is queued and fed in one batch when speculation resumes."""
+        engine, cache = self.engine, st.cache
+        B = st.row_ids.numel()
+        ar = torch.arange(B)
+        root = self.chain_tok[ar, self.chain_n - 1]
+        slots = cache.chain_slots(1)
+        h = engine.forward(cache, root[:, None], slots, slots, cache.mask(1))[:, 0]
+        cache.advance(1)
+        logits = self.policy.logits(h)
+        tok, plp, slp = sample(logits, st.params, st.gen)
+        toks, plp, slp, count = tok[:, None], plp[:, None], slp[:, None], torch.ones(B, dtype=torch.long)
+        if self.prefix is not None:  # the first root, sampled from the prefill logits
+            t0, p0, s0 = self.prefix
+            toks, plp, slp = (torch.cat([a[:, None], b], 1) for a, b in ((t0, toks), (p0, plp), (s0, slp)))
+            count, self.prefix = count + 1, None
+        finished, stopped = emit_run(st, toks, plp, slp, count, stop)
+        st.hidden, st.logits = h, logits
+        # queue the pair at each row's end of the pending chain
+        C = self.chain_tok.shape[1]
+        self.chain_h = torch.cat([self.chain_h, self.chain_h.new_zeros(B, 1, h.shape[-1])], 1)
+        self.chain_tok = torch.cat([self.chain_tok, self.chain_tok.new_zeros(B, 1)], 1)
+        self.chain_h[ar, self.chain_n] = h.to(self.chain_h.dtype)
+        self.chain_tok[ar, self.chain_n] = tok
+        self.chain_n = self.chain_n + 1
+        assert self.chain_tok.shape[1] == C + 1
+        if self.on_pairs is not None:
+            self.on_pairs(h[:, None], tok[:, None], torch.ones(B, dtype=torch.long))
+        self._account(st, stats, torch.zeros(B, dtype=torch.long), 0)
+        done_rows, done_stop, _ = engine.retire(st, finished, stopped, count)
         if done_rows.numel():
             self._compact(st, (~finished).nonzero().squeeze(1))
         return done_rows, done_stop
