@@ -318,3 +318,41 @@ def test_cli_draft_train_then_bench_spec(tmp_path, monkeypatch, capsys):
     assert main(common + ["--plan", "nope", "--out", str(out)]) == 2
     assert "known plans" in capsys.readouterr().err
     assert main(["bench", "spec", "--model", "tiny-llama", "--draft", str(tmp_path / "none"), "--out", str(out)]) == 2
+
+
+def test_plain_steps_queue_every_pair_for_the_head(mid, monkeypatch):
+    """Reference: a run that speculates from the start. A run whose first steps are plain (the head is
+    not run) must later feed the head exactly the same (hidden, token) pairs, in the same order."""
+    model, head = mid
+    params = SamplingParams(temperature=0, max_new_tokens=20)
+    engine = Engine(model, eos_ids=[])
+    fed: list = []
+    orig = EagleDrafter._advance_chain
+
+    def spy(self):
+        for b in range(self.chain_n.numel()):
+            n = int(self.chain_n[b])
+            fed.append((self.chain_tok[b, :n].clone(), self.chain_h[b, :n].clone()))
+        return orig(self)
+
+    monkeypatch.setattr(EagleDrafter, "_advance_chain", spy)
+
+    def pairs(plan_fn):
+        fed.clear()
+        out = engine.generate([PROMPTS[1]], params, n=1, drafter=EagleDrafter(head, plan_fn=plan_fn,
+                                                                              max_plan=Plan(8, 3, 4)))
+        return out[0].completion_ids, torch.cat([t for t, _ in fed]), torch.cat([h for _, h in fed])
+
+    calls = {"n": 0}
+
+    def late(b):  # plain for the first 6 steps, then a tree
+        calls["n"] += 1
+        return Plan(1, 1, 0) if calls["n"] <= 6 else Plan(8, 3, 4)
+
+    ids_a, tok_a, h_a = pairs(lambda b: Plan(8, 3, 4))
+    ids_b, tok_b, h_b = pairs(late)
+    assert torch.equal(ids_a, ids_b)
+    n = min(len(tok_a), len(tok_b))
+    assert n >= 10 and len(tok_b) >= 7  # the queued plain pairs were fed when speculation resumed
+    assert torch.equal(tok_a[:n], tok_b[:n])
+    torch.testing.assert_close(h_a[:n], h_b[:n], atol=1e-4, rtol=0)

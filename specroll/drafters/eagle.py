@@ -434,13 +434,11 @@ class EagleDrafter:
         finished, stopped = emit_run(st, toks, plp, slp, count, stop)
         st.hidden, st.logits = h, logits
         # queue the pair at each row's end of the pending chain
-        C = self.chain_tok.shape[1]
         self.chain_h = torch.cat([self.chain_h, self.chain_h.new_zeros(B, 1, h.shape[-1])], 1)
         self.chain_tok = torch.cat([self.chain_tok, self.chain_tok.new_zeros(B, 1)], 1)
         self.chain_h[ar, self.chain_n] = h.to(self.chain_h.dtype)
         self.chain_tok[ar, self.chain_n] = tok
         self.chain_n = self.chain_n + 1
-        assert self.chain_tok.shape[1] == C + 1
         if self.on_pairs is not None:
             self.on_pairs(h[:, None], tok[:, None], torch.ones(B, dtype=torch.long))
         self._account(st, stats, torch.zeros(B, dtype=torch.long), 0)
