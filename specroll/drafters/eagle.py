@@ -40,6 +40,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from ..engine.budget import Plan
 from ..engine.cache import KVCache
 from ..engine.sampling import sample
 from ..models.decoder import (
@@ -57,21 +58,8 @@ from .verify import sampler_match
 HEAD_WEIGHTS = "draft_head.safetensors"
 HEAD_CONFIG = "draft_head.json"
 FORMAT = "specroll-eagle-head/1"
+DEFAULT_PLAN = Plan(16, 4, 5)  # static plan when none is given: 16 nodes, top-4, depth 5
 SCORE_EPS = 1e-3  # per-depth tie-breaker: a child always ranks strictly below its parent
-
-
-@dataclass(frozen=True)
-class Plan:
-    """How much to speculate this step: ``n_verify`` tree nodes per row (root included; 1 = plain
-    decode), top-``k`` expansion, ``depth`` draft levels."""
-
-    n_verify: int = 16
-    k: int = 4
-    depth: int = 5
-
-    def __post_init__(self):
-        if self.n_verify < 1 or self.k < 1 or self.depth < 0:
-            raise ValueError(f"Plan needs n_verify >= 1, k >= 1, depth >= 0; got {self}")
 
 
 # --- the head ------------------------------------------------------------------------------------
@@ -229,7 +217,7 @@ class EagleDrafter:
     every plan it may return, for cache sizing). ``rule(tree, logits, params, gen) -> Verdict``.
     """
 
-    def __init__(self, head: DraftHead, plan: Plan = Plan(), plan_fn=None, max_plan: Plan | None = None,
+    def __init__(self, head: DraftHead, plan: Plan = DEFAULT_PLAN, plan_fn=None, max_plan: Plan | None = None,
                  rule=sampler_match, on_pairs=None, trace: bool = False):
         self.head = head.eval()
         self.plan_fn = plan_fn or (lambda b: plan)
