@@ -221,7 +221,8 @@ def main(argv: list[str] | None = None) -> int:
         if os.environ.get("SPECROLL_DEBUG"):
             raise
         print(f"specroll: error: {e}", file=sys.stderr)
-        print("(set SPECROLL_DEBUG=1 for the traceback)", file=sys.stderr) if not isinstance(e, CliError) else None
+        if not isinstance(e, CliError):
+            print("(set SPECROLL_DEBUG=1 for the traceback)", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print("specroll: interrupted", file=sys.stderr)
