@@ -51,6 +51,18 @@ def measure_matmul_rate(dtype: torch.dtype, n: int = 2048, repeats: int = 5) -> 
     return 2 * n**3 / best / 1e9
 
 
+def save_figure(fig, png: str | Path, dpi: int = 110) -> Path:
+    """Lay out, write (creating the folder) and close a matplotlib figure; returns the path."""
+    import matplotlib.pyplot as plt
+
+    fig.tight_layout()
+    png = Path(png)
+    png.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(png, dpi=dpi)
+    plt.close(fig)
+    return png
+
+
 def median_time(fn, repeats: int) -> float:
     times = []
     for _ in range(repeats):

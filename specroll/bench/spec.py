@@ -126,12 +126,9 @@ def plot_speedup_vs_batch(rows: list[dict], png) -> Path:
     ax.set_ylabel("speedup over vanilla decoding (tokens/s)")
     ax.grid(alpha=0.3)
     ax.legend()
-    fig.tight_layout()
-    png = Path(png)
-    png.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(png, dpi=110)
-    plt.close(fig)
-    return png
+    from .common import save_figure
+
+    return save_figure(fig, png)
 
 
 def cli(args) -> int:

@@ -337,12 +337,9 @@ def plot_profile(result: dict, png: str | Path) -> Path:
     ax2.set_ylabel("tokens verified per second")
     fp = result["fingerprint"]
     fig.suptitle(f"{result['model']} {result['dtype']}, {fp['torch_threads']} threads, context {result['context']}")
-    fig.tight_layout()
-    png = Path(png)
-    png.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(png, dpi=110)
-    plt.close(fig)
-    return png
+    from ..bench.common import save_figure
+
+    return save_figure(fig, png)
 
 
 def describe(result: dict) -> str:

@@ -177,7 +177,8 @@ def report_cli(args) -> int:
     for a in ax:
         a.set_xlabel("step")
     out = Path(args.out) if args.out else Path(args.run_dir) / "curves.png"
-    fig.tight_layout()
-    fig.savefig(out, dpi=100)
+    from ..bench.common import save_figure
+
+    save_figure(fig, out, dpi=100)
     print(f"wrote {out}", file=sys.stdout)
     return 0
