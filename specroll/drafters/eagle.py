@@ -238,6 +238,13 @@ class EagleDrafter:
     # -- begin / end ------------------------------------------------------------------------------
     @torch.no_grad()
     def begin(self, engine, st, prompts, n):
+        self.prepare(engine, st, prompts, n)
+        tok, plp, slp = sample(st.logits, st.params, st.gen)  # the first root, emitted at step 1
+        self.start_chain(st.hidden[:, None], tok[:, None], torch.ones(len(tok), dtype=torch.long), (tok, plp, slp))
+
+    @torch.no_grad()
+    def prepare(self, engine, st, prompts, n):
+        """The head's KV over every row's prompt, rows prompt-major as the engine forks them."""
         self.engine, self.policy = engine, engine.model
         self.dtype = engine.dtype
         self.lm = DraftVocab(self.policy, self.head.vocab_ids)
@@ -248,11 +255,13 @@ class EagleDrafter:
         self.dc.reset(len(prompts))
         self._prefill_draft(prompts)
         self.dc.fork(torch.arange(len(prompts)), n)
-        tok, plp, slp = sample(st.logits, st.params, st.gen)  # the first root, emitted at step 1
-        self.prefix = (tok, plp, slp)
-        self.chain_h = st.hidden[:, None]
-        self.chain_tok = tok[:, None]
-        self.chain_n = torch.ones(len(tok), dtype=torch.long)
+
+    def start_chain(self, hidden, tokens, n, first=None):
+        """Pending (hidden, next token) pairs of each live row -- (B, C, D), (B, C), counts n (B,) -- fed
+        to the head at the next step; a row's last pair holds its root (emitted, not yet in the policy
+        cache). ``first``: (tokens, policy_lp, sample_lp) of roots to emit at the next step, or None."""
+        self.prefix = first
+        self.chain_h, self.chain_tok, self.chain_n = hidden, tokens, n
 
     def _prefill_draft(self, prompts):
         """Policy hidden states over the prompts (cache-free pass), then the head's KV over the
