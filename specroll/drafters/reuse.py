@@ -274,6 +274,7 @@ class _Pending:
     exclude: torch.Tensor  # (B,) long: rejected draft token to remove at the cut (exact), else -1
     rows: torch.Tensor  # (B,) output row ids
     stats: torch.Tensor  # (B, 3) reused, drafted, accepted
+    hidden: torch.Tensor | None = None  # (B, L, D) hidden state before each reused token (``keep_hidden``)
 
 
 class ReuseDrafter:
@@ -305,7 +306,10 @@ class ReuseDrafter:
         return 1  # drafts are cut to max_new_tokens, so verification never writes past prompt + max_new
 
     @torch.no_grad()
-    def begin(self, engine, st, prompts, n: int) -> None:
+    def begin(self, engine, st, prompts, n: int, keep_hidden: bool = False) -> None:
+        """Verify every row's draft; the kept cache ends at each row's cut. ``keep_hidden``: also keep
+        the verification pass's hidden state before every reused token (what a draft head consumes
+        after the cut, see ``combined.py``) in the pending state."""
         self._engine, self._pending = engine, None
         if self.mode == "off":
             return
@@ -314,30 +318,45 @@ class ReuseDrafter:
         rows = self._gather(prompts, n, st.params, stop)
         self._order_rows(st, rows["lens"])  # rows with drafts first, longest first
         rows = {k: v[st.row_ids] for k, v in rows.items()}  # live row i is output row st.row_ids[i]
+        if keep_hidden:
+            rows["hidden"] = st.hidden.new_zeros(*rows["ids"].shape, st.hidden.shape[-1])
         self._verify(engine, st, rows)
         n_acc, lens = rows["n_acc"], rows["lens"]
         full = (n_acc == lens) & (lens > 0)
         finished = full & (rows["ends_stop"] | (lens >= st.params.max_new_tokens))
         self._pending = _Pending(finished, full & rows["ends_stop"], rows["exclude"], st.row_ids.clone(),
-                                 torch.stack([n_acc, lens, n_acc], 1))
+                                 torch.stack([n_acc, lens, n_acc], 1), rows.get("hidden"))
         self._m["timing/verify"] += time.perf_counter() - t
 
     def step(self, st, stop: torch.Tensor, stats: torch.Tensor):
-        eng, p = self._engine, self._pending
-        if p is None:
+        eng = self._engine
+        if self._pending is None:
             return eng.vanilla_step(st, stop, stats)
-        self._pending = None
-        stats[p.rows] = p.stats
-        self._note_begin(p)
-        done1, stop1, kept = eng.retire(st, p.finished, p.stopped, torch.arange(p.rows.numel()))
-        if not st.row_ids.numel():
+        done1, stop1, _, _, cut = self.resume(st, stats)
+        if cut is None:
             return done1, stop1
-        st.logits, st.hidden, exclude = st.logits[kept], st.hidden[kept], p.exclude[kept]
-        tok, plp, slp = sample_at_cut(st.logits, exclude, st.params, st.gen)
+        tok, plp, slp = cut
         finished, stopped = eng.emit(st, tok, plp, slp, stop)
         done2, stop2, tok = eng.retire(st, finished, stopped, tok)
         eng.decode_forward(st, tok)
         return torch.cat([done1, done2]), torch.cat([stop1, stop2])
+
+    def resume(self, st, stats: torch.Tensor):
+        """The first step's bookkeeping after ``begin``: record the rows' stats, retire the fully reused
+        finished rows, and draw (not emit) the token at each remaining row's cut.
+
+        Returns ``(done rows, their stopped flags, kept (indices of the rows still live into begin's
+        row order), the pending state, (tok, policy_lp, sample_lp) or None when no row is left)``.
+        """
+        eng, p = self._engine, self._pending
+        self._pending = None
+        stats[p.rows] = p.stats
+        self._note_begin(p)
+        done, stopped, kept = eng.retire(st, p.finished, p.stopped, torch.arange(p.rows.numel()))
+        if not st.row_ids.numel():
+            return done, stopped, kept, p, None
+        st.logits, st.hidden = st.logits[kept], st.hidden[kept]
+        return done, stopped, kept, p, sample_at_cut(st.logits, p.exclude[kept], st.params, st.gen)
 
     def end(self, engine, st) -> None:
         m = self._m
@@ -424,6 +443,8 @@ class ReuseDrafter:
         st.logits[s:e] = engine.model.logits(H[b, n])
         if self.mode == "exact":
             rows["exclude"][s:e] = torch.where(n < L, x[b, n.clamp(max=T - 1)], -1)
+        if "hidden" in rows:  # H[:, k] is the hidden state before draft token start + k
+            rows["hidden"][s:e, start : start + T] = H[:, :T].to(rows["hidden"].dtype)
 
     @staticmethod
     def _score(engine, H, x, L, params):
