@@ -1,9 +1,10 @@
 """Run configuration: one dataclass per component, YAML files, dotted overrides and presets.
 
 ``Config`` groups the sections ``model``, ``rollout``, ``train``, ``loss`` (``rl.losses.LossConfig``),
-``data`` (``rl.data.DataConfig``), ``reward`` (``rl.rewards.RewardConfig``) and ``reuse``
-(``drafters.reuse.ReuseConfig``: SPEC-RL rollout reuse, ``reuse.mode=exact``). Every section checks
-its own invariants in ``__post_init__``.
+``data`` (``rl.data.DataConfig``), ``reward`` (``rl.rewards.RewardConfig``), ``reuse``
+(``drafters.reuse.ReuseConfig``: SPEC-RL rollout reuse, ``reuse.mode=exact``) and ``draft``
+(``drafters.build.DraftConfig``: the EAGLE draft head, its plan and online learning,
+``draft.head=random draft.online=true``). Every section checks its own invariants in ``__post_init__``.
 
 Precedence, lowest first: dataclass defaults < ``--preset`` < ``--config FILE.yaml`` < ``key=value``
 overrides (``train.lr=1e-6``, values parsed as YAML). An unknown key is an error that names it and
@@ -22,6 +23,7 @@ from typing import Any
 
 import yaml
 
+from .drafters.build import DraftConfig
 from .drafters.reuse import ReuseConfig
 from .rl.data import DataConfig
 from .rl.losses import LossConfig
@@ -121,6 +123,7 @@ SECTIONS: dict[str, type] = {
     "data": DataConfig,
     "reward": RewardConfig,
     "reuse": ReuseConfig,
+    "draft": DraftConfig,
 }
 
 
@@ -133,6 +136,7 @@ class Config:
     data: DataConfig = field(default_factory=DataConfig)
     reward: RewardConfig = field(default_factory=RewardConfig)
     reuse: ReuseConfig = field(default_factory=ReuseConfig)
+    draft: DraftConfig = field(default_factory=DraftConfig)
 
     def to_dict(self) -> dict:
         return {name: dataclasses.asdict(getattr(self, name)) for name in SECTIONS}

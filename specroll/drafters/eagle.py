@@ -27,8 +27,11 @@ Departures from EAGLE / FastGRPO:
   engine keeps only the last prefill hidden state), so the head sees the whole context.
 
 Seams for the concurrency-aware budget (issue 6): ``plan_fn(B_active) -> Plan`` is called every
-step; ``on_pairs(hidden, tokens, n)`` receives the (hidden state, next token) pairs the engine
-produced (prompt and accepted positions) for online learning.
+step; ``on_pairs(hidden, tokens, n, rows, prompt=False)`` receives the (hidden state, next token)
+pairs the engine produced, for online learning: (B, T, D) hidden states, (B, T) tokens, the first
+``n`` (B,) of each row valid, ``rows`` (B,) the output row ids (``prompt=True``: the prompt pairs,
+rows are prompt indices). Per row the calls cover positions 0, 1, 2, ... of prompt + completion in
+order (a prefix drafter reports its pairs through ``start_chain(..., rows=)``).
 """
 
 from __future__ import annotations
@@ -240,7 +243,8 @@ class EagleDrafter:
     def begin(self, engine, st, prompts, n):
         self.prepare(engine, st, prompts, n)
         tok, plp, slp = sample(st.logits, st.params, st.gen)  # the first root, emitted at step 1
-        self.start_chain(st.hidden[:, None], tok[:, None], torch.ones(len(tok), dtype=torch.long), (tok, plp, slp))
+        self.start_chain(st.hidden[:, None], tok[:, None], torch.ones(len(tok), dtype=torch.long), (tok, plp, slp),
+                         rows=st.row_ids)
 
     @torch.no_grad()
     def prepare(self, engine, st, prompts, n):
@@ -256,10 +260,13 @@ class EagleDrafter:
         self._prefill_draft(prompts)
         self.dc.fork(torch.arange(len(prompts)), n)
 
-    def start_chain(self, hidden, tokens, n, first=None):
+    def start_chain(self, hidden, tokens, n, first=None, rows=None):
         """Pending (hidden, next token) pairs of each live row -- (B, C, D), (B, C), counts n (B,) -- fed
         to the head at the next step; a row's last pair holds its root (emitted, not yet in the policy
-        cache). ``first``: (tokens, policy_lp, sample_lp) of roots to emit at the next step, or None."""
+        cache). ``first``: (tokens, policy_lp, sample_lp) of roots to emit at the next step, or None.
+        ``rows``: the live rows' output ids; when given, the pairs also go to ``on_pairs``."""
+        if self.on_pairs is not None and rows is not None:
+            self.on_pairs(hidden, tokens, n, rows)
         self.prefix = first
         self.chain_h, self.chain_tok, self.chain_n = hidden, tokens, n
 
@@ -283,8 +290,8 @@ class EagleDrafter:
             hp, tp = h[:, :-1], ids[:, 1:]
             slots = torch.arange(T - 1).expand(len(chunk), T - 1)
             self.head(hp, self.policy.embed(tp), slots + 1, sub, sub.mask(T - 1), slots)
-            if self.on_pairs is not None:
-                self.on_pairs(hp, tp, lens[rows] - 1)
+            if self.on_pairs is not None:  # rows here are prompt indices
+                self.on_pairs(hp, tp, lens[rows] - 1, torch.arange(rows.start, rows.stop), prompt=True)
         self.dc.lens[: len(prompts)] = lens - 1
 
     def end(self, engine, st):
@@ -403,7 +410,7 @@ class EagleDrafter:
         self.chain_h = h.gather(1, v.path[..., None].expand(-1, -1, h.shape[-1]))
         self.chain_tok, self.chain_n = v.tokens, v.n_accept + 1
         if self.on_pairs is not None:
-            self.on_pairs(self.chain_h, v.tokens, v.n_accept + 1)
+            self.on_pairs(self.chain_h, v.tokens, v.n_accept + 1, st.row_ids)
         self._account(st, stats, v.n_accept, N - 1)
         done_rows, done_stop, _ = engine.retire(st, finished, stopped, v.n_accept)
         if done_rows.numel():
@@ -437,7 +444,7 @@ class EagleDrafter:
         self.chain_tok[ar, self.chain_n] = tok
         self.chain_n = self.chain_n + 1
         if self.on_pairs is not None:
-            self.on_pairs(h[:, None], tok[:, None], torch.ones(B, dtype=torch.long))
+            self.on_pairs(h[:, None], tok[:, None], torch.ones(B, dtype=torch.long), st.row_ids)
         self._account(st, stats, torch.zeros(B, dtype=torch.long), 0)
         done_rows, done_stop, _ = engine.retire(st, finished, stopped, count)
         if done_rows.numel():

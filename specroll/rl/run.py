@@ -55,11 +55,24 @@ def build_trainer(cfg: Config, run_dir: str | Path | None, console=None, drafter
     eval_set = prompt_set(eval_ex, tok, cfg.data, "eval", say) if eval_ex else None
     decode = lambda ids: tok.decode(ids, skip_special_tokens=True)  # noqa: E731
     if drafter is None:
-        from ..drafters.reuse import build_drafter
+        from ..drafters.build import build_spec_drafter
 
-        drafter = build_drafter(cfg.reuse)  # None unless reuse.mode is lenient / exact
+        # None unless reuse.mode is lenient / exact or draft.head is set (see drafters/build.py)
+        drafter = build_spec_drafter(cfg, model, train_set.ids, eos, log=say)
     return Trainer(cfg, model, train_set, eval_set, reward, decode, eos, drafter=drafter, run_dir=run_dir,
                    console=console)
+
+
+def save_draft_head(trainer: Trainer, cfg: Config, run_dir: Path, say=print) -> Path | None:
+    """After training with ``draft.online``: the learned head into ``run_dir/draft_head``."""
+    from ..drafters.build import eagle_of
+
+    eagle = eagle_of(trainer.drafter)
+    if eagle is None or not cfg.draft.online or not hasattr(eagle, "save_final"):
+        return None
+    out = eagle.save_final(run_dir, {"model": cfg.model.name, "steps": trainer.step})
+    say(f"draft head learned online -> {out} (reuse it with draft.head={out})")
+    return out
 
 
 def _run_dir(cfg: Config, out: str | None) -> Path:
@@ -120,6 +133,7 @@ def train_cli(args) -> int:
             getattr(trainer.reward, "close", lambda: None)()
     wall = time.perf_counter() - t0
     console.print(summary_table(rows, wall, run_dir))
+    save_draft_head(trainer, cfg, run_dir, console.print)
     return 0
 
 

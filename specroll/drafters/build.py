@@ -1,0 +1,166 @@
+"""The ``draft`` config section and the one place that turns a run config into a rollout drafter.
+
+``build_spec_drafter(cfg, model, prompt_ids)`` picks by ``reuse.mode`` and ``draft.head``:
+
+    reuse.mode  draft.head   drafter
+    off         ""           None (plain decoding)
+    lenient|exact ""         ``ReuseDrafter``
+    off         set          ``OnlineDrafter`` (an ``EagleDrafter`` that learns online when ``draft.online``)
+    lenient|exact set        ``CombinedDrafter(reuse, eagle)`` (``drafters/combined.py``)
+
+``draft.head``: ``"random"`` builds a fresh head (``eagle.head_for``) whose reduced draft vocabulary
+is the ``draft.vocab`` most useful token ids (see ``random_head_vocab``); any other value is a
+directory written by ``specroll draft train`` (or a run's ``draft_head/``).
+
+``draft.plan``: ``static`` uses ``n_verify/k/depth`` every step; ``adaptive`` re-plans every step from
+the live batch size with ``engine.budget.BudgetPlanner`` and this machine's cached C_peak
+(``engine.profiler.get_c_peak``, which profiles once on first use).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+PLANS = ("static", "adaptive")
+
+
+@dataclass
+class DraftConfig:
+    """The ``draft`` config section: ``draft.head=random draft.online=true``, ..."""
+
+    head: str = ""  # "" = no draft head; "random" = fresh head; else a `specroll draft train` directory
+    vocab: int = 4096  # draft vocabulary of a random head (0 = the full vocabulary)
+    plan: str = "static"  # static | adaptive (C_peak / B_active, re-planned every step)
+    n_verify: int = 16  # static plan: tree nodes per row (root included)
+    k: int = 4  # static plan: top-k expansion
+    depth: int = 5  # static plan: draft levels
+    online: bool = False  # train the head during GRPO on the pairs the rollouts already computed
+    lr: float = 3e-4  # AdamW learning rate of the online updates
+    update_steps: int = 4  # AdamW steps per online update
+    update_every: int = 1  # rollouts between online updates
+    batch: int = 16  # sequences per AdamW step
+    w_feat: float = 2.0  # weight of the SmoothL1 feature regression
+    w_ce: float = 0.1  # weight of the soft cross-entropy against the policy's distribution
+    buffer: int = 4  # recent rollouts whose sequences the online updates sample from
+
+    def __post_init__(self):
+        if not isinstance(self.head, str):
+            raise ValueError(f"draft.head must be a string: '' (off), 'random' or a head directory; got {self.head!r}")
+        if self.plan not in PLANS:
+            raise ValueError(f"draft.plan must be one of {list(PLANS)}, got {self.plan!r}")
+        ints = {"vocab": 0, "n_verify": 1, "k": 0, "depth": 0, "update_steps": 1, "update_every": 1, "batch": 1,
+                "buffer": 1}
+        for k, lo in ints.items():
+            v = getattr(self, k)
+            if isinstance(v, bool) or not isinstance(v, int) or v < lo:
+                raise ValueError(f"draft.{k} must be an integer >= {lo}, got {v!r}")
+        if self.n_verify > 1 and (self.k < 1 or self.depth < 1):
+            raise ValueError(f"draft.n_verify={self.n_verify} speculates, so draft.k and draft.depth must be >= 1 "
+                             f"(got k={self.k}, depth={self.depth}); draft.n_verify=1 means plain decoding")
+        if not (isinstance(self.lr, (int, float)) and math.isfinite(self.lr) and self.lr > 0):
+            raise ValueError(f"draft.lr must be a number > 0, got {self.lr!r}")
+        for k in ("w_feat", "w_ce"):
+            v = getattr(self, k)
+            if not (isinstance(v, (int, float)) and math.isfinite(v) and v >= 0):
+                raise ValueError(f"draft.{k} must be a number >= 0, got {v!r}")
+        if self.w_feat == 0 and self.w_ce == 0:
+            raise ValueError("draft.w_feat and draft.w_ce are both 0: the online loss would be zero; set one > 0")
+        if self.online and not self.head:
+            raise ValueError("draft.online=true needs a draft head: set draft.head=random or draft.head=DIR")
+
+    def static_plan(self):
+        from ..engine.budget import Plan
+
+        return Plan(self.n_verify, self.k, self.depth)
+
+
+def random_head_vocab(prompt_ids, vocab_size: int, n: int, eos_ids=()):
+    """A reduced draft vocabulary for a fresh head: every token of the training prompts (most frequent
+    first) and the eos ids, then the lowest remaining ids (a BPE vocabulary lists its earliest, most
+    frequent merges first) up to ``n`` ids. Sorted; None = the full vocabulary (``n`` 0 or >= vocab)."""
+    import torch
+
+    if n <= 0 or n >= vocab_size:
+        return None
+    counts = torch.zeros(vocab_size)
+    for p in prompt_ids or ():
+        counts += torch.bincount(torch.as_tensor(p, dtype=torch.long).flatten(), minlength=vocab_size).float()
+    for e in eos_ids:
+        counts[int(e)] = float("inf")
+    # rank: seen tokens by count, then unseen by id (a tiny decreasing tie-breaker)
+    score = counts + (1.0 - torch.arange(vocab_size, dtype=torch.float) / vocab_size) * 1e-3
+    return score.topk(n).indices.sort().values
+
+
+def make_head(dc: DraftConfig, model, prompt_ids=None, eos_ids=(), seed: int = 0):
+    """The head ``draft.head`` names, checked against ``model`` (None when it is "")."""
+    from .eagle import head_for, load_head
+
+    if not dc.head:
+        return None
+    if dc.head == "random":
+        ids = random_head_vocab(prompt_ids, model.cfg.vocab_size, dc.vocab, eos_ids)
+        return head_for(model, ids, seed=seed)
+    return load_head(dc.head, model)
+
+
+def make_plan(cfg, model, log=print):
+    """(plan, plan_fn, max_plan) for the drafter from ``cfg.draft`` (adaptive: cached C_peak)."""
+    from ..engine.profiler import adaptive_planner
+
+    dc = cfg.draft
+    if dc.plan == "static":
+        p = dc.static_plan()
+        return p, None, p
+    import torch
+
+    from ..engine.engine import Engine
+
+    dtype = getattr(torch, cfg.model.rollout_dtype)
+    planner = adaptive_planner(cfg.model.name, dtype, engine=Engine(model, dtype=dtype), log=log)
+    return planner.max_plan, planner, planner.max_plan
+
+
+def build_eagle(cfg, model, prompt_ids=None, eos_ids=(), log=print):
+    """The EAGLE drafter of ``cfg.draft`` (an ``online.OnlineDrafter``), or None when draft.head is ""."""
+    from .online import OnlineDrafter
+
+    dc = cfg.draft
+    head = make_head(dc, model, prompt_ids, eos_ids, seed=cfg.train.seed)
+    if head is None:
+        return None
+    plan, plan_fn, max_plan = make_plan(cfg, model, log)
+    return OnlineDrafter(head, dc, policy=model, plan=plan, plan_fn=plan_fn, max_plan=max_plan, seed=cfg.train.seed)
+
+
+def build_spec_drafter(cfg, model, prompt_ids=None, eos_ids=(), log=print):
+    """None | ReuseDrafter | EagleDrafter | CombinedDrafter, from ``cfg.reuse.mode`` and ``cfg.draft.head``."""
+    from .reuse import build_drafter
+
+    reuse = build_drafter(cfg.reuse)
+    eagle = build_eagle(cfg, model, prompt_ids, eos_ids, log)
+    if eagle is None:
+        return reuse
+    if reuse is None:
+        return eagle
+    try:
+        from .combined import CombinedDrafter
+    except ImportError as e:  # the combined mode lives in its own module
+        raise ValueError(f"reuse+draft not available (reuse.mode={cfg.reuse.mode} with draft.head set): {e}; "
+                         "use reuse.mode=off or draft.head=''") from None
+    return CombinedDrafter(reuse, eagle)
+
+
+def eagle_of(drafter):
+    """The ``EagleDrafter`` inside ``drafter`` (itself, or a combined drafter's ``eagle``), else None."""
+    from .eagle import EagleDrafter
+
+    if isinstance(drafter, EagleDrafter):
+        return drafter
+    inner = getattr(drafter, "eagle", None)
+    return inner if isinstance(inner, EagleDrafter) else None
+
+
+__all__ = ["DraftConfig", "PLANS", "build_eagle", "build_spec_drafter", "eagle_of", "make_head", "make_plan",
+           "random_head_vocab"]

@@ -1,0 +1,253 @@
+"""Online draft learning (FastGRPO): the head keeps up with the policy during GRPO training.
+
+What this module owns:
+- ``OnlineLearner``: collects, during a rollout, the (policy hidden state, next token) pairs the
+  engine already computed -- the prompt pairs of the draft prefill, the first pair of ``begin`` and
+  the accepted-path pairs of every speculative or plain step (``EagleDrafter.on_pairs``; no extra
+  policy forward) -- and assembles them per output row into teacher-forcing sequences. After every
+  ``draft.update_every`` rollouts, ``update`` takes ``draft.update_steps`` AdamW steps on the head
+  (policy frozen) over sequences sampled from the last ``draft.buffer`` rollouts, with the loss of
+  offline distillation (``distill.head_loss``: ``w_feat`` SmoothL1 on the feature + ``w_ce`` soft
+  cross-entropy against the policy's distribution over the draft vocabulary, the teacher read from
+  the stored hidden states through the frozen lm_head). Every sequence is used, zero-reward groups
+  included. The AdamW state persists across updates.
+- ``OnlineDrafter``: an ``EagleDrafter`` with the trainer's hooks: ``after_rollout`` (collect +
+  update), ``metrics`` (``timing/draft_update``, ``draft/loss``, ``draft/top1``,
+  ``spec/accept_length``, ``spec/accept_rate`` of the last rollout), ``state_dict`` /
+  ``load_state_dict`` (head weights, AdamW moments, counters: the trainer's checkpoint keeps them) and
+  ``save_final`` (``save_head`` into the run directory). With ``draft.online=false`` it is a frozen
+  head that still reports its acceptance per rollout.
+
+Alignment: a row's hidden state at position i is only used while the tokens reported with the pairs
+equal the rollout's own prompt + completion; a row whose pairs do not line up (a prefix drafter that
+did not report its pairs) is dropped from training (``draft/rows_dropped``), never trained on shifted
+targets. The last completion token has no hidden state (it is never fed), so a row of length L
+gives L - 2 training pairs.
+
+The head's inference path runs oneDNN-prepacked copies of its weights (``decoder.FastLinear``) keyed
+on the parameters' version counters; AdamW updates in place, so the next rollout drafts with the new
+weights (``tests/test_online.py`` checks it).
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..engine.budget import Plan
+from .build import DraftConfig
+from .distill import DistillConfig, _batch, head_loss
+from .eagle import DEFAULT_PLAN, DraftHead, EagleDrafter, save_head
+
+
+class FrozenVocab(nn.Module):
+    """The policy's lm_head over the draft vocabulary, detached (no gradient reaches the policy).
+    No copy when the draft vocabulary is the full one."""
+
+    def __init__(self, policy, vocab_ids: torch.Tensor):
+        super().__init__()
+        w = policy.lm_head.weight.detach()
+        full = vocab_ids.numel() == w.shape[0] and bool((vocab_ids == torch.arange(w.shape[0])).all())
+        self.w = w if full else w[vocab_ids].clone()
+
+    def forward(self, feat: torch.Tensor) -> torch.Tensor:
+        return F.linear(feat, self.w.to(feat.dtype)).float()
+
+
+class OnlineLearner:
+    """Pairs in (``start`` / ``on_pairs`` / ``finish``), AdamW steps out (``update``)."""
+
+    def __init__(self, head: DraftHead, cfg: DraftConfig, seed: int = 0):
+        self.head, self.cfg = head, cfg
+        self.loss_cfg = DistillConfig(steps=0, lr=cfg.lr, batch=cfg.batch, w_feat=cfg.w_feat, w_ce=cfg.w_ce)
+        self.params = [p for p in head.parameters() if p.requires_grad]
+        self.opt = torch.optim.AdamW(self.params, lr=cfg.lr, weight_decay=0.0)
+        self.gen = torch.Generator().manual_seed(seed)
+        self.buffer: deque[list[tuple[torch.Tensor, torch.Tensor]]] = deque(maxlen=cfg.buffer)
+        self.rollouts = 0  # rollouts collected
+        self.updates = 0  # AdamW steps taken
+        self.last: dict = {}
+        self.start()
+
+    # -- collection -------------------------------------------------------------------------------
+    def start(self) -> None:
+        """Forget the pairs of an unfinished rollout (called at the start of each ``generate``)."""
+        self._prompt: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        self._chunks: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []  # (rows, tokens, hidden) flat
+
+    @torch.no_grad()
+    def on_pairs(self, hidden, tokens, n, rows, prompt: bool = False) -> None:
+        """``EagleDrafter.on_pairs``: the first ``n[b]`` pairs of row ``rows[b]`` (see eagle.py)."""
+        T = tokens.shape[1]
+        n = torch.as_tensor(n).clamp(max=T)
+        if prompt:
+            for b, p in enumerate(rows.tolist()):
+                k = int(n[b])
+                self._prompt[p] = (tokens[b, :k].clone(), hidden[b, :k].detach().clone())
+            return
+        valid = torch.arange(T)[None, :] < n[:, None]
+        r = torch.as_tensor(rows)[:, None].expand(-1, T)[valid]
+        self._chunks.append((r.clone(), tokens[valid].clone(), hidden[valid].detach().clone()))
+
+    def finish(self, rollouts) -> dict:
+        """Assemble the collected pairs into one (ids, hidden) sequence per row of ``rollouts`` (the
+        ``Engine.generate`` output, row r = rollouts[r]) and push them into the buffer."""
+        seqs, dropped, pairs = [], 0, 0
+        if self._chunks:
+            rows = torch.cat([c[0] for c in self._chunks])
+            toks = torch.cat([c[1] for c in self._chunks])
+            hid = torch.cat([c[2] for c in self._chunks])
+            order = torch.argsort(rows, stable=True)  # per row, in call order
+            rows, toks, hid = rows[order], toks[order], hid[order]
+            counts = torch.bincount(rows, minlength=len(rollouts)).tolist()
+        else:
+            toks = torch.zeros(0, dtype=torch.long)
+            hid = None
+            counts = [0] * len(rollouts)
+        start = 0
+        for r, ro in enumerate(rollouts):
+            c = counts[r] if r < len(counts) else 0
+            g_tok, g_hid = toks[start: start + c], None if hid is None else hid[start: start + c]
+            start += c
+            seq = torch.cat([ro.prompt_ids, ro.completion_ids]).long()
+            P = len(ro.prompt_ids)
+            if P > 1 and ro.prompt_index not in self._prompt:
+                dropped += 1
+                continue
+            p_tok, p_hid = self._prompt.get(ro.prompt_index, (seq[:0], None))
+            parts = [x for x in (p_hid, g_hid) if x is not None and len(x)]
+            if not parts:
+                dropped += 1
+                continue
+            t = torch.cat([p_tok, g_tok])
+            h = torch.cat(parts)
+            m = min(len(t), len(seq) - 1)  # pairs (h_i, seq[i+1]) for i < m
+            ok = t[:m] == seq[1: m + 1]
+            m = int(ok.int().argmin()) if not bool(ok.all()) else m
+            if m < 2:
+                dropped += int(len(seq) > 2)
+                continue
+            seqs.append((seq[:m], h[:m]))
+            pairs += m - 1
+        self.start()
+        if seqs:
+            self.buffer.append(seqs)
+        self.rollouts += 1
+        return {"draft/rows_dropped": dropped, "draft/pairs": pairs}
+
+    # -- learning -----------------------------------------------------------------------------------
+    def due(self) -> bool:
+        return bool(self.buffer) and self.rollouts % self.cfg.update_every == 0
+
+    def update(self, policy) -> dict:
+        """``update_steps`` AdamW steps over the buffer (policy frozen). Returns mean loss / top1."""
+        pool = [s for part in self.buffer for s in part]
+        if not pool:
+            return {}
+        lm = FrozenVocab(policy, self.head.vocab_ids)
+        self.head.train()
+        losses, top1 = [], []
+        for _ in range(self.cfg.update_steps):
+            idx = torch.randperm(len(pool), generator=self.gen)[: self.cfg.batch].tolist()
+            ids, H, valid = _batch([pool[i][0] for i in idx], [pool[i][1] for i in idx], list(range(len(idx))))
+            loss, info = head_loss(self.head, lm, policy.embed, ids, H, valid, self.loss_cfg)
+            self.opt.zero_grad(set_to_none=True)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(self.params, 1.0)
+            self.opt.step()
+            self.updates += 1
+            losses.append(float(loss.detach()))
+            top1.append(info["top1"])
+        self.opt.zero_grad(set_to_none=True)
+        self.head.eval()
+        self.last = {"draft/loss": sum(losses) / len(losses), "draft/top1": sum(top1) / len(top1),
+                     "draft/loss_first": losses[0], "draft/loss_last": losses[-1]}
+        return self.last
+
+    # -- checkpoints ----------------------------------------------------------------------------------
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        out = {"learner.counters": torch.tensor([self.rollouts, self.updates]), "learner.rng": self.gen.get_state()}
+        for i, p in enumerate(self.params):
+            for k, v in self.opt.state.get(p, {}).items():
+                out[f"opt.{i}.{k}"] = torch.as_tensor(v).clone()
+        return out
+
+    def load_state_dict(self, sd: dict[str, torch.Tensor]) -> None:
+        if "learner.counters" in sd:
+            self.rollouts, self.updates = (int(x) for x in sd["learner.counters"])
+        if "learner.rng" in sd:
+            self.gen.set_state(sd["learner.rng"].to(torch.uint8))
+        state = {}
+        for i in range(len(self.params)):
+            keys = {k.split(".", 2)[2]: v for k, v in sd.items() if k.startswith(f"opt.{i}.")}
+            if keys:
+                state[i] = keys
+        if state:
+            base = self.opt.state_dict()
+            self.opt.load_state_dict({"state": state, "param_groups": base["param_groups"]})
+
+
+class OnlineDrafter(EagleDrafter):
+    """``EagleDrafter`` + the trainer's hooks; learns online when ``cfg.online`` (see module doc)."""
+
+    def __init__(self, head: DraftHead, cfg: DraftConfig | None = None, policy=None, plan: Plan = DEFAULT_PLAN,
+                 plan_fn=None, max_plan: Plan | None = None, seed: int = 0, **kw):
+        self.cfg = cfg if cfg is not None else DraftConfig(head="given")
+        self.learner = OnlineLearner(head, self.cfg, seed) if self.cfg.online else None
+        on_pairs = self.learner.on_pairs if self.learner is not None else None
+        super().__init__(head, plan, plan_fn, max_plan, on_pairs=on_pairs, **kw)
+        self.policy = policy
+        self._seen = self.totals.clone()
+        self._m: dict = {}
+
+    @torch.no_grad()
+    def begin(self, engine, st, prompts, n):
+        if self.learner is not None:
+            self.learner.start()
+        super().begin(engine, st, prompts, n)
+
+    def after_rollout(self, rollouts, step: int = 0) -> None:
+        """Acceptance of this rollout; with online learning, collect its pairs and update when due."""
+        d = self.totals - self._seen
+        self._seen = self.totals.clone()
+        steps, emitted, drafted, accepted = (int(x) for x in d)
+        m = {"spec/accept_length": emitted / max(steps, 1), "spec/accept_rate": accepted / max(drafted, 1)}
+        if self.learner is not None:
+            m.update(self.learner.finish(rollouts))
+            t = time.perf_counter()
+            if self.learner.due() and self.policy is not None:
+                m.update(self.learner.update(self.policy))
+            m["timing/draft_update"] = time.perf_counter() - t
+        self._m = m
+
+    def metrics(self) -> dict:
+        return dict(self._m)
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        out = {f"head.{k}": v.detach() for k, v in self.head.state_dict().items()}
+        if self.learner is not None:
+            out.update(self.learner.state_dict())
+        return out
+
+    def load_state_dict(self, sd: dict[str, torch.Tensor]) -> None:
+        head = {k[5:]: v for k, v in sd.items() if k.startswith("head.")}
+        if head:
+            if head["vocab_ids"].shape != self.head.vocab_ids.shape:
+                raise ValueError(f"checkpointed draft head has a draft vocabulary of {head['vocab_ids'].numel()} "
+                                 f"tokens, this run's has {self.head.draft_vocab}; set draft.vocab to match")
+            with torch.no_grad():
+                self.head.load_state_dict(head)
+        if self.learner is not None:
+            self.learner.load_state_dict(sd)
+
+    def save_final(self, run_dir, meta: dict | None = None):
+        """``save_head`` into ``run_dir/draft_head`` (usable as ``draft.head=run_dir/draft_head``)."""
+        info = {"online": self.cfg.online, "updates": self.learner.updates if self.learner else 0, **(meta or {})}
+        return save_head(self.head, f"{run_dir}/draft_head", info)
+
+
+__all__ = ["FrozenVocab", "OnlineDrafter", "OnlineLearner"]
