@@ -107,7 +107,7 @@ def make_head(dc: DraftConfig, model, prompt_ids=None, eos_ids=(), seed: int = 0
 
 def make_plan(cfg, model, log=print):
     """(plan, plan_fn, max_plan) for the drafter from ``cfg.draft`` (adaptive: cached C_peak)."""
-    from ..engine.profiler import adaptive_planner
+    from ..engine.profiler import adaptive_planner, load_profile, profile_path
 
     dc = cfg.draft
     if dc.plan == "static":
@@ -118,7 +118,12 @@ def make_plan(cfg, model, log=print):
     from ..engine.engine import Engine
 
     dtype = getattr(torch, cfg.model.rollout_dtype)
+    if load_profile(cfg.model.name, dtype) is None and log is not None:
+        log(f"draft.plan=adaptive: no C_peak profile for {cfg.model.name} ({cfg.model.rollout_dtype}) on this "
+            f"machine yet; profiling once (cached at {profile_path(cfg.model.name, dtype)})")
     planner = adaptive_planner(cfg.model.name, dtype, engine=Engine(model, dtype=dtype), log=log)
+    if log is not None:
+        log(f"draft.plan=adaptive: C_peak = {planner.c_peak:g} tokens per forward")
     return planner.max_plan, planner, planner.max_plan
 
 

@@ -1,0 +1,285 @@
+"""Online draft learning: the pairs the engine hands over, the learner, the trainer wiring, the config."""
+
+from __future__ import annotations
+
+import sys
+
+import pytest
+import torch
+
+from specroll.config import load_config
+from specroll.drafters.build import DraftConfig, build_spec_drafter, eagle_of, random_head_vocab
+from specroll.drafters.distill import DistillConfig, distill
+from specroll.drafters.eagle import EagleDrafter, Plan, head_for, load_head
+from specroll.drafters.online import OnlineDrafter, OnlineLearner
+from specroll.drafters.reuse import ReuseDrafter
+from specroll.engine.budget import BudgetPlanner
+from specroll.engine.engine import Engine
+from specroll.engine.sampling import SamplingParams
+from specroll.models.decoder import Decoder, DecoderConfig
+
+V = 64
+PROMPTS = [[5, 17, 3], [9, 2, 44, 61, 7, 30, 12], [1], [50, 23, 4, 50, 8]]
+EOS = 7
+
+
+def tiny(vocab: int = V, seed: int = 1, scale: float = 2.5) -> Decoder:
+    torch.manual_seed(seed)
+    cfg = DecoderConfig(arch="llama", vocab_size=vocab, hidden_size=32, intermediate_size=64, num_layers=2,
+                        num_heads=4, num_kv_heads=2, head_dim=8, max_position=256)
+    m = Decoder(cfg).eval()
+    with torch.no_grad():
+        for p in m.parameters():
+            if p.dim() == 2:
+                p.mul_(scale)
+    return m
+
+
+@pytest.fixture(scope="module")
+def mid():
+    """A tiny policy and a head distilled on its greedy outputs (so trees accept ragged lengths)."""
+    model = tiny()
+    head, _ = distill(model, PROMPTS, n=2, max_new_tokens=24, temperature=0.0, dtype=torch.float32,
+                      draft_vocab=48, cfg=DistillConfig(steps=40, lr=3e-3, batch=8))
+    return model, head
+
+
+def online_cfg(**kw) -> DraftConfig:
+    base = dict(head="given", online=True, lr=3e-3, update_steps=4, batch=8, buffer=2)
+    return DraftConfig(**{**base, **kw})
+
+
+def clone_head(model, head):
+    h = head_for(model, head.vocab_ids)
+    h.load_state_dict(head.state_dict())
+    return h
+
+
+@torch.no_grad()
+def reference_hidden(model, seq: torch.Tensor) -> torch.Tensor:
+    return model(seq[None], torch.arange(len(seq))[None])[0].float()
+
+
+# --- the pairs the engine hands over ----------------------------------------------------------------
+
+def alternating(b):  # plain steps interleaved with trees: both kinds of step report pairs
+    alternating.calls += 1
+    return Plan(1, 0, 0) if alternating.calls % 3 == 0 else Plan(8, 3, 4)
+
+
+@pytest.mark.parametrize("dtype,atol,temperature", [(torch.float32, 1e-4, 0.0), (torch.bfloat16, None, 1.0)])
+def test_pairs_match_a_cache_free_pass_for_every_row(mid, dtype, atol, temperature):
+    model, head = mid
+    alternating.calls = 0
+    d = OnlineDrafter(clone_head(model, head), online_cfg(), plan_fn=alternating, max_plan=Plan(8, 3, 4), trace=True)
+    params = SamplingParams(temperature=temperature, max_new_tokens=20, seed=3)
+    outs = Engine(model, eos_ids=[EOS], dtype=dtype).generate(PROMPTS, params, n=3, drafter=d)
+    trees = [t for t in d.trace if t.numel() > 1 and int(t.max()) >= 1]
+    assert any(int(t.min()) == 0 and int(t.max()) >= 1 for t in trees), "no ragged acceptance"
+    assert any(int(t.max()) >= 2 for t in trees), "no multi-token acceptance"
+    assert alternating.calls > 3  # some plain steps ran
+    info = d.learner.finish(outs)
+    seqs = d.learner.buffer[-1]
+    assert info["draft/rows_dropped"] == 0 and len(seqs) == len(outs)
+    for o, (ids, H) in zip(outs, seqs):
+        full = torch.cat([o.prompt_ids, o.completion_ids])
+        # every position but the last (its token is emitted, never fed) has its hidden state
+        assert torch.equal(ids, full[: len(full) - 1])
+        ref = reference_hidden(model, full)[: len(ids)]
+        if atol is not None:
+            torch.testing.assert_close(H.float(), ref, atol=atol, rtol=0)
+        else:  # bf16 rollout activations against an fp32 pass
+            err = (H.float() - ref).norm(dim=-1) / ref.norm(dim=-1)
+            assert float(err.max()) < 0.05, float(err.max())
+
+
+def test_misaligned_pairs_are_dropped_not_trained_on(mid):
+    model, head = mid
+    learner = OnlineLearner(clone_head(model, head), online_cfg())
+    d = EagleDrafter(head, Plan(6, 2, 3), on_pairs=learner.on_pairs)
+    outs = Engine(model, eos_ids=[EOS]).generate(PROMPTS[:2], SamplingParams(temperature=0, max_new_tokens=12), n=2,
+                                                drafter=d)
+    learner._prompt.pop(0)  # prompt 0's pairs lost: its rows cannot be aligned
+    info = learner.finish(outs)
+    assert info["draft/rows_dropped"] == 2 and len(learner.buffer[-1]) == 2
+    assert learner._chunks == [] and learner._prompt == {}  # consumed
+
+
+# --- the learner ---------------------------------------------------------------------------------------
+
+def test_learner_lowers_its_loss_on_fixed_data(mid):
+    model, head = mid
+    fresh = head_for(model, head.vocab_ids, seed=5)
+    d = OnlineDrafter(fresh, online_cfg(update_steps=8, batch=6), plan=Plan(6, 2, 3))
+    outs = Engine(model, eos_ids=[EOS]).generate(PROMPTS, SamplingParams(temperature=1.0, max_new_tokens=16, seed=2),
+                                                n=2, drafter=d)
+    d.learner.finish(outs)
+    before = {k: v.clone() for k, v in fresh.state_dict().items()}
+    hist = [d.learner.update(model)["draft/loss"] for _ in range(4)]
+    assert hist[-1] < 0.7 * hist[0], hist
+    assert d.learner.updates == 32
+    assert not torch.equal(before["fc.weight"], fresh.fc.weight.detach())
+    assert all(p.grad is None for p in model.parameters())  # the policy stays frozen
+
+
+def test_update_is_seen_by_the_next_rollout(mid, tmp_path):
+    """The head's inference path runs prepacked weights: after AdamW the drafter must draft with the new
+    weights, exactly as a freshly loaded copy of them does."""
+    model, head = mid
+    mine = clone_head(model, head)
+    d = OnlineDrafter(mine, online_cfg(lr=1e-2), plan=Plan(8, 3, 4), trace=True)
+    engine = Engine(model, eos_ids=[EOS], dtype=torch.bfloat16)
+    params = SamplingParams(temperature=0, max_new_tokens=20)
+    x = torch.randn(2, 5, 32, dtype=torch.bfloat16)
+    pos = torch.arange(5).expand(2, 5)
+    with torch.no_grad():
+        y0 = mine(x, x, pos)  # packs the bf16 copies
+    engine.generate(PROMPTS, params, n=2, drafter=d)
+    d.after_rollout(engine.generate(PROMPTS, params, n=2, drafter=d), 0)  # one update
+    assert d.metrics()["draft/loss"] > 0
+    d.save_final(tmp_path)
+    loaded = load_head(tmp_path / "draft_head", model)
+    with torch.no_grad():
+        y1, y_ref = mine(x, x, pos), loaded(x, x, pos)
+    assert not torch.equal(y0, y1)
+    torch.testing.assert_close(y1, y_ref, atol=0, rtol=0)
+    d.trace.clear()
+    a = engine.generate(PROMPTS, params, n=2, drafter=d)
+    ref = EagleDrafter(loaded, Plan(8, 3, 4), trace=True)
+    b = engine.generate(PROMPTS, params, n=2, drafter=ref)
+    assert [o.completion_ids.tolist() for o in a] == [o.completion_ids.tolist() for o in b]
+    assert [t.tolist() for t in d.trace] == [t.tolist() for t in ref.trace]
+
+
+def test_state_dict_roundtrip_carries_head_and_adamw(mid):
+    model, head = mid
+    d = OnlineDrafter(clone_head(model, head), online_cfg(), plan=Plan(6, 2, 3))
+    d.after_rollout(Engine(model).generate(PROMPTS, SamplingParams(max_new_tokens=8, seed=1), n=2, drafter=d), 0)
+    sd = d.state_dict()
+    assert any(k.startswith("opt.") and k.endswith("exp_avg") for k in sd)
+    other = OnlineDrafter(head_for(model, head.vocab_ids, seed=7), online_cfg(), plan=Plan(6, 2, 3))
+    other.load_state_dict(sd)
+    for k, v in d.head.state_dict().items():
+        assert torch.equal(other.head.state_dict()[k], v), k
+    for p, q in zip(d.learner.params, other.learner.params):
+        assert torch.equal(d.learner.opt.state[p]["exp_avg_sq"], other.learner.opt.state[q]["exp_avg_sq"])
+    assert other.learner.updates == d.learner.updates == 4
+    bad = OnlineDrafter(head_for(model, torch.arange(10)), online_cfg())
+    with pytest.raises(ValueError, match="draft vocabulary"):
+        bad.load_state_dict(sd)
+
+
+# --- the trainer -----------------------------------------------------------------------------------------
+
+def trainer_parts():
+    from test_trainer import decode, make_cfg, prompts, target_fraction, tiny_model
+
+    return decode, make_cfg, prompts, target_fraction, tiny_model
+
+
+def test_trainer_learns_the_head_online_checkpoints_and_resumes(tmp_path):
+    from specroll.rl.run import save_draft_head
+    from specroll.rl.trainer import Trainer
+
+    decode, make_cfg, prompts, target_fraction, tiny_model = trainer_parts()
+    cfg = make_cfg("draft.head=random", "draft.online=true", "draft.vocab=16", "draft.n_verify=6", "draft.k=2",
+                   "draft.depth=3", "draft.lr=1e-2", "draft.update_steps=2", "train.steps=2")
+    ps = prompts()
+
+    def make(seed=0):
+        model = tiny_model(0)
+        drafter = build_spec_drafter(cfg, model, ps.ids, eos_ids=[0], log=None)
+        if seed:  # a different starting head, to see that resume overwrites it
+            with torch.no_grad():
+                for p in drafter.head.parameters():
+                    p.add_(0.5)
+        return Trainer(cfg, model, ps, None, target_fraction, decode, eos_ids=[0], run_dir=tmp_path,
+                       drafter=drafter)
+
+    tr = make()
+    assert isinstance(tr.drafter, OnlineDrafter) and tr.drafter.head.draft_vocab == 16
+    assert 0 in tr.drafter.head.vocab_ids.tolist()  # eos is in the draft vocabulary
+    start = {k: v.clone() for k, v in tr.drafter.head.state_dict().items()}
+    rows = tr.fit()
+    for m in rows:
+        assert {"timing/draft_update", "draft/loss", "draft/top1", "spec/accept_length", "spec/accept_rate"} <= set(m)
+        assert m["spec/accept_length"] >= 1.0 and 0 <= m["spec/accept_rate"] <= 1
+    assert not torch.equal(start["fc.weight"], tr.drafter.head.fc.weight.detach())
+    ck = sorted(tmp_path.glob("step_*"))[-1]
+    tr2 = make(seed=1)
+    assert tr2.resume(ck) == 2
+    for k, v in tr.drafter.head.state_dict().items():
+        assert torch.equal(tr2.drafter.head.state_dict()[k], v), k
+    assert tr2.drafter.learner.updates == tr.drafter.learner.updates == 4
+    out = save_draft_head(tr, cfg, tmp_path, say=lambda s: None)
+    assert out is not None and torch.equal(load_head(out).fc.weight, tr.drafter.head.fc.weight.detach())
+
+
+def test_frozen_head_reports_acceptance_and_does_not_change():
+    from specroll.rl.trainer import Trainer
+
+    decode, make_cfg, prompts, target_fraction, tiny_model = trainer_parts()
+    cfg = make_cfg("draft.head=random", "draft.vocab=0", "draft.n_verify=6", "draft.k=2", "draft.depth=3")
+    ps = prompts()
+    model = tiny_model(0)
+    d = build_spec_drafter(cfg, model, ps.ids, log=None)
+    assert d.learner is None and d.head.draft_vocab == model.cfg.vocab_size
+    before = {k: v.clone() for k, v in d.head.state_dict().items()}
+    m = Trainer(cfg, model, ps, None, target_fraction, decode, eos_ids=[0], drafter=d).train_step()
+    assert m["spec/accept_length"] >= 1.0 and "draft/loss" not in m
+    assert all(torch.equal(v, d.head.state_dict()[k]) for k, v in before.items())
+
+
+# --- building, config ----------------------------------------------------------------------------------
+
+def test_build_spec_drafter_picks_by_reuse_mode_and_head(monkeypatch, tmp_path):
+    model = tiny()
+    assert build_spec_drafter(load_config(), model) is None
+    assert isinstance(build_spec_drafter(load_config(overrides=["reuse.mode=exact"]), model), ReuseDrafter)
+    d = build_spec_drafter(load_config(overrides=["draft.head=random", "draft.vocab=8"]), model, PROMPTS, [EOS])
+    assert isinstance(d, EagleDrafter) and eagle_of(d) is d and d.max_plan == Plan(16, 4, 5)
+    assert d.head.vocab_ids.tolist() == random_head_vocab(PROMPTS, V, 8, [EOS]).tolist()
+    assert set(d.head.vocab_ids.tolist()) >= {50, EOS}  # the most frequent prompt token, eos
+    d.save_final(tmp_path)
+    loaded = build_spec_drafter(load_config(overrides=[f"draft.head={tmp_path / 'draft_head'}"]), model)
+    assert torch.equal(loaded.head.fc.weight, d.head.fc.weight)
+    with pytest.raises(FileNotFoundError, match="draft_head.json"):
+        build_spec_drafter(load_config(overrides=[f"draft.head={tmp_path / 'nope'}"]), model)
+    monkeypatch.setitem(sys.modules, "specroll.drafters.combined", None)  # the module is unavailable
+    with pytest.raises(ValueError, match="reuse\\+draft not available"):
+        build_spec_drafter(load_config(overrides=["reuse.mode=exact", "draft.head=random"]), model)
+
+
+def test_combined_drafter_is_built_when_available():
+    combined = pytest.importorskip("specroll.drafters.combined")
+    d = build_spec_drafter(load_config(overrides=["reuse.mode=lenient", "draft.head=random"]), tiny())
+    assert isinstance(d, combined.CombinedDrafter)
+    assert isinstance(eagle_of(d), EagleDrafter)
+
+
+def test_adaptive_plan_profiles_once_and_uses_the_budget():
+    model = tiny()
+    cfg = load_config(overrides=["draft.head=random", "draft.plan=adaptive", "model.name=tiny-online-test",
+                                 "model.rollout_dtype=float32"])
+    said: list[str] = []
+    d = build_spec_drafter(cfg, model, log=said.append)
+    assert isinstance(d.plan_fn, BudgetPlanner) and d.max_plan == d.plan_fn.max_plan
+    assert any("profiling once" in s for s in said)
+    said.clear()
+    build_spec_drafter(cfg, model, log=said.append)  # cached now
+    assert not any("profiling once" in s for s in said) and any("C_peak" in s for s in said)
+
+
+@pytest.mark.parametrize("override,msg", [
+    ("draft.plan=fast", "draft.plan must be one of"),
+    ("draft.online=true", "draft.online=true needs a draft head"),
+    ("draft.lr=-1", "draft.lr must be a number > 0"),
+    ("draft.update_steps=0", "draft.update_steps must be an integer >= 1"),
+    ("draft.buffer=0", "draft.buffer must be an integer >= 1"),
+    ("draft.depth=0", "draft.k and draft.depth must be >= 1"),
+    ("draft.w_ce=-0.5", "draft.w_ce must be a number >= 0"),
+    ("draft.hed=random", "unknown config key 'draft.hed'; did you mean 'draft.head'"),
+])
+def test_draft_config_errors_name_the_key(override, msg):
+    with pytest.raises(ValueError, match=msg):
+        load_config(overrides=[override])
