@@ -283,3 +283,27 @@ def test_adaptive_plan_profiles_once_and_uses_the_budget():
 def test_draft_config_errors_name_the_key(override, msg):
     with pytest.raises(ValueError, match=msg):
         load_config(overrides=[override])
+
+
+def test_combined_mode_pairs_line_up_with_reused_prefixes(mid):
+    """reuse+draft: the reused prefix's pairs (from the verification pass) reach the learner too."""
+    from specroll.drafters.combined import CombinedDrafter
+    from specroll.drafters.reuse import build_drafter
+
+    model, head = mid
+    cfg = load_config(overrides=["reuse.mode=exact"])
+    d = OnlineDrafter(clone_head(model, head), online_cfg(update_steps=1), plan=Plan(6, 2, 3))
+    comb = CombinedDrafter(build_drafter(cfg.reuse), d)
+    engine = Engine(model, eos_ids=[EOS])
+    for epoch in range(2):
+        params = SamplingParams(temperature=1.0, max_new_tokens=16, seed=epoch)
+        outs = engine.generate(PROMPTS, params, n=2, drafter=comb)
+        comb.after_rollout(outs, epoch)
+        m = comb.metrics()
+        assert m["draft/rows_dropped"] == 0
+        for o, (ids, H) in zip(outs, d.learner.buffer[-1]):
+            full = torch.cat([o.prompt_ids, o.completion_ids])
+            assert torch.equal(ids, full[: len(full) - 1])
+            torch.testing.assert_close(H.float(), reference_hidden(model, full)[: len(ids)], atol=1e-4, rtol=0)
+    part = [0 < o.n_reused < len(o.completion_ids) for o in outs]
+    assert any(part), [(o.n_reused, len(o.completion_ids)) for o in outs]  # rows cut inside a reused prefix

@@ -205,10 +205,11 @@ class OnlineDrafter(EagleDrafter):
         self._m: dict = {}
 
     @torch.no_grad()
-    def begin(self, engine, st, prompts, n):
+    def prepare(self, engine, st, prompts, n):
+        """A new rollout (``begin``, or a combined drafter's start): forget unfinished pairs first."""
         if self.learner is not None:
             self.learner.start()
-        super().begin(engine, st, prompts, n)
+        super().prepare(engine, st, prompts, n)
 
     def after_rollout(self, rollouts, step: int = 0) -> None:
         """Acceptance of this rollout; with online learning, collect its pairs and update when due."""
