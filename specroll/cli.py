@@ -68,6 +68,7 @@ def _bench(sub):
     _bench_spec(s)
     _bench_e2e(s)
     _bench_reuse(s)
+    _bench_online(s)
 
 
 def _bench_spec(s):
@@ -183,6 +184,30 @@ def _bench_reuse(s):
     b.add_argument("--seed", type=int, default=0)
     b.add_argument("--out", default="bench_reuse.json")
     b.set_defaults(func=_run("specroll.bench.reuse:cli"))
+
+
+def _bench_online(s):
+    b = s.add_parser("online", help="GRPO with the draft head learning online vs the same head frozen")
+    b.add_argument("--model", default="smollm2-135m")
+    b.add_argument("--steps", type=int, default=30, help="GRPO steps per run")
+    b.add_argument("--draft", default="random", help="starting head of both runs: a `specroll draft train` "
+                   "directory, or random (a fresh head)")
+    b.add_argument("--plan", default="static", choices=["static", "adaptive"], help="speculation plan (draft.plan)")
+    b.add_argument("--draft-lr", type=float, default=3e-4, help="AdamW lr of the online updates (draft.lr)")
+    b.add_argument("--update-steps", type=int, default=4, help="AdamW steps per rollout (draft.update_steps)")
+    b.add_argument("--prompts", type=int, default=0, help="training prompts (0 = the task's default train set)")
+    b.add_argument("--prompts-per-step", type=int, default=4)
+    b.add_argument("-G", type=int, default=8, help="completions per prompt")
+    b.add_argument("--max-new-tokens", type=int, default=64)
+    b.add_argument("--temperature", type=float, default=1.0)
+    b.add_argument("--lr", type=float, default=2e-5, help="policy learning rate")
+    b.add_argument("--level", type=int, default=1, help="arithmetic task difficulty")
+    b.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"], help="rollout activations")
+    b.add_argument("--seed", type=int, default=0)
+    b.add_argument("overrides", nargs="*", metavar="key=value",
+                   help="config overrides for both runs, e.g. draft.update_every=2 draft.buffer=8")
+    b.add_argument("--out", default="bench_online.json")
+    b.set_defaults(func=_run("specroll.bench.online:cli"))
 
 
 def _profile(sub):

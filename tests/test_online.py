@@ -307,3 +307,28 @@ def test_combined_mode_pairs_line_up_with_reused_prefixes(mid):
             torch.testing.assert_close(H.float(), reference_hidden(model, full)[: len(ids)], atol=1e-4, rtol=0)
     part = [0 < o.n_reused < len(o.completion_ids) for o in outs]
     assert any(part), [(o.n_reused, len(o.completion_ids)) for o in outs]  # rows cut inside a reused prefix
+
+
+def test_cli_bench_online_writes_both_curves(tmp_path, monkeypatch, capsys):
+    import json
+
+    from specroll.cli import main
+
+    monkeypatch.setenv("SPECROLL_HOME", str(tmp_path / "home"))
+    out = tmp_path / "b" / "online.json"
+    args = ["bench", "online", "--model", "tiny-llama", "--steps", "2", "--prompts", "4", "--prompts-per-step", "2",
+            "-G", "2", "--max-new-tokens", "6", "--dtype", "float32", "--draft-lr", "1e-2", "--out", str(out),
+            "draft.n_verify=4", "draft.k=2", "draft.depth=2", "train.micro_batch_size=4"]
+    assert main(args) == 0
+    res = json.loads(out.read_text())
+    rows = res["rows"]
+    assert [(r["mode"], r["step"]) for r in rows] == [("online", 1), ("online", 2), ("frozen", 1), ("frozen", 2)]
+    for r in rows:
+        assert r["accept_length"] >= 1.0 and r["rollout_s"] > 0
+        assert (r["draft_loss"] is not None) == (r["mode"] == "online")
+    assert set(res["summary"]) == {"online", "frozen"}
+    assert (out.parent / "accept_length_vs_step.png").stat().st_size > 0
+    assert "online: accept length" in capsys.readouterr().out
+    assert main(["bench", "online", "--model", "tiny-llama", "--draft", str(tmp_path / "none"), "--out",
+                 str(out)]) == 2
+    assert "no such directory" in capsys.readouterr().err

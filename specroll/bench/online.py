@@ -1,0 +1,148 @@
+"""`specroll bench online`: a draft head learning online during GRPO vs the same head frozen.
+
+Two GRPO trainings with the same config, seeds and data (FastGRPO Fig. 4): ``online`` trains the head
+after every rollout on the (hidden state, token) pairs the rollout already computed
+(``drafters/online.py``); ``frozen`` keeps it as it started. Both start from the same head: ``--draft
+DIR`` (a `specroll draft train` directory) or ``random`` (a fresh head, identical in both runs). The
+runs are sequential in one process, never concurrent.
+
+Speculation is lossless, so the policy's samples have the same distribution in both runs; the exact
+samples differ once the heads differ (a different tree consumes different random draws).
+
+Writes ``{"rows": [{"mode", "step", "accept_length", "accept_rate", "rollout_s", "rollout_cpu_s",
+"draft_update_s", "draft_loss", "draft_top1", "reward_mean", "tokens_generated"}], "summary": {mode:
+{"accept_length_start", "accept_length_end", "accept_length_min", "rollout_s_mean", ...}}, "config",
+"machine"}`` and ``accept_length_vs_step.png`` next to the JSON. ``accept_length`` is tokens emitted
+per row per decode step (1.0 = no draft token accepted); ``_end`` is the mean of the last
+``min(3, steps)`` steps.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+from .common import machine_info, save_figure, write_json
+
+MODES = ("online", "frozen")
+
+
+def bench_config(args, online: bool):
+    from ..config import load_config
+
+    over = [
+        f"model.name={args.model}", f"model.rollout_dtype={args.dtype}",
+        "data.n_eval=0", f"data.level={args.level}", f"train.steps={args.steps}",
+        f"train.prompts_per_step={args.prompts_per_step}", f"train.lr={args.lr}", "train.eval_before=false",
+        f"train.seed={args.seed}", f"rollout.G={args.G}", f"rollout.max_new_tokens={args.max_new_tokens}",
+        f"rollout.temperature={args.temperature}",
+        f"draft.head={args.draft}", f"draft.plan={args.plan}", f"draft.online={'true' if online else 'false'}",
+        f"draft.lr={args.draft_lr}", f"draft.update_steps={args.update_steps}",
+    ]
+    if args.prompts:
+        over.append(f"data.n_train={args.prompts}")
+    return load_config(overrides=over + list(args.overrides))
+
+
+def _row(mode: str, step: int, m: dict, cpu: float) -> dict:
+    return {"mode": mode, "step": step, "accept_length": m.get("spec/accept_length"),
+            "accept_rate": m.get("spec/accept_rate"), "rollout_s": m["timing/rollout"], "rollout_cpu_s": cpu,
+            "draft_update_s": m.get("timing/draft_update", 0.0), "draft_loss": m.get("draft/loss"),
+            "draft_top1": m.get("draft/top1"), "reward_mean": m.get("reward/mean"),
+            "tokens_generated": m.get("rollout/tokens_generated")}
+
+
+def run_mode(args, mode: str, say=print) -> tuple[list[dict], dict]:
+    from ..rl.run import build_trainer
+    from .reuse import _time_generate
+
+    cfg = bench_config(args, online=mode == "online")
+    tr = build_trainer(cfg, None)
+    _time_generate(tr.engine)
+    rows = []
+    try:
+        for _ in range(cfg.train.steps):
+            m = tr.train_step()
+            r = _row(mode, tr.step, m, tr.engine.cpu_log[-1])
+            rows.append(r)
+            loss = "" if r["draft_loss"] is None else f"  draft loss {r['draft_loss']:.3f} ({r['draft_update_s']:.1f}s)"
+            say(f"  {mode} step {tr.step}/{cfg.train.steps}: accept length {r['accept_length']:.2f}, "
+                f"rollout {r['rollout_s']:.1f}s, reward {r['reward_mean']:.3f}{loss}")
+    finally:
+        getattr(tr.reward, "close", lambda: None)()
+    return rows, cfg.to_dict()
+
+
+def summarize(rows: list[dict]) -> dict:
+    out = {}
+    for mode in MODES:
+        rs = [r for r in rows if r["mode"] == mode]
+        if not rs:
+            continue
+        acc = [r["accept_length"] for r in rs]
+        tail = acc[-min(3, len(acc)):]
+        out[mode] = {"accept_length_start": acc[0], "accept_length_end": sum(tail) / len(tail),
+                     "accept_length_min": min(acc), "accept_length_max": max(acc),
+                     "rollout_s_mean": sum(r["rollout_s"] for r in rs) / len(rs),
+                     "rollout_cpu_s_mean": sum(r["rollout_cpu_s"] for r in rs) / len(rs),
+                     "draft_update_s_mean": sum(r["draft_update_s"] for r in rs) / len(rs),
+                     "reward_mean": sum(r["reward_mean"] for r in rs) / len(rs)}
+    return out
+
+
+def plot(rows: list[dict], png: str | Path) -> Path:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4.2))
+    for mode, style in zip(MODES, ("o-", "s--")):
+        rs = [r for r in rows if r["mode"] == mode]
+        if not rs:
+            continue
+        steps = [r["step"] for r in rs]
+        ax1.plot(steps, [r["accept_length"] for r in rs], style, label=f"{mode} head", markersize=4)
+        ax2.plot(steps, [r["rollout_s"] for r in rs], style, label=f"{mode} head", markersize=4)
+    ax1.set_xlabel("GRPO step")
+    ax1.set_ylabel("accept length (tokens per row per step)")
+    ax1.set_title("draft acceptance over training")
+    ax2.set_xlabel("GRPO step")
+    ax2.set_ylabel("rollout seconds")
+    ax2.set_title("rollout time per step")
+    for a in (ax1, ax2):
+        a.grid(alpha=0.3)
+        a.legend()
+    return save_figure(fig, png)
+
+
+def run(args, say=print) -> dict:
+    t0 = time.perf_counter()
+    rows, config = [], {}
+    for mode in MODES:
+        say(f"{mode} head: {args.steps} GRPO steps")
+        r, cfg = run_mode(args, mode, say)
+        rows += r
+        config[mode] = cfg
+    return {"benchmark": "online", "rows": rows, "summary": summarize(rows), "config": config,
+            "args": {k: v for k, v in vars(args).items() if k != "func"}, "wall_s": time.perf_counter() - t0,
+            "machine": machine_info()}
+
+
+def cli(args) -> int:
+    from ..cli import CliError
+
+    if args.steps < 1:
+        raise CliError(f"--steps must be >= 1, got {args.steps}")
+    if args.draft != "random" and not Path(args.draft).is_dir():
+        raise CliError(f"--draft {args.draft}: no such directory; pass a `specroll draft train --out DIR` "
+                       "directory or random")
+    res = run(args)
+    write_json(args.out, res)
+    png = plot(res["rows"], Path(args.out).parent / "accept_length_vs_step.png")
+    for mode, s in res["summary"].items():
+        print(f"{mode}: accept length {s['accept_length_start']:.2f} -> {s['accept_length_end']:.2f} "
+              f"(min {s['accept_length_min']:.2f}), rollout {s['rollout_s_mean']:.1f}s/step, "
+              f"draft update {s['draft_update_s_mean']:.2f}s/step")
+    print(f"wrote {args.out} and {png}")
+    return 0
