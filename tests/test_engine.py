@@ -8,7 +8,7 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
-from specroll.engine.cache import KVCache
+from specroll.engine.cache import KVCache, compaction_order
 from specroll.engine.engine import Engine
 from specroll.engine.sampling import SamplingParams, processed_logprobs, sample
 from specroll.models.decoder import Decoder, DecoderConfig, hf_to_decoder_state
@@ -248,6 +248,34 @@ def test_cache_drop_keeps_order_and_lengths():
     c.drop(torch.tensor([1]))
     assert c.batch == 2 and c.lens[:2].tolist() == [4, 5]
     assert c.k[0, 1, 0, 3, 0] == 203 and c.v[1, 0, 0, 2, 1] == -2
+
+
+@pytest.mark.parametrize("alive", [[1, 0, 1, 1, 0, 1, 1], [0, 0, 1, 1], [1, 1, 1], [0, 1], [1, 0], [0, 0]])
+def test_compaction_order_fills_holes_and_keep_matches_a_gather(alive):
+    alive = torch.tensor(alive, dtype=torch.bool)
+    order = compaction_order(alive)
+    n = int(alive.sum())
+    assert sorted(order.tolist()) == alive.nonzero().squeeze(1).tolist()  # exactly the survivors
+    assert all(order[i] == i for i in range(n) if alive[i])  # survivors inside the prefix stay put
+    B, S = len(alive), 5
+    c = KVCache(2, B, 1, S, 2)
+    c.reset(B)
+    c.k.normal_()
+    c.v.normal_()
+    c.lens[:B] = torch.arange(B) % S + 1
+    span = int(c.lens[:B].max())
+    ref_k, ref_v, ref_lens = c.k[:, order, :, :span].clone(), c.v[:, order, :, :span].clone(), c.lens[order].clone()
+    c.keep(order)
+    assert c.batch == n and torch.equal(c.lens[:n], ref_lens)
+    assert torch.equal(c.k[:, :n, :, :span], ref_k) and torch.equal(c.v[:, :n, :, :span], ref_v)
+
+
+def test_cache_keep_any_permutation_matches_a_gather():
+    c = filled_cache()
+    perm = torch.tensor([2, 0, 1])
+    ref = c.k[:, perm, :, :6].clone()
+    c.keep(perm)
+    assert torch.equal(c.k[:, :3, :, :6], ref) and c.lens[:3].tolist() == [5, 4, 6]
 
 
 def test_cache_commit_moves_accepted_slots_contiguous():

@@ -17,6 +17,18 @@ from __future__ import annotations
 import torch
 
 
+def compaction_order(alive: torch.Tensor) -> torch.Tensor:
+    """The rows to keep, given a (B,) bool ``alive`` mask, ordered to move as few rows as possible:
+    survivors already among the first n (= the number alive) stay in place, and the survivors beyond
+    fill the holes. ``KVCache.keep`` of this order copies one row per dropped row instead of shifting
+    every row after the first hole."""
+    idx = alive.nonzero().squeeze(1)
+    n = idx.numel()
+    order = torch.arange(n)
+    order[(~alive[:n]).nonzero().squeeze(1)] = idx[idx >= n]
+    return order
+
+
 class KVCache:
     def __init__(self, n_layers: int, max_batch: int, n_kv: int, max_len: int, head_dim: int,
                  dtype: torch.dtype = torch.float32):
@@ -116,12 +128,16 @@ class KVCache:
         self.lens[:B] += n_accept
 
     def keep(self, rows: torch.Tensor) -> None:
-        """Compact to the given rows (in this order); the rest are dropped."""
+        """Compact to the given rows (in this order); the rest are dropped. Only rows that change
+        position are copied, so an order from ``compaction_order`` moves one row per dropped row."""
+        rows = torch.as_tensor(rows, dtype=torch.long)
         n = len(rows)
         span = int(self.lens[: self.batch].max()) if self.batch else 0
-        if span:
-            self.k[:, :n, :, :span] = self.k[:, rows, :, :span]
-            self.v[:, :n, :, :span] = self.v[:, rows, :, :span]
+        dst = (rows != torch.arange(n)).nonzero().squeeze(1)
+        if span and dst.numel():
+            src = rows[dst]  # the right-hand gather copies first, so overlapping moves are safe
+            self.k[:, dst, :, :span] = self.k[:, src, :, :span]
+            self.v[:, dst, :, :span] = self.v[:, src, :, :span]
         self.lens[:n] = self.lens[rows].clone()
         self.batch = n
 

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..models.decoder import Decoder
-from .cache import KVCache
+from .cache import KVCache, compaction_order
 from .sampling import SamplingParams, sample
 
 
@@ -183,11 +183,17 @@ class Engine:
         stopped = torch.isin(tok, stop) & (col + 1 >= st.params.min_new_tokens)
         return stopped | (col + 1 >= st.params.max_new_tokens), stopped
 
-    def retire(self, st: DecodeState, finished: torch.Tensor, stopped: torch.Tensor, tok: torch.Tensor):
-        """Drop finished rows from the batch. Returns (done row ids, their stopped flags, kept tokens)."""
+    def retire(self, st: DecodeState, finished: torch.Tensor, stopped: torch.Tensor, tok: torch.Tensor,
+               fill_holes: bool = False):
+        """Drop finished rows from the batch. Returns (done row ids, their stopped flags, kept tokens).
+
+        Live rows keep their order unless ``fill_holes``: then the last live rows move into the
+        finished rows' places (``cache.compaction_order``), so the KV cache copies one row per
+        finished row. Every per-row state of the caller must then be indexed by the returned order:
+        pass ``tok = torch.arange(B)`` to get it."""
         if not bool(finished.any()):
             return torch.empty(0, dtype=torch.long), torch.empty(0, dtype=torch.bool), tok
-        keep = (~finished).nonzero().squeeze(1)
+        keep = compaction_order(~finished) if fill_holes else (~finished).nonzero().squeeze(1)
         done_rows, done_stop = st.row_ids[finished], stopped[finished]
         st.cache.keep(keep)
         st.row_ids = st.row_ids[keep]
@@ -196,7 +202,7 @@ class Engine:
     def vanilla_step(self, st: DecodeState, stop: torch.Tensor, stats: torch.Tensor):
         tok, plp, slp = sample(st.logits, st.params, st.gen)
         finished, stopped = self.emit(st, tok, plp, slp, stop)
-        done_rows, done_stop, tok = self.retire(st, finished, stopped, tok)
+        done_rows, done_stop, tok = self.retire(st, finished, stopped, tok, fill_holes=True)
         self.decode_forward(st, tok)
         return done_rows, done_stop
 
