@@ -156,10 +156,20 @@ def _bench_e2e(s):
     b.add_argument("--prompts-per-step", type=int, default=4)
     b.add_argument("--generations", type=int, default=8)
     b.add_argument("--max-new-tokens", type=int, default=64)
-    b.add_argument("--steps", type=int, default=3)
+    b.add_argument("--prompts", type=int, default=4,
+                   help="training prompts, cycled every epoch (reuse needs repeats); 0 = the task's whole train set")
+    b.add_argument("--epochs", type=int, default=3, help="passes over --prompts (steps = epochs x prompts / per step)")
+    b.add_argument("--steps", type=int, default=None, help="GRPO steps per row (overrides --epochs)")
     b.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
                    help="both systems: bfloat16 = bf16 rollouts + bf16 autocast (TRL: bf16=True)")
     b.add_argument("--systems", default="specroll,trl")
+    b.add_argument("--spec", default="off", help="specroll rows, comma-separated: off, reuse, draft, reuse+draft")
+    b.add_argument("--draft", default="random", help="draft head of the draft modes: a `specroll draft train` "
+                   "directory, or random (a fresh head; add draft.online=true to let it learn)")
+    b.add_argument("--reuse-mode", default="lenient", choices=["lenient", "exact"], help="rule of the reuse modes")
+    b.add_argument("--lenience", type=float, default=None, help="lenient reuse's l (default: reuse.lenience's)")
+    b.add_argument("overrides", nargs="*", metavar="key=value",
+                   help="config overrides for every specroll row, e.g. draft.plan=adaptive draft.online=true")
     b.add_argument("--out", default="bench_e2e.json")
     b.set_defaults(func=_run("specroll.bench.e2e:cli"))
 

@@ -11,58 +11,116 @@ missing. Phases:
 
 ``--dtype bfloat16`` means bf16 rollouts + bf16 autocast training for specroll and TRL's ``bf16=True``.
 The step time is the median over ``--steps`` steps (the first includes one-off warm-up costs).
+
+Speculation (``--spec off,reuse,draft,reuse+draft``): one specroll row per mode, each a fresh trainer
+with the same model, seeds and data; TRL runs once. Reuse needs repeated prompts, so the run makes
+``--epochs`` passes over ``--prompts`` prompts (steps = epochs x prompts / prompts per step); epoch 1
+has nothing to reuse. The modes map to config overrides (``drafters/build.py`` picks the drafter):
+
+    off          reuse.mode=off            draft.head=""
+    reuse        reuse.mode=--reuse-mode   draft.head=""
+    draft        reuse.mode=off            draft.head=--draft
+    reuse+draft  reuse.mode=--reuse-mode   draft.head=--draft
+
+Every row gets ``speedup_vs_off`` and ``speedup_vs_trl`` (ratios of median step times), its per-step
+reward curve and spec metrics; ``reward_curves`` and a PNG (reward and step time against step, every
+mode) sit beside the timings.
 """
 
 from __future__ import annotations
 
+import math
 import statistics
 import tempfile
 import time
+from pathlib import Path
 
 import torch
 
-from .common import machine_info, write_json
+from .common import machine_info, save_figure, write_json
+
+SPEC_MODES = ("off", "reuse", "draft", "reuse+draft")
+PHASES = ("rollout", "reward", "logprob", "update", "draft_update")
+SPEC_KEYS = ("spec/reuse_ratio", "spec/skip_ratio", "spec/avg_cut_idx", "spec/accept_length", "spec/accept_rate",
+             "rollout/spec_accept_length", "rollout/spec_accept_rate", "rollout/tokens_generated", "timing/verify",
+             "draft/loss")
 
 
-def _config(args):
+def spec_modes(s: str) -> list[str]:
+    from ..cli import CliError
+
+    out = [m.strip() for m in s.split(",") if m.strip()]
+    bad = [m for m in out if m not in SPEC_MODES]
+    if not out or bad or len(set(out)) != len(out):
+        raise CliError(f"--spec must be a comma-separated list of distinct modes from {list(SPEC_MODES)}, got {s!r}")
+    return out
+
+
+def n_steps(args) -> int:
+    """``--steps``, else ``--epochs`` passes over ``--prompts`` prompts."""
+    if args.steps is not None:
+        return args.steps
+    return args.epochs * math.ceil(args.prompts / args.prompts_per_step)
+
+
+def spec_overrides(args, spec: str) -> list[str]:
+    reuse = spec in ("reuse", "reuse+draft")
+    # quoted: YAML reads a bare off as false
+    out = [f"reuse.mode='{args.reuse_mode if reuse else 'off'}'",
+           f"draft.head='{args.draft if spec in ('draft', 'reuse+draft') else ''}'"]
+    if reuse and args.lenience is not None:
+        out.append(f"reuse.lenience={args.lenience}")
+    return out
+
+
+def _config(args, spec: str = "off"):
     from ..config import load_config
 
     bf16 = args.dtype == "bfloat16"
     return load_config(overrides=[
         f"model.name={args.model}", f"model.rollout_dtype={args.dtype}", f"train.bf16={str(bf16).lower()}",
         f"rollout.G={args.generations}", f"rollout.max_new_tokens={args.max_new_tokens}",
-        f"train.prompts_per_step={args.prompts_per_step}", f"train.steps={args.steps}",
+        f"train.prompts_per_step={args.prompts_per_step}", f"train.steps={n_steps(args)}",
         "train.eval_before=false", "train.warmup=0", "train.cosine=false", "loss.type=grpo",
-        "loss.scale_rewards=group", "loss.beta=0", "train.mu=1",
+        "loss.scale_rewards=group", "loss.beta=0", "train.mu=1", "data.n_eval=0",
         f"train.micro_batch_size={args.prompts_per_step * args.generations}",
+        *([f"data.n_train={args.prompts}"] if args.prompts else []),
+        *getattr(args, "overrides", []), *spec_overrides(args, spec),
     ])
 
 
-def _summary(system: str, steps: list[dict]) -> dict:
-    med = lambda k: statistics.median(s.get(k, 0.0) for s in steps)  # noqa: E731
-    return {
-        "system": system, "spec": "off", "step_s_median": med("step"),
+def _summary(system: str, steps: list[dict], spec: str = "off", first_epoch: int = 0) -> dict:
+    med = lambda k, ss=steps: statistics.median(s.get(k, 0.0) for s in ss)  # noqa: E731
+    out = {
+        "system": system, "spec": spec, "step_s_median": med("step"),
         "tokens_per_step": statistics.mean(s["tokens"] for s in steps),
-        "phases": {p: med(p) for p in ("rollout", "reward", "logprob", "update")},
+        "phases": {p: med(p) for p in PHASES},
         "step_s_all": [round(s["step"], 3) for s in steps],
-        "phases_all": {p: [round(s.get(p, 0.0), 3) for s in steps] for p in ("rollout", "reward", "logprob", "update")},
+        "phases_all": {p: [round(s.get(p, 0.0), 3) for s in steps] for p in PHASES},
         "reward_mean_per_step": [s.get("reward_mean") for s in steps],
     }
+    if 0 < first_epoch < len(steps):  # steps that could reuse an earlier epoch's rollouts
+        out["step_s_median_after_epoch1"] = med("step", steps[first_epoch:])
+    return out
 
 
-def run_specroll(cfg) -> dict:
+def run_specroll(cfg, spec: str = "off", first_epoch: int = 0) -> dict:
     from ..rl.run import build_trainer
 
     cfg.data.n_eval = 0
     tr = build_trainer(cfg, None)
+    rows = cfg.train.prompts_per_step * cfg.rollout.G
     steps = []
     for _ in range(cfg.train.steps):
         m = tr.train_step()
-        steps.append({"step": m["timing/step"], "tokens": m["rollout/tokens_generated"],
-                      "reward_mean": m["reward/mean"], **{p: m.get(f"timing/{p}", 0.0)
-                                                     for p in ("rollout", "reward", "logprob", "update")}})
+        steps.append({"step": m["timing/step"], "tokens": m["rollout/completion_len_mean"] * rows,
+                      "reward_mean": m["reward/mean"], **{p: m.get(f"timing/{p}", 0.0) for p in PHASES},
+                      "spec": {k: m[k] for k in SPEC_KEYS if k in m}})
     tr.reward.close()
-    return _summary("specroll", steps)
+    row = _summary("specroll", steps, spec, first_epoch)
+    keys = sorted({k for s in steps for k in s["spec"]})
+    row["spec_metrics_per_step"] = {k: [s["spec"].get(k) for s in steps] for k in keys}
+    return row
 
 
 class _Timed:
@@ -152,12 +210,21 @@ def run_bench(args) -> dict:
 
     cfg = _config(args)
     systems = [s.strip() for s in args.systems.split(",") if s.strip()]
+    specs = spec_modes(getattr(args, "spec", "off"))
+    steps = n_steps(args)
     res: dict = {"config": {"model": args.model, "prompts_per_step": args.prompts_per_step,
                             "generations": args.generations, "max_new_tokens": args.max_new_tokens,
-                            "steps": args.steps, "dtype": args.dtype, "lr": cfg.train.lr},
+                            "steps": steps, "dtype": args.dtype, "lr": cfg.train.lr,
+                            "prompts": args.prompts or None, "epochs": None if args.steps else args.epochs,
+                            "spec": specs, "draft": args.draft, "reuse_mode": args.reuse_mode,
+                            "lenience": cfg.reuse.lenience if args.lenience is None else args.lenience,
+                            "overrides": list(getattr(args, "overrides", []))},
                  "machine": machine_info(), "rows": []}
+    first_epoch = math.ceil(args.prompts / args.prompts_per_step) if args.prompts else 0
     if "specroll" in systems:
-        res["rows"].append(run_specroll(cfg))
+        for spec in specs:
+            print(f"specroll, spec={spec}: {steps} steps", flush=True)
+            res["rows"].append(run_specroll(_config(args, spec), spec, first_epoch))
     if "trl" in systems:
         try:
             import trl
@@ -167,30 +234,103 @@ def run_bench(args) -> dict:
             res["trl_missing"] = f"TRL is not installed ({e}); install the bench extra: pip install 'specroll[bench]'"
         else:
             res["rows"].append(run_trl(_config(args), hub.resolve(args.model, quiet=True)))
-    by = {r["system"]: r for r in res["rows"]}
-    if "specroll" in by and "trl" in by:
-        res["speedup_vs_trl"] = by["trl"]["step_s_median"] / by["specroll"]["step_s_median"]
-    else:
-        res["speedup_vs_trl"] = None
+    add_ratios(res)
     return res
 
 
-def cli(args) -> int:
+def add_ratios(res: dict) -> None:
+    """Per row ``speedup_vs_off`` / ``speedup_vs_trl`` (median step time ratios, None when the reference
+    did not run); top level: ``speedup_vs_trl`` of the first specroll row (``off`` when it ran), the
+    ``best`` specroll row, and ``reward_curves`` per row."""
+    rows = res["rows"]
+    ours = [r for r in rows if r["system"] == "specroll"]
+    off = next((r for r in ours if r["spec"] == "off"), None)
+    trl = next((r for r in rows if r["system"] == "trl"), None)
+    for r in rows:
+        r["speedup_vs_off"] = off["step_s_median"] / r["step_s_median"] if off else None
+        r["speedup_vs_trl"] = trl["step_s_median"] / r["step_s_median"] if trl else None
+    ref = off or (ours[0] if ours else None)
+    res["speedup_vs_trl"] = ref["speedup_vs_trl"] if ref else None
+    best = min(ours, key=lambda r: r["step_s_median"]) if ours else None
+    res["best"] = None if best is None else {k: best[k] for k in ("spec", "step_s_median", "speedup_vs_off",
+                                                                  "speedup_vs_trl")}
+    res["reward_curves"] = {_label(r): r["reward_mean_per_step"] for r in rows}
+
+
+def _label(row: dict) -> str:
+    return row["spec"] if row["system"] == "specroll" else row["system"]
+
+
+def plot(res: dict, png: str | Path) -> Path:
+    """Reward mean and step time against step, one line per row (every spec mode, and TRL)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import matplotlib.ticker
+
+    fig, (ax_r, ax_t) = plt.subplots(1, 2, figsize=(11, 4))
+    for r in res["rows"]:
+        x = list(range(1, len(r["step_s_all"]) + 1))
+        rew = [float("nan") if v is None else v for v in r["reward_mean_per_step"]]
+        lab = f"{_label(r)} ({r['step_s_median']:.2f} s/step)"
+        ax_r.plot(x, rew, marker="o", label=lab)
+        ax_t.plot(x, r["step_s_all"], marker="o", label=lab)
+    c = res["config"]
+    ax_r.set(xlabel="GRPO step", ylabel="reward mean", title=f"{c['model']}: reward per step")
+    ax_t.set(xlabel="GRPO step", ylabel="seconds per step", title=f"{c['prompts_per_step']} prompts x "
+             f"{c['generations']} samples x {c['max_new_tokens']} tokens")
+    ax_t.set_ylim(bottom=0)
+    for ax in (ax_r, ax_t):
+        ax.xaxis.set_major_locator(matplotlib.ticker.MaxNLocator(integer=True))
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    return save_figure(fig, png)
+
+
+def figure_path(out: str | Path) -> Path:
+    out = Path(out)
+    return out.with_name(out.stem + "_reward_vs_step.png")
+
+
+def check_args(args) -> None:
     from ..cli import CliError
 
-    for k in ("prompts_per_step", "generations", "max_new_tokens", "steps"):
+    for k in ("prompts_per_step", "generations", "max_new_tokens", "epochs"):
         if getattr(args, k) < 1:
             raise CliError(f"--{k.replace('_', '-')} must be >= 1")
+    if args.steps is not None and args.steps < 1:
+        raise CliError("--steps must be >= 1")
+    if args.prompts < 0:
+        raise CliError("--prompts must be >= 0 (0 = the task's whole train set)")
+    if not args.prompts and args.steps is None:
+        raise CliError("--prompts 0 (the whole train set) needs --steps")
     if args.generations < 2:
         raise CliError("--generations must be >= 2 (GRPO groups)")
+    specs = spec_modes(args.spec)
+    if args.lenience is not None and not args.lenience > 0:
+        raise CliError(f"--lenience must be > 0 (inf = reuse everything), got {args.lenience}")
+    if any("draft" in s for s in specs) and args.draft != "random" and not (Path(args.draft) / "draft_head.json").is_file():
+        raise CliError(f"--draft {args.draft}: no draft_head.json there; make a head with `specroll draft train "
+                       "--out DIR` or use --draft random")
+    bad = [o for o in args.overrides if "=" not in o]
+    if bad:
+        raise CliError(f"overrides must look like key=value, got {bad}")
+
+
+def cli(args) -> int:
+    check_args(args)
+    _config(args, spec_modes(args.spec)[-1])  # a bad override fails here, before any row runs
     res = run_bench(args)
+    res["figure"] = str(figure_path(args.out))
     write_json(args.out, res)
+    plot(res, res["figure"])
     for r in res["rows"]:
         ph = ", ".join(f"{k} {v:.2f}" for k, v in r["phases"].items())
-        print(f"{r['system']:9s} step {r['step_s_median']:.2f}s  tokens/step {r['tokens_per_step']:.0f}  ({ph})")
-    if res.get("speedup_vs_trl"):
-        print(f"speedup vs TRL: {res['speedup_vs_trl']:.2f}x")
-    elif res.get("trl_missing"):
+        vs = "".join(f"  {v:.2f}x vs {k[11:]}" for k in ("speedup_vs_off", "speedup_vs_trl") if (v := r.get(k)))
+        print(f"{r['system']:9s} {_label(r):12s} step {r['step_s_median']:.2f}s  tokens/step "
+              f"{r['tokens_per_step']:.0f}{vs}  ({ph})")
+    if res.get("trl_missing"):
         print(res["trl_missing"])
-    print(f"wrote {args.out}")
+    print(f"wrote {args.out} and {res['figure']}")
     return 0

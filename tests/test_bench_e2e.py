@@ -1,0 +1,89 @@
+"""`specroll bench e2e --spec ...`: one specroll row per speculation mode over repeated epochs of the same
+prompts, speedups against off (and TRL), reward curves and the figure; argument errors are one line."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+
+from specroll.bench import e2e
+from specroll.cli import CliError, build_parser, main
+
+COMMON = ["bench", "e2e", "--model", "tiny-llama", "--systems", "specroll", "--prompts", "2", "--prompts-per-step",
+          "2", "--generations", "2", "--max-new-tokens", "6", "--dtype", "float32"]
+
+
+def test_bench_e2e_spec_modes_rows_ratios_and_figure(tmp_path, capsys):
+    out = tmp_path / "e2e.json"
+    assert main(COMMON + ["--epochs", "2", "--spec", "off,reuse,draft,reuse+draft", "--lenience", "inf",
+                          "--draft", "random", "draft.n_verify=4", "draft.k=2", "draft.depth=2",
+                          "--out", str(out)]) == 0
+    res = json.loads(out.read_text())
+    rows = res["rows"]
+    assert [(r["system"], r["spec"]) for r in rows] == [("specroll", m) for m in e2e.SPEC_MODES]
+    assert res["config"]["steps"] == 2 and res["config"]["spec"] == list(e2e.SPEC_MODES)
+    off = rows[0]
+    for r in rows:
+        assert {"step_s_median", "tokens_per_step", "phases", "reward_mean_per_step", "speedup_vs_off",
+                "speedup_vs_trl"} <= set(r)
+        assert len(r["step_s_all"]) == len(r["reward_mean_per_step"]) == 2
+        assert 0 < r["tokens_per_step"] <= 2 * 2 * 6
+        assert r["speedup_vs_off"] == pytest.approx(off["step_s_median"] / r["step_s_median"])
+        assert r["speedup_vs_trl"] is None
+        assert res["reward_curves"][r["spec"]] == r["reward_mean_per_step"]
+        sm = r["spec_metrics_per_step"]
+        reuses = r["spec"] in ("reuse", "reuse+draft")
+        # epoch 1 has nothing to reuse; with lenience inf epoch 2 reuses every token
+        assert (sm.get("spec/reuse_ratio") == [0.0, 1.0]) == reuses, (r["spec"], sm)
+        assert ("spec/accept_length" in sm) == ("draft" in r["spec"])
+        if "draft" in r["spec"]:
+            assert sm["spec/accept_length"][0] >= 1.0  # epoch 1: trees (nothing to reuse yet)
+    assert rows[0]["speedup_vs_off"] == 1.0
+    assert res["best"]["spec"] in e2e.SPEC_MODES and res["speedup_vs_trl"] is None
+    assert (tmp_path / "e2e_reward_vs_step.png").is_file() and res["figure"].endswith("e2e_reward_vs_step.png")
+    text = capsys.readouterr().out
+    assert "reuse+draft" in text and "x vs off" in text
+
+
+def test_ratios_against_trl():
+    res = {"rows": [{"system": "specroll", "spec": "off", "step_s_median": 4.0, "reward_mean_per_step": [0.1]},
+                    {"system": "specroll", "spec": "reuse+draft", "step_s_median": 1.0, "reward_mean_per_step": [0.2]},
+                    {"system": "trl", "spec": "off", "step_s_median": 10.0, "reward_mean_per_step": [0.3]}]}
+    e2e.add_ratios(res)
+    off, comb, trl = res["rows"]
+    assert (off["speedup_vs_off"], comb["speedup_vs_off"], trl["speedup_vs_off"]) == (1.0, 4.0, 0.4)
+    assert (off["speedup_vs_trl"], comb["speedup_vs_trl"], trl["speedup_vs_trl"]) == (2.5, 10.0, 1.0)
+    assert res["speedup_vs_trl"] == 2.5  # the off row's, as before the spec modes existed
+    assert res["best"] == {"spec": "reuse+draft", "step_s_median": 1.0, "speedup_vs_off": 4.0, "speedup_vs_trl": 10.0}
+    assert res["reward_curves"] == {"off": [0.1], "reuse+draft": [0.2], "trl": [0.3]}
+
+
+def test_steps_from_epochs_and_overrides():
+    args = build_parser().parse_args(COMMON[:2] + ["--prompts", "8", "--prompts-per-step", "4", "--epochs", "3",
+                                                   "--spec", "reuse+draft", "--reuse-mode", "exact",
+                                                   "--draft", "random", "draft.plan=adaptive"])
+    assert e2e.n_steps(args) == 6
+    cfg = e2e._config(args, "reuse+draft")
+    assert cfg.train.steps == 6 and cfg.data.n_train == 8 and cfg.reuse.mode == "exact"
+    assert cfg.draft.head == "random" and cfg.draft.plan == "adaptive"
+    off = e2e._config(args, "off")
+    assert off.reuse.mode == "off" and off.draft.head == "" and off.draft.plan == "adaptive"
+    assert math.isclose(e2e._config(args, "reuse").reuse.lenience, off.reuse.lenience)
+    args.steps = 2
+    assert e2e.n_steps(args) == 2
+
+
+@pytest.mark.parametrize("extra,msg", [
+    (["--spec", "off,fast"], "--spec must be"),
+    (["--spec", "draft", "--draft", "/nonexistent/head"], "no draft_head.json"),
+    (["--prompts", "0"], "needs --steps"),
+    (["--lenience", "0"], "--lenience must be > 0"),
+    (["--epochs", "0"], "--epochs must be >= 1"),
+])
+def test_bad_arguments_are_one_line_errors(extra, msg, capsys):
+    assert main(COMMON + extra) == 2
+    assert msg in capsys.readouterr().err
+    with pytest.raises(CliError, match=msg.replace("+", "\\+")):
+        e2e.check_args(build_parser().parse_args(COMMON + extra))
