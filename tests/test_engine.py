@@ -88,6 +88,37 @@ def test_greedy_matches_naive_reference_with_stops_and_compaction():
     assert len(lengths) > 1, "test setup: rows should finish at different steps"
 
 
+def test_prefill_hands_over_every_prompt_hidden_state_when_asked():
+    _, model = tiny_hf("llama", seed=2)
+    eng = Engine(model, eos_ids=[], prefill_chunk=8)  # small chunks: prompts span several prefill passes
+
+    class Probe:
+        wants_prompt_hidden = True
+
+        def max_tokens_per_step(self):
+            return 1
+
+        def begin(self, engine, st, prompts, n):
+            self.seen = st.prompt_hidden
+
+        def step(self, st, stop, stats):
+            return eng.vanilla_step(st, stop, stats)
+
+        def end(self, engine, st):
+            pass
+
+    probe = Probe()
+    outs = eng.generate(PROMPTS, SamplingParams(temperature=0, max_new_tokens=4), n=2, drafter=probe)
+    assert [o.completion_ids.tolist() for o in outs] == [
+        o.completion_ids.tolist() for o in eng.generate(PROMPTS, SamplingParams(temperature=0, max_new_tokens=4), n=2)]
+    assert len(probe.seen) == len(PROMPTS)
+    with torch.no_grad():
+        for h, p in zip(probe.seen, PROMPTS):
+            ref = model(torch.tensor([p]), torch.arange(len(p))[None])[0]
+            assert h.shape == ref.shape
+            torch.testing.assert_close(h, ref, atol=1e-5, rtol=1e-5)
+
+
 def test_policy_logprobs_match_full_forward():
     _, model = tiny_hf("qwen3", seed=1)
     eng = Engine(model, eos_ids=[])

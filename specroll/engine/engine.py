@@ -53,6 +53,9 @@ class DecodeState:
     sample_lp: torch.Tensor  # (R, max_new)
     gen: torch.Generator | None
     params: SamplingParams
+    # final hidden states of every prompt position, (len_p, D) per prompt, kept from the prefill when
+    # the drafter sets ``wants_prompt_hidden`` (a draft head reads them instead of a second pass)
+    prompt_hidden: list[torch.Tensor] | None = None
 
 
 class Engine:
@@ -101,8 +104,10 @@ class Engine:
         return out
 
     @torch.no_grad()
-    def prefill(self, cache: KVCache, prompts: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-        """Prefill rows 0..P-1 with ``prompts`` (ragged). Returns last-token (hidden (P, D), logits (P, V))."""
+    def prefill(self, cache: KVCache, prompts: list[torch.Tensor], keep: list | None = None
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Prefill rows 0..P-1 with ``prompts`` (ragged). Returns last-token (hidden (P, D), logits (P, V)).
+        ``keep``: a list that receives each prompt's hidden states at every position, (len_p, D)."""
         P = len(prompts)
         lens = torch.tensor([len(p) for p in prompts])
         hidden = torch.empty(P, self.model.cfg.hidden_size, dtype=self.dtype)
@@ -118,6 +123,8 @@ class Engine:
             pos = torch.arange(T).expand(len(chunk), T)
             h = self.forward(sub, ids, pos, pos, sub.mask(T))
             hidden[rows] = h[torch.arange(len(chunk)), lens[rows] - 1]
+            if keep is not None:
+                keep.extend(h[j, : len(p)] for j, p in enumerate(chunk))
         cache.lens[:P] = lens
         return hidden, self.model.logits(hidden)
 
@@ -134,7 +141,8 @@ class Engine:
             return []
         cache = self._get_cache(R, max(len(p) for p in prompts) + M + extra)
         cache.reset(P)
-        hidden, logits = self.prefill(cache, prompts)
+        prompt_hidden = [] if getattr(drafter, "wants_prompt_hidden", False) else None
+        hidden, logits = self.prefill(cache, prompts, prompt_hidden)
         cache.fork(torch.arange(P), n)
         st = DecodeState(
             cache=cache,
@@ -147,6 +155,7 @@ class Engine:
             sample_lp=torch.zeros(R, M),
             gen=params.generator(),
             params=params,
+            prompt_hidden=prompt_hidden,
         )
         stop = torch.tensor(sorted(set(self.eos_ids) | set(params.stop_ids)), dtype=torch.long)
         finish = ["length"] * R
