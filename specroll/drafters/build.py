@@ -43,6 +43,7 @@ class DraftConfig:
     w_feat: float = 2.0  # weight of the SmoothL1 feature regression
     w_ce: float = 0.1  # weight of the soft cross-entropy against the policy's distribution
     buffer: int = 4  # recent rollouts whose sequences the online updates sample from
+    bf16: bool = True  # bf16 autocast for the online updates (fp32 head weights and AdamW state)
 
     def __post_init__(self):
         if not isinstance(self.head, str):

@@ -154,7 +154,8 @@ class OnlineLearner:
         for _ in range(self.cfg.update_steps):
             idx = torch.randperm(len(pool), generator=self.gen)[: self.cfg.batch].tolist()
             ids, H, valid = _batch([pool[i][0] for i in idx], [pool[i][1] for i in idx], list(range(len(idx))))
-            loss, info = head_loss(self.head, lm, policy.embed, ids, H, valid, self.loss_cfg)
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=self.cfg.bf16):
+                loss, info = head_loss(self.head, lm, policy.embed, ids, H, valid, self.loss_cfg)
             self.opt.zero_grad(set_to_none=True)
             loss.backward()
             torch.nn.utils.clip_grad_norm_(self.params, 1.0)
@@ -218,8 +219,8 @@ class OnlineDrafter(EagleDrafter):
         steps, emitted, drafted, accepted = (int(x) for x in d)
         m = {"spec/accept_length": emitted / max(steps, 1), "spec/accept_rate": accepted / max(drafted, 1)}
         if self.learner is not None:
+            t = time.perf_counter()  # the whole overhead: assembling the sequences + the AdamW steps
             m.update(self.learner.finish(rollouts))
-            t = time.perf_counter()
             if self.learner.due() and self.policy is not None:
                 m.update(self.learner.update(self.policy))
             m["timing/draft_update"] = time.perf_counter() - t
