@@ -243,8 +243,10 @@ def test_build_spec_drafter_picks_by_reuse_mode_and_head(monkeypatch, tmp_path):
     d.save_final(tmp_path)
     loaded = build_spec_drafter(load_config(overrides=[f"draft.head={tmp_path / 'draft_head'}"]), model)
     assert torch.equal(loaded.head.fc.weight, d.head.fc.weight)
-    with pytest.raises(FileNotFoundError, match="draft_head.json"):
+    with pytest.raises(FileNotFoundError, match="draft.head=.*nope.*draft_head.json"):
         build_spec_drafter(load_config(overrides=[f"draft.head={tmp_path / 'nope'}"]), model)
+    with pytest.raises(ValueError, match="draft.head=.*another model"):
+        build_spec_drafter(load_config(overrides=[f"draft.head={tmp_path / 'draft_head'}"]), tiny(vocab=V + 1))
     monkeypatch.setitem(sys.modules, "specroll.drafters.combined", None)  # the module is unavailable
     with pytest.raises(ValueError, match="reuse\\+draft not available"):
         build_spec_drafter(load_config(overrides=["reuse.mode=exact", "draft.head=random"]), model)

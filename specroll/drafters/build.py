@@ -103,7 +103,10 @@ def make_head(dc: DraftConfig, model, prompt_ids=None, eos_ids=(), seed: int = 0
     if dc.head == "random":
         ids = random_head_vocab(prompt_ids, model.cfg.vocab_size, dc.vocab, eos_ids)
         return head_for(model, ids, seed=seed)
-    return load_head(dc.head, model)
+    try:
+        return load_head(dc.head, model)
+    except (FileNotFoundError, ValueError) as e:
+        raise type(e)(f"draft.head={dc.head}: {e}") from None
 
 
 def make_plan(cfg, model, log=print):
