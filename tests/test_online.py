@@ -151,6 +151,18 @@ def test_update_is_seen_by_the_next_rollout(mid, tmp_path):
     assert [t.tolist() for t in d.trace] == [t.tolist() for t in ref.trace]
 
 
+def test_updates_every_k_rollouts_from_a_bounded_buffer(mid):
+    model, head = mid
+    d = OnlineDrafter(clone_head(model, head), online_cfg(update_every=2, buffer=2, update_steps=1), plan=Plan(6, 2, 3))
+    engine = Engine(model, eos_ids=[EOS])
+    got = []
+    for step in range(4):
+        d.after_rollout(engine.generate(PROMPTS, SamplingParams(max_new_tokens=8, seed=step), n=2, drafter=d), step)
+        got.append("draft/loss" in d.metrics())
+        assert len(d.learner.buffer) == min(step + 1, 2)
+    assert got == [False, True, False, True] and d.learner.updates == 2
+
+
 def test_state_dict_roundtrip_carries_head_and_adamw(mid):
     model, head = mid
     d = OnlineDrafter(clone_head(model, head), online_cfg(), plan=Plan(6, 2, 3))
@@ -324,7 +336,8 @@ def test_cli_bench_online_writes_both_curves(tmp_path, monkeypatch, capsys):
     assert main(args) == 0
     res = json.loads(out.read_text())
     rows = res["rows"]
-    assert [(r["mode"], r["step"]) for r in rows] == [("online", 1), ("online", 2), ("frozen", 1), ("frozen", 2)]
+    assert [(r["mode"], r["step"]) for r in rows] == [("online", 1), ("frozen", 1), ("online", 2), ("frozen", 2)]
+    assert rows[0]["accept_length"] == rows[1]["accept_length"]  # same start: same head, same first rollout
     for r in rows:
         assert r["accept_length"] >= 1.0 and r["rollout_s"] > 0
         assert (r["draft_loss"] is not None) == (r["mode"] == "online")

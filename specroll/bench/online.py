@@ -3,8 +3,9 @@
 Two GRPO trainings with the same config, seeds and data (FastGRPO Fig. 4): ``online`` trains the head
 after every rollout on the (hidden state, token) pairs the rollout already computed
 (``drafters/online.py``); ``frozen`` keeps it as it started. Both start from the same head: ``--draft
-DIR`` (a `specroll draft train` directory) or ``random`` (a fresh head, identical in both runs). The
-runs are sequential in one process, never concurrent.
+DIR`` (a `specroll draft train` directory) or ``random`` (a fresh head, identical in both runs). Both
+trainers live in one process and take their steps in turn (never concurrently), so load changes on a
+shared machine hit both curves alike; ``rollout_cpu_s`` (process CPU seconds) is steadier still.
 
 Speculation is lossless, so the policy's samples have the same distribution in both runs; the exact
 samples differ once the heads differ (a different tree consumes different random draws).
@@ -52,25 +53,32 @@ def _row(mode: str, step: int, m: dict, cpu: float) -> dict:
             "tokens_generated": m.get("rollout/tokens_generated")}
 
 
-def run_mode(args, mode: str, say=print) -> tuple[list[dict], dict]:
+def run_modes(args, say=print) -> tuple[list[dict], dict]:
+    """Both trainings, step by step in turn (online step k, then frozen step k), so that a change in
+    the machine's load hits both curves alike."""
     from ..rl.run import build_trainer
     from .reuse import _time_generate
 
-    cfg = bench_config(args, online=mode == "online")
-    tr = build_trainer(cfg, None)
-    _time_generate(tr.engine)
+    trainers, config = {}, {}
+    for mode in MODES:
+        cfg = bench_config(args, online=mode == "online")
+        trainers[mode] = build_trainer(cfg, None)
+        _time_generate(trainers[mode].engine)
+        config[mode] = cfg.to_dict()
     rows = []
     try:
-        for _ in range(cfg.train.steps):
-            m = tr.train_step()
-            r = _row(mode, tr.step, m, tr.engine.cpu_log[-1])
-            rows.append(r)
-            loss = "" if r["draft_loss"] is None else f"  draft loss {r['draft_loss']:.3f} ({r['draft_update_s']:.1f}s)"
-            say(f"  {mode} step {tr.step}/{cfg.train.steps}: accept length {r['accept_length']:.2f}, "
-                f"rollout {r['rollout_s']:.1f}s, reward {r['reward_mean']:.3f}{loss}")
+        for _ in range(args.steps):
+            for mode, tr in trainers.items():
+                m = tr.train_step()
+                r = _row(mode, tr.step, m, tr.engine.cpu_log[-1])
+                rows.append(r)
+                loss = "" if r["draft_loss"] is None else f"  draft loss {r['draft_loss']:.3f} ({r['draft_update_s']:.1f}s)"
+                say(f"  {mode} step {tr.step}/{args.steps}: accept length {r['accept_length']:.2f}, "
+                    f"rollout {r['rollout_s']:.1f}s, reward {r['reward_mean']:.3f}{loss}")
     finally:
-        getattr(tr.reward, "close", lambda: None)()
-    return rows, cfg.to_dict()
+        for tr in trainers.values():
+            getattr(tr.reward, "close", lambda: None)()
+    return rows, config
 
 
 def summarize(rows: list[dict]) -> dict:
@@ -118,12 +126,8 @@ def plot(rows: list[dict], png: str | Path) -> Path:
 
 def run(args, say=print) -> dict:
     t0 = time.perf_counter()
-    rows, config = [], {}
-    for mode in MODES:
-        say(f"{mode} head: {args.steps} GRPO steps")
-        r, cfg = run_mode(args, mode, say)
-        rows += r
-        config[mode] = cfg
+    say(f"online vs frozen head: {args.steps} GRPO steps each, interleaved")
+    rows, config = run_modes(args, say)
     return {"benchmark": "online", "rows": rows, "summary": summarize(rows), "config": config,
             "args": {k: v for k, v in vars(args).items() if k != "func"}, "wall_s": time.perf_counter() - t0,
             "machine": machine_info()}
