@@ -47,6 +47,11 @@ class CombinedDrafter:
         self._last_totals = eagle.totals.clone()
 
     # -- engine seam ----------------------------------------------------------------------------
+    @property
+    def wants_prompt_hidden(self) -> bool:
+        """Ask the engine's prefill for the prompt hidden states when the EAGLE drafter reads them."""
+        return bool(getattr(self.eagle, "wants_prompt_hidden", False))
+
     def max_tokens_per_step(self) -> int:
         return max(self.reuse.max_tokens_per_step(), self.eagle.max_tokens_per_step())
 
