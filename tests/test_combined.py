@@ -254,6 +254,8 @@ def test_greedy_equals_vanilla_greedy_on_a_ragged_batch(mid, plan):
         assert o.finish_reason == ref.finish_reason
         torch.testing.assert_close(o.logprobs, ref.logprobs, atol=1e-4, rtol=0)
         assert o.n_reused == cut[(o.prompt_index, o.sample_index)]
+        # the cut token is a policy sample, not an accepted draft; drafts cut by a stop / the length don't count
+        assert o.n_accepted <= len(o.completion_ids) - (o.n_reused < len(o.completion_ids))
     assert sum(o.n_accepted - o.n_reused for o in outs) > 0  # the head's drafts were accepted too
 
 
@@ -318,6 +320,7 @@ def test_logprobs_and_stats_are_consistent(mid, mode):
             drafted_by_reuse += min(len(draft), M)  # no stop inside these drafts before their end
         assert 0 <= o.n_reused <= len(o.completion_ids)
         assert o.n_reused <= o.n_accepted <= o.n_drafted
+        assert o.n_accepted <= len(o.completion_ids) - (o.n_reused < len(o.completion_ids))
     tot = d.eagle.totals
     assert sum(o.n_drafted for o in outs) - drafted_by_reuse == int(tot[2])
     assert sum(o.n_accepted - o.n_reused for o in outs) == int(tot[3]) > 0

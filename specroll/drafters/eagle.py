@@ -402,7 +402,10 @@ class EagleDrafter:
             t0, p0, s0 = self.prefix
             toks, plp, slp = (torch.cat([a[:, None], b], 1) for a, b in ((t0, toks), (p0, plp), (s0, slp)))
             count, self.prefix = count + 1, None
+        tree_col = st.n_gen[st.row_ids] + count - (v.n_accept + 1)  # where this tree's tokens start
         finished, stopped = emit_run(st, toks, plp, slp, count, stop)
+        # accepted drafts that were emitted (a stop token or max_new_tokens may cut the run short)
+        n_used = torch.minimum(v.n_accept, (st.n_gen[st.row_ids] - tree_col).clamp(min=0))
         cache.commit(root_pos[:, None] + v.path, v.n_accept + 1)
         ar = torch.arange(B)
         last = v.path[ar, v.n_accept]
@@ -411,7 +414,7 @@ class EagleDrafter:
         self.chain_tok, self.chain_n = v.tokens, v.n_accept + 1
         if self.on_pairs is not None:
             self.on_pairs(self.chain_h, v.tokens, v.n_accept + 1, st.row_ids)
-        self._account(st, stats, v.n_accept, N - 1)
+        self._account(st, stats, n_used, N - 1, raw=v.n_accept)
         done_rows, done_stop, _ = engine.retire(st, finished, stopped, v.n_accept)
         if done_rows.numel():
             self._compact(st, (~finished).nonzero().squeeze(1))
@@ -451,14 +454,16 @@ class EagleDrafter:
             self._compact(st, (~finished).nonzero().squeeze(1))
         return done_rows, done_stop
 
-    def _account(self, st, stats, n_acc, drafted):
+    def _account(self, st, stats, n_acc, drafted, raw=None):
+        """Count ``n_acc`` accepted (and emitted) drafts per row; the trace keeps ``raw`` (the rule's
+        acceptance before truncation) when given."""
         rows = st.row_ids
         stats[rows, 1] += drafted
         stats[rows, 2] += n_acc
         B = rows.numel()
         self.totals += torch.stack([torch.tensor(B), (n_acc + 1).sum(), torch.tensor(B * drafted), n_acc.sum()])
         if self.trace is not None:
-            self.trace.append(n_acc.clone())
+            self.trace.append((n_acc if raw is None else raw).clone())
 
     def _compact(self, st, keep):
         self.dc.keep(keep)
