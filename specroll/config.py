@@ -17,6 +17,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import math
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -161,6 +162,19 @@ def _suggest(key: str, options) -> str:
     return f"; did you mean {' or '.join(repr(c) for c in close)}?" if close else f"; valid keys: {sorted(options)}"
 
 
+class _Loader(yaml.SafeLoader):
+    """YAML with 1.2-style booleans: only true/false are booleans, so ``reuse.mode=off`` stays the
+    string "off" (YAML 1.1 would read off/on/yes/no as booleans)."""
+
+
+_Loader.yaml_implicit_resolvers = {
+    k: [(tag, rx) for tag, rx in v if tag != "tag:yaml.org,2002:bool"]
+    for k, v in yaml.SafeLoader.yaml_implicit_resolvers.items()
+}
+_Loader.add_implicit_resolver("tag:yaml.org,2002:bool", re.compile(r"^(?:true|True|TRUE|false|False|FALSE)$"),
+                              list("tTfF"))
+
+
 def _coerce(value: Any, default: Any, key: str) -> Any:
     """Coerce a YAML/CLI value to the type of the field's default (ints for floats, '1e-6' strings)."""
     if default is None or value is None:
@@ -220,7 +234,7 @@ def parse_override(text: str) -> dict:
     if len(parts) != 2 or not all(parts):
         raise ValueError(f"override key {key!r} must be section.key, e.g. train.lr (sections: {sorted(SECTIONS)})")
     try:
-        value = yaml.safe_load(raw) if raw.strip() else ""
+        value = yaml.load(raw, Loader=_Loader) if raw.strip() else ""
     except yaml.YAMLError:
         value = raw
     return {parts[0]: {parts[1]: value}}
@@ -253,7 +267,7 @@ def load_config(path: str | Path | None = None, preset: str | None = None,
         if not p.is_file():
             raise FileNotFoundError(f"config file {p} does not exist")
         try:
-            data = yaml.safe_load(p.read_text()) or {}
+            data = yaml.load(p.read_text(), Loader=_Loader) or {}
         except yaml.YAMLError as e:
             mark = getattr(e, "problem_mark", None)
             where = f":{mark.line + 1}" if mark is not None else ""

@@ -252,6 +252,15 @@ def test_override_parsing_and_types():
     assert parse_override("loss.eps_high=0.28") == {"loss": {"eps_high": 0.28}}
 
 
+def test_off_stays_a_string_on_the_command_line_and_in_yaml(tmp_path):
+    cfg = load_config(overrides=["reuse.mode=off", "train.bf16=no", "train.eval_before=False"])
+    assert cfg.reuse.mode == "off" and cfg.train.bf16 is False and cfg.train.eval_before is False
+    f = tmp_path / "c.yaml"
+    f.write_text("reuse:\n  mode: off\ntrain:\n  bf16: false\n")
+    cfg = load_config(f)
+    assert cfg.reuse.mode == "off" and cfg.train.bf16 is False
+
+
 @pytest.mark.parametrize("override,msg", [
     ("train.lrr=1", "unknown config key 'train.lrr'; did you mean 'train.lr'"),
     ("trian.lr=1", "unknown config section 'trian'; did you mean 'train'"),
