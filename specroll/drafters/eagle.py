@@ -220,6 +220,8 @@ class EagleDrafter:
     every plan it may return, for cache sizing). ``rule(tree, logits, params, gen) -> Verdict``.
     """
 
+    wants_prompt_hidden = True  # the engine's prefill hands over the prompt hidden states (no second pass)
+
     def __init__(self, head: DraftHead, plan: Plan = DEFAULT_PLAN, plan_fn=None, max_plan: Plan | None = None,
                  rule=sampler_match, on_pairs=None, trace: bool = False):
         self.head = head.eval()
@@ -257,7 +259,7 @@ class EagleDrafter:
         length = longest + st.params.max_new_tokens + 2 * (mp.depth + 2) + mp.depth * mp.k + 4
         self.dc = self.head.new_cache(len(prompts) * n, length, self.dtype)
         self.dc.reset(len(prompts))
-        self._prefill_draft(prompts)
+        self._prefill_draft(prompts, getattr(st, "prompt_hidden", None))
         self.dc.fork(torch.arange(len(prompts)), n)
 
     def start_chain(self, hidden, tokens, n, first=None, rows=None):
@@ -270,9 +272,10 @@ class EagleDrafter:
         self.prefix = first
         self.chain_h, self.chain_tok, self.chain_n = hidden, tokens, n
 
-    def _prefill_draft(self, prompts):
-        """Policy hidden states over the prompts (cache-free pass), then the head's KV over the
-        prompt pairs (h_i, x_{i+1}) at draft slots 0..len-2."""
+    def _prefill_draft(self, prompts, hidden=None):
+        """The head's KV over the prompt pairs (h_i, x_{i+1}) at draft slots 0..len-2. The policy
+        hidden states come from the engine's prefill (``hidden``: (len_p, D) per prompt, handed over
+        because ``wants_prompt_hidden``) or, without them, from a cache-free policy pass."""
         lens = torch.tensor([len(p) for p in prompts])
         T = int(lens.max())
         per = max(1, self.engine.prefill_chunk // T)
@@ -282,8 +285,12 @@ class EagleDrafter:
             ids = torch.zeros(len(chunk), T, dtype=torch.long)
             for j, p in enumerate(chunk):
                 ids[j, : len(p)] = p
-            pos = torch.arange(T).expand(len(chunk), T)
-            h = self.policy(ids, pos, act_dtype=self.dtype)
+            if hidden is not None:
+                h = torch.zeros(len(chunk), T, self.policy.cfg.hidden_size, dtype=self.dtype)
+                for j, hp in enumerate(hidden[rows]):
+                    h[j, : hp.shape[0]] = hp
+            else:
+                h = self.policy(ids, torch.arange(T).expand(len(chunk), T), act_dtype=self.dtype)
             if T < 2:
                 continue
             sub = self.dc.view(rows)
@@ -415,9 +422,9 @@ class EagleDrafter:
         if self.on_pairs is not None:
             self.on_pairs(self.chain_h, v.tokens, v.n_accept + 1, st.row_ids)
         self._account(st, stats, n_used, N - 1, raw=v.n_accept)
-        done_rows, done_stop, _ = engine.retire(st, finished, stopped, v.n_accept)
+        done_rows, done_stop, keep = engine.retire(st, finished, stopped, torch.arange(B), fill_holes=True)
         if done_rows.numel():
-            self._compact(st, (~finished).nonzero().squeeze(1))
+            self._compact(st, keep)
         return done_rows, done_stop
 
     def _plain_step(self, st, stop, stats):
@@ -449,9 +456,9 @@ class EagleDrafter:
         if self.on_pairs is not None:
             self.on_pairs(h[:, None], tok[:, None], torch.ones(B, dtype=torch.long), st.row_ids)
         self._account(st, stats, torch.zeros(B, dtype=torch.long), 0)
-        done_rows, done_stop, _ = engine.retire(st, finished, stopped, count)
+        done_rows, done_stop, keep = engine.retire(st, finished, stopped, torch.arange(B), fill_holes=True)
         if done_rows.numel():
-            self._compact(st, (~finished).nonzero().squeeze(1))
+            self._compact(st, keep)
         return done_rows, done_stop
 
     def _account(self, st, stats, n_acc, drafted, raw=None):
