@@ -337,7 +337,7 @@ class ReuseDrafter:
             return done1, stop1
         tok, plp, slp = cut
         finished, stopped = eng.emit(st, tok, plp, slp, stop)
-        done2, stop2, tok = eng.retire(st, finished, stopped, tok)
+        done2, stop2, tok = eng.retire(st, finished, stopped, tok, fill_holes=True)
         eng.decode_forward(st, tok)
         return torch.cat([done1, done2]), torch.cat([stop1, stop2])
 
