@@ -217,7 +217,11 @@ class OnlineDrafter(EagleDrafter):
         d = self.totals - self._seen
         self._seen = self.totals.clone()
         steps, emitted, drafted, accepted = (int(x) for x in d)
-        m = {"spec/accept_length": emitted / max(steps, 1), "spec/accept_rate": accepted / max(drafted, 1)}
+        m = {}
+        if steps:  # a rollout without decode steps (e.g. every row fully reused) has no acceptance to report
+            m["spec/accept_length"] = emitted / steps
+        if drafted:
+            m["spec/accept_rate"] = accepted / drafted
         if self.learner is not None:
             t = time.perf_counter()  # the whole overhead: assembling the sequences + the AdamW steps
             m.update(self.learner.finish(rollouts))
