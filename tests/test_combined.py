@@ -14,6 +14,7 @@ import math
 
 import pytest
 import torch
+from helpers import draft_sets
 
 from specroll.analysis import lenient_bias as lb
 from specroll.drafters import reuse
@@ -65,30 +66,6 @@ def world():
     return model, Engine(model, eos_ids=[lb.STOP], prefill_chunk=1 << 16), truth
 
 
-@torch.no_grad()
-def extreme_sequence(model, params: dict, most: bool) -> list[int]:
-    ids = list(lb.PROMPT)
-    for _ in range(lb.MAX_NEW):
-        h = model(torch.tensor([ids]), torch.arange(len(ids))[None])
-        lp = processed_logprobs(model.logits(h[0, -1]), SamplingParams(**params))
-        ids.append(int(lp.argmax() if most else lp.argmin()))
-    return ids[len(lb.PROMPT):]
-
-
-def draft_sets(model, engine, params: dict, seed: int) -> dict[str, list]:
-    g = torch.Generator().manual_seed(seed)
-    lens = torch.randint(0, lb.MAX_NEW + 1, (N_ROWS,), generator=g)
-    rand = [torch.randint(0, lb.VOCAB, (int(n),), generator=g).tolist() if n else None for n in lens]
-    likely = extreme_sequence(model, params, most=True)
-    sampled = engine.generate([lb.PROMPT], SamplingParams(**params, max_new_tokens=lb.MAX_NEW, seed=seed + 1),
-                              n=N_ROWS // 2)
-    return {
-        "random": rand,  # ragged, rows without a draft, stop tokens mid-draft: cuts everywhere
-        "adversarial": [extreme_sequence(model, params, most=False)] * N_ROWS,
-        "likely": [likely if i % 2 else sampled[i // 2].completion_ids.tolist() for i in range(N_ROWS)],
-    }
-
-
 def combined(model, drafts, prompt=lb.PROMPT, mode="exact", seed=0, block=0, rule=None, plan=TREE, head_seed=5):
     r = ReuseDrafter(mode=mode, seed=seed + 100, verify_block=block)
     for i, d in enumerate(drafts):
@@ -109,7 +86,7 @@ def run(engine, params: dict, drafts, seed=0, **kw):
 def test_exact_reuse_plus_draft_is_lossless(world, pi):
     model, engine, truth = world
     params = PARAMS[pi]
-    for k, (kind, drafts) in enumerate(draft_sets(model, engine, params, seed=11 + pi).items()):
+    for k, (kind, drafts) in enumerate(draft_sets(model, engine, params, N_ROWS, seed=11 + pi).items()):
         counts, outs, d = run(engine, params, drafts, seed=20 + 3 * pi + k, block=k % 2)
         p = chi2_pvalue(counts, truth[pi], N_ROWS)
         assert p > P_MIN, f"reuse+draft with {kind} drafts departs from plain sampling (p = {p:.2e})"
@@ -144,7 +121,7 @@ def no_residual_tree_rule(tree, logits, params, gen):
 def test_wrong_rules_are_detected(world, monkeypatch):
     model, engine, truth = world
     params = PARAMS[0]
-    drafts = draft_sets(model, engine, params, seed=3)
+    drafts = draft_sets(model, engine, params, N_ROWS, seed=3)
     # the cut token drawn from p_new instead of the residual without the rejected cached token
     monkeypatch.setattr(reuse, "sample_at_cut", lambda logits, ex, prm, gen: sample(logits, prm, gen))
     counts, _, _ = run(engine, params, drafts["likely"], seed=40)

@@ -12,25 +12,18 @@ import math
 
 import pytest
 import torch
+from helpers import tiny_decoder
 
 from specroll.drafters.distill import DistillConfig, distill, head_loss, hidden_states, train_head
 from specroll.drafters.eagle import DraftHead, DraftVocab, EagleDrafter, Plan, head_for, load_head, save_head
 from specroll.drafters.verify import Verdict, match_walk
 from specroll.engine.engine import Engine
 from specroll.engine.sampling import SamplingParams, processed_logprobs, sample
-from specroll.models.decoder import Decoder, DecoderConfig
+from specroll.models.decoder import Decoder
 
 
 def tiny(vocab: int, seed: int, scale: float = 3.0) -> Decoder:
-    torch.manual_seed(seed)
-    cfg = DecoderConfig(arch="llama", vocab_size=vocab, hidden_size=32, intermediate_size=64, num_layers=2,
-                        num_heads=4, num_kv_heads=2, head_dim=8, max_position=256)
-    m = Decoder(cfg).eval()
-    with torch.no_grad():
-        for p in m.parameters():
-            if p.dim() == 2:
-                p.mul_(scale)
-    return m
+    return tiny_decoder(vocab, seed, scale)
 
 
 # --- exact distribution + chi-square ---------------------------------------------------------------

@@ -6,6 +6,7 @@ import sys
 
 import pytest
 import torch
+from helpers import tiny_decoder
 
 from specroll.config import load_config
 from specroll.drafters.build import DraftConfig, build_spec_drafter, eagle_of, random_head_vocab
@@ -16,7 +17,7 @@ from specroll.drafters.reuse import ReuseDrafter
 from specroll.engine.budget import BudgetPlanner
 from specroll.engine.engine import Engine
 from specroll.engine.sampling import SamplingParams
-from specroll.models.decoder import Decoder, DecoderConfig
+from specroll.models.decoder import Decoder
 
 V = 64
 PROMPTS = [[5, 17, 3], [9, 2, 44, 61, 7, 30, 12], [1], [50, 23, 4, 50, 8]]
@@ -24,15 +25,7 @@ EOS = 7
 
 
 def tiny(vocab: int = V, seed: int = 1, scale: float = 2.5) -> Decoder:
-    torch.manual_seed(seed)
-    cfg = DecoderConfig(arch="llama", vocab_size=vocab, hidden_size=32, intermediate_size=64, num_layers=2,
-                        num_heads=4, num_kv_heads=2, head_dim=8, max_position=256)
-    m = Decoder(cfg).eval()
-    with torch.no_grad():
-        for p in m.parameters():
-            if p.dim() == 2:
-                p.mul_(scale)
-    return m
+    return tiny_decoder(vocab, seed, scale)
 
 
 @pytest.fixture(scope="module")

@@ -13,6 +13,7 @@ import struct
 
 import pytest
 import torch
+from helpers import draft_sets
 from safetensors.torch import load_file, save_file
 
 from specroll.analysis import lenient_bias as lb
@@ -92,31 +93,6 @@ def run(engine, params: dict, drafts, mode="exact", lenience=1.0, seed=0, lp_old
     return lb.empirical(outs), d.metrics()
 
 
-@torch.no_grad()
-def extreme_sequence(model, params: dict, most: bool) -> list[int]:
-    """Greedy path of the most (or least) likely token under the sampling distribution."""
-    ids = list(lb.PROMPT)
-    for _ in range(lb.MAX_NEW):
-        h = model(torch.tensor([ids]), torch.arange(len(ids))[None])
-        lp = processed_logprobs(model.logits(h[0, -1]), SamplingParams(**params))
-        ids.append(int(lp.argmax() if most else lp.argmin()))
-    return ids[len(lb.PROMPT):]
-
-
-def draft_sets(model, engine, params: dict, seed: int) -> dict[str, list]:
-    g = torch.Generator().manual_seed(seed)
-    lens = torch.randint(0, lb.MAX_NEW + 1, (N_ROWS,), generator=g)
-    rand = [torch.randint(0, lb.VOCAB, (int(n),), generator=g).tolist() if n else None for n in lens]
-    likely = extreme_sequence(model, params, most=True)
-    sampled = engine.generate([lb.PROMPT], SamplingParams(**params, max_new_tokens=lb.MAX_NEW, seed=seed + 1),
-                              n=N_ROWS // 2)
-    return {
-        "random": rand,  # ragged, some rows without a draft, stop tokens mid-draft
-        "adversarial": [extreme_sequence(model, params, most=False)] * N_ROWS,
-        "likely": [likely if i % 2 else sampled[i // 2].completion_ids.tolist() for i in range(N_ROWS)],
-    }
-
-
 # --- exact mode is lossless -------------------------------------------------------------------
 
 @pytest.mark.parametrize("pi", [0, 1], ids=["T1", "T0.7-top_p0.9"])
@@ -125,7 +101,7 @@ def test_exact_reuse_is_lossless(world, pi):
     params = PARAMS[pi]
     plain = engine.generate([lb.PROMPT], SamplingParams(**params, max_new_tokens=lb.MAX_NEW, seed=7), n=N_ROWS)
     assert chi2_pvalue(lb.empirical(plain), truth[pi], N_ROWS) > P_MIN  # the reference itself is right
-    for k, (kind, drafts) in enumerate(draft_sets(model, engine, params, seed=11 + pi).items()):
+    for k, (kind, drafts) in enumerate(draft_sets(model, engine, params, N_ROWS, seed=11 + pi).items()):
         counts, m = run(engine, params, drafts, seed=20 + 3 * pi + k, block=k % 2)  # staged / one forward
         p = chi2_pvalue(counts, truth[pi], N_ROWS)
         assert p > P_MIN, f"exact reuse with {kind} drafts departs from plain sampling (p = {p:.2e})"
@@ -137,7 +113,7 @@ def test_wrong_rules_are_detected(world, monkeypatch):
     """The same statistic rejects 'accept with p_new, then sample the cut from p_new' and lenient l=1."""
     model, engine, truth = world
     params = PARAMS[0]
-    drafts = draft_sets(model, engine, params, seed=3)
+    drafts = draft_sets(model, engine, params, N_ROWS, seed=3)
     monkeypatch.setattr(reuse, "sample_at_cut", lambda logits, ex, prm, gen: sample(logits, prm, gen))
     # (with uniformly random drafts this rule's marginal happens to be right; fixed drafts expose it)
     counts, _ = run(engine, params, drafts["likely"], seed=40)

@@ -1,0 +1,50 @@
+"""Helpers shared by several test modules (imported as ``helpers``: pytest puts tests/ on sys.path)."""
+
+from __future__ import annotations
+
+import torch
+
+from specroll.analysis import lenient_bias as lb
+from specroll.engine.sampling import SamplingParams, processed_logprobs
+from specroll.models.decoder import Decoder, DecoderConfig
+
+
+def tiny_decoder(vocab: int, seed: int, scale: float = 3.0) -> Decoder:
+    """A 2-layer random Llama-style decoder; ``scale`` sharpens its logits."""
+    torch.manual_seed(seed)
+    cfg = DecoderConfig(arch="llama", vocab_size=vocab, hidden_size=32, intermediate_size=64, num_layers=2,
+                        num_heads=4, num_kv_heads=2, head_dim=8, max_position=256)
+    m = Decoder(cfg).eval()
+    with torch.no_grad():
+        for p in m.parameters():
+            if p.dim() == 2:
+                p.mul_(scale)
+    return m
+
+
+@torch.no_grad()
+def extreme_sequence(model, params: dict, most: bool) -> list[int]:
+    """Greedy path of the most (or least) likely token under the sampling distribution."""
+    ids = list(lb.PROMPT)
+    for _ in range(lb.MAX_NEW):
+        h = model(torch.tensor([ids]), torch.arange(len(ids))[None])
+        lp = processed_logprobs(model.logits(h[0, -1]), SamplingParams(**params))
+        ids.append(int(lp.argmax() if most else lp.argmin()))
+    return ids[len(lb.PROMPT):]
+
+
+def draft_sets(model, engine, params: dict, n_rows: int, seed: int) -> dict[str, list]:
+    """Three kinds of previous-epoch drafts for ``n_rows`` rows of ``lb.PROMPT``: random (ragged, some
+    rows without a draft, stop tokens mid-draft: cuts everywhere), adversarial (the least likely
+    path) and likely (the most likely path or a real sample)."""
+    g = torch.Generator().manual_seed(seed)
+    lens = torch.randint(0, lb.MAX_NEW + 1, (n_rows,), generator=g)
+    rand = [torch.randint(0, lb.VOCAB, (int(n),), generator=g).tolist() if n else None for n in lens]
+    likely = extreme_sequence(model, params, most=True)
+    sampled = engine.generate([lb.PROMPT], SamplingParams(**params, max_new_tokens=lb.MAX_NEW, seed=seed + 1),
+                              n=n_rows // 2)
+    return {
+        "random": rand,
+        "adversarial": [extreme_sequence(model, params, most=False)] * n_rows,
+        "likely": [likely if i % 2 else sampled[i // 2].completion_ids.tolist() for i in range(n_rows)],
+    }
