@@ -48,3 +48,19 @@ def draft_sets(model, engine, params: dict, n_rows: int, seed: int) -> dict[str,
         "adversarial": [extreme_sequence(model, params, most=False)] * n_rows,
         "likely": [likely if i % 2 else sampled[i // 2].completion_ids.tolist() for i in range(n_rows)],
     }
+
+
+def chi2_pvalue(counts, probs: dict, n: int) -> float:
+    """Pearson chi-square p-value of ``counts`` against ``probs``; cells expecting < 5 are pooled.
+    An outcome with zero probability that was observed gives p = 0."""
+    if any(probs.get(k, 0.0) <= 0 for k in counts):
+        return 0.0
+    cells = sorted(probs, key=probs.get)
+    exp = torch.tensor([n * probs[k] for k in cells], dtype=torch.float64)
+    obs = torch.tensor([counts.get(k, 0) for k in cells], dtype=torch.float64)
+    small = exp < 5
+    exp = torch.cat([exp[~small], exp[small].sum()[None]])
+    obs = torch.cat([obs[~small], obs[small].sum()[None]])
+    x2 = float(((obs - exp) ** 2 / exp.clamp(min=1e-12)).sum())
+    df = len(exp) - 1
+    return float(torch.special.gammaincc(torch.tensor(df / 2, dtype=torch.float64), torch.tensor(x2 / 2)))

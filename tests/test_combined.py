@@ -14,7 +14,7 @@ import math
 
 import pytest
 import torch
-from helpers import draft_sets
+from helpers import chi2_pvalue, draft_sets
 
 from specroll.analysis import lenient_bias as lb
 from specroll.drafters import reuse
@@ -39,21 +39,6 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(n)
-
-
-def chi2_pvalue(counts, probs: dict, n: int) -> float:
-    """Pearson chi-square p-value of ``counts`` against ``probs``; cells expecting < 5 are pooled.
-    An observed outcome of zero probability gives p = 0."""
-    if any(probs.get(k, 0.0) <= 0 for k in counts):
-        return 0.0
-    cells = sorted(probs, key=probs.get)
-    exp = torch.tensor([n * probs[k] for k in cells], dtype=torch.float64)
-    obs = torch.tensor([counts.get(k, 0) for k in cells], dtype=torch.float64)
-    small = exp < 5
-    exp = torch.cat([exp[~small], exp[small].sum()[None]])
-    obs = torch.cat([obs[~small], obs[small].sum()[None]])
-    x2 = float(((obs - exp) ** 2 / exp.clamp(min=1e-12)).sum())
-    return float(torch.special.gammaincc(torch.tensor((len(exp) - 1) / 2, dtype=torch.float64), torch.tensor(x2 / 2)))
 
 
 # --- the tiny world: exact distributions -----------------------------------------------------------
