@@ -33,12 +33,7 @@ PARAMS = [dict(temperature=1.0, top_p=1.0), dict(temperature=0.7, top_p=0.9)]
 TREE = Plan(n_verify=7, k=3, depth=3)
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 # --- the tiny world: exact distributions -----------------------------------------------------------

@@ -38,19 +38,9 @@ P_MIN = 1e-4  # a lossless rule passes at this level; wrong rules land many orde
 PARAMS = [dict(temperature=1.0, top_p=1.0), dict(temperature=0.7, top_p=0.9)]
 
 
-# --- statistics -----------------------------------------------------------------------------
-
-
-
 # --- tiny world -----------------------------------------------------------------------------
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Tiny tensors: one thread is faster, and far faster when the cores are shared."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")
