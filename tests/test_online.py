@@ -241,7 +241,8 @@ def test_build_spec_drafter_picks_by_reuse_mode_and_head(monkeypatch, tmp_path):
     model = tiny()
     assert build_spec_drafter(load_config(), model) is None
     assert isinstance(build_spec_drafter(load_config(overrides=["reuse.mode=exact"]), model), ReuseDrafter)
-    d = build_spec_drafter(load_config(overrides=["draft.head=random", "draft.vocab=8"]), model, PROMPTS, [EOS])
+    d = build_spec_drafter(load_config(overrides=["draft.head=random", "draft.vocab=8", "draft.plan=static"]), model,
+                           PROMPTS, [EOS])
     assert isinstance(d, EagleDrafter) and eagle_of(d) is d and d.max_plan == Plan(16, 4, 5)
     assert d.head.vocab_ids.tolist() == random_head_vocab(PROMPTS, V, 8, [EOS]).tolist()
     assert set(d.head.vocab_ids.tolist()) >= {50, EOS}  # the most frequent prompt token, eos

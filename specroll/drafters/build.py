@@ -31,7 +31,7 @@ class DraftConfig:
 
     head: str = ""  # "" = no draft head; "random" = fresh head; else a `specroll draft train` directory
     vocab: int = 4096  # draft vocabulary of a random head (0 = the full vocabulary)
-    plan: str = "static"  # static | adaptive (C_peak / B_active, re-planned every step)
+    plan: str = "adaptive"  # adaptive (C_peak / B_active, re-planned every step) | static
     n_verify: int = 16  # static plan: tree nodes per row (root included)
     k: int = 4  # static plan: top-k expansion
     depth: int = 5  # static plan: draft levels
