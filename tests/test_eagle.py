@@ -289,6 +289,19 @@ def test_draft_vocab_maps_indices_to_token_ids():
     assert torch.isfinite(loss)
 
 
+@pytest.mark.parametrize("reduced", [True, False], ids=["reduced", "full"])
+def test_draft_vocab_training_path_keeps_the_policy_frozen(reduced):
+    model = tiny(V_MID, seed=0)
+    ids = torch.tensor([3, 10, 40]) if reduced else torch.arange(V_MID)
+    lm = DraftVocab(model, ids)
+    f = torch.randn(4, 32, requires_grad=True)
+    out = lm(f)
+    out.logsumexp(-1).sum().backward()
+    assert f.grad is not None and all(p.grad is None for p in model.parameters())
+    with torch.no_grad():  # the packed inference path agrees with the autograd path
+        torch.testing.assert_close(lm(f), out.detach(), atol=1e-5, rtol=1e-5)
+
+
 # --- CLI ---------------------------------------------------------------------------------------------
 
 def test_cli_draft_train_then_bench_spec(tmp_path, monkeypatch, capsys):

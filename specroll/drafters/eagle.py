@@ -41,6 +41,7 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from ..engine.budget import Plan
@@ -121,6 +122,8 @@ class DraftVocab(nn.Module):
         self.ids = vocab_ids
 
     def forward(self, feat: torch.Tensor) -> torch.Tensor:
+        if torch.is_grad_enabled():  # training the head: gradients reach ``feat``, never the policy's weights
+            return F.linear(feat, self.lin.weight.detach().to(feat.dtype)).float()
         return self.lin(feat).float()
 
 

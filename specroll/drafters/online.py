@@ -35,27 +35,11 @@ import time
 from collections import deque
 
 import torch
-import torch.nn.functional as F
-from torch import nn
 
 from ..engine.budget import Plan
 from .build import DraftConfig
 from .distill import DistillConfig, _batch, head_loss
-from .eagle import DEFAULT_PLAN, DraftHead, EagleDrafter, save_head
-
-
-class FrozenVocab(nn.Module):
-    """The policy's lm_head over the draft vocabulary, detached (no gradient reaches the policy).
-    No copy when the draft vocabulary is the full one."""
-
-    def __init__(self, policy, vocab_ids: torch.Tensor):
-        super().__init__()
-        w = policy.lm_head.weight.detach()
-        full = vocab_ids.numel() == w.shape[0] and bool((vocab_ids == torch.arange(w.shape[0])).all())
-        self.w = w if full else w[vocab_ids].clone()
-
-    def forward(self, feat: torch.Tensor) -> torch.Tensor:
-        return F.linear(feat, self.w.to(feat.dtype)).float()
+from .eagle import DEFAULT_PLAN, DraftHead, DraftVocab, EagleDrafter, save_head
 
 
 class OnlineLearner:
@@ -148,7 +132,7 @@ class OnlineLearner:
         pool = [s for part in self.buffer for s in part]
         if not pool:
             return {}
-        lm = FrozenVocab(policy, self.head.vocab_ids)
+        lm = DraftVocab(policy, self.head.vocab_ids)  # frozen: no gradient reaches the policy
         self.head.train()
         losses, top1 = [], []
         for _ in range(self.cfg.update_steps):
@@ -256,4 +240,4 @@ class OnlineDrafter(EagleDrafter):
         return save_head(self.head, f"{run_dir}/draft_head", info)
 
 
-__all__ = ["FrozenVocab", "OnlineDrafter", "OnlineLearner"]
+__all__ = ["OnlineDrafter", "OnlineLearner"]
