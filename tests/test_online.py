@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import sys
-
 import pytest
 import torch
 from helpers import tiny_decoder
@@ -237,15 +235,16 @@ def test_frozen_head_reports_acceptance_and_does_not_change():
 
 # --- building, config ----------------------------------------------------------------------------------
 
-def test_build_spec_drafter_picks_by_reuse_mode_and_head(monkeypatch, tmp_path):
+def test_build_spec_drafter_picks_by_reuse_mode_and_head(tmp_path):
     model = tiny()
     assert build_spec_drafter(load_config(), model) is None
     assert isinstance(build_spec_drafter(load_config(overrides=["reuse.mode=exact"]), model), ReuseDrafter)
     d = build_spec_drafter(load_config(overrides=["draft.head=random", "draft.vocab=8", "draft.plan=static"]), model,
                            PROMPTS, [EOS])
     assert isinstance(d, EagleDrafter) and eagle_of(d) is d and d.max_plan == Plan(16, 4, 5)
-    assert d.head.vocab_ids.tolist() == random_head_vocab(PROMPTS, V, 8, [EOS]).tolist()
-    assert set(d.head.vocab_ids.tolist()) >= {50, EOS}  # the most frequent prompt token, eos
+    # eos, the most frequent prompt token (50), then the seen tokens with the lowest ids
+    assert d.head.vocab_ids.tolist() == [1, 2, 3, 4, 5, EOS, 8, 50]
+    assert random_head_vocab(PROMPTS, V, 0, [EOS]) is None  # 0 = the full vocabulary
     d.save_final(tmp_path)
     loaded = build_spec_drafter(load_config(overrides=[f"draft.head={tmp_path / 'draft_head'}"]), model)
     assert torch.equal(loaded.head.fc.weight, d.head.fc.weight)
@@ -253,15 +252,13 @@ def test_build_spec_drafter_picks_by_reuse_mode_and_head(monkeypatch, tmp_path):
         build_spec_drafter(load_config(overrides=[f"draft.head={tmp_path / 'nope'}"]), model)
     with pytest.raises(ValueError, match="draft.head=.*another model"):
         build_spec_drafter(load_config(overrides=[f"draft.head={tmp_path / 'draft_head'}"]), tiny(vocab=V + 1))
-    monkeypatch.setitem(sys.modules, "specroll.drafters.combined", None)  # the module is unavailable
-    with pytest.raises(ValueError, match="reuse\\+draft not available"):
-        build_spec_drafter(load_config(overrides=["reuse.mode=exact", "draft.head=random"]), model)
 
 
-def test_combined_drafter_is_built_when_available():
-    combined = pytest.importorskip("specroll.drafters.combined")
+def test_combined_drafter_is_built_for_reuse_plus_head():
+    from specroll.drafters.combined import CombinedDrafter
+
     d = build_spec_drafter(load_config(overrides=["reuse.mode=lenient", "draft.head=random"]), tiny())
-    assert isinstance(d, combined.CombinedDrafter)
+    assert isinstance(d, CombinedDrafter)
     assert isinstance(eagle_of(d), EagleDrafter)
 
 

@@ -77,21 +77,11 @@ class DraftConfig:
 
 
 def random_head_vocab(prompt_ids, vocab_size: int, n: int, eos_ids=()):
-    """A reduced draft vocabulary for a fresh head: every token of the training prompts (most frequent
-    first) and the eos ids, then the lowest remaining ids (a BPE vocabulary lists its earliest, most
-    frequent merges first) up to ``n`` ids. Sorted; None = the full vocabulary (``n`` 0 or >= vocab)."""
-    import torch
+    """A reduced draft vocabulary for a fresh head: the training prompts' tokens (most frequent first)
+    and the eos ids, then the lowest remaining ids, ``n`` in all (``distill.frequent_vocab``)."""
+    from .distill import frequent_vocab
 
-    if n <= 0 or n >= vocab_size:
-        return None
-    counts = torch.zeros(vocab_size)
-    for p in prompt_ids or ():
-        counts += torch.bincount(torch.as_tensor(p, dtype=torch.long).flatten(), minlength=vocab_size).float()
-    for e in eos_ids:
-        counts[int(e)] = float("inf")
-    # rank: seen tokens by count, then unseen by id (a tiny decreasing tie-breaker)
-    score = counts + (1.0 - torch.arange(vocab_size, dtype=torch.float) / vocab_size) * 1e-3
-    return score.topk(n).indices.sort().values
+    return frequent_vocab(list(prompt_ids or ()), vocab_size, n, always=eos_ids)
 
 
 def make_head(dc: DraftConfig, model, prompt_ids=None, eos_ids=(), seed: int = 0):
@@ -153,11 +143,8 @@ def build_spec_drafter(cfg, model, prompt_ids=None, eos_ids=(), log=print):
         return reuse
     if reuse is None:
         return eagle
-    try:
-        from .combined import CombinedDrafter
-    except ImportError as e:  # the combined mode lives in its own module
-        raise ValueError(f"reuse+draft not available (reuse.mode={cfg.reuse.mode} with draft.head set): {e}; "
-                         "use reuse.mode=off or draft.head=''") from None
+    from .combined import CombinedDrafter
+
     return CombinedDrafter(reuse, eagle)
 
 

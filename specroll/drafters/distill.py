@@ -82,13 +82,19 @@ def hidden_states(policy: Decoder, seqs: list[torch.Tensor], dtype: torch.dtype 
 
 
 def frequent_vocab(seqs: list[torch.Tensor], vocab_size: int, n: int, always=()) -> torch.Tensor | None:
-    """The ``n`` most frequent token ids of ``seqs`` (plus ``always``), sorted; None = full vocab."""
+    """The ``n`` most frequent token ids of ``seqs`` (plus ``always``), sorted; None = full vocab.
+    Ties (unseen tokens included) go to the lower id: a BPE vocabulary lists its earliest, most
+    frequent merges first, so a fresh head with few or no sequences still gets a sensible vocabulary."""
     if n <= 0 or n >= vocab_size:
         return None
-    counts = torch.bincount(torch.cat(seqs), minlength=vocab_size).float()
+    counts = torch.zeros(vocab_size)
+    if seqs:
+        counts += torch.bincount(torch.cat([torch.as_tensor(q, dtype=torch.long).flatten() for q in seqs]),
+                                 minlength=vocab_size).float()
     for t in always:
         counts[int(t)] = float("inf")
-    return counts.topk(n).indices.sort().values
+    score = counts + (1.0 - torch.arange(vocab_size, dtype=torch.float) / vocab_size) * 1e-3
+    return score.topk(n).indices.sort().values
 
 
 def _batch(seqs, hid, idx):
