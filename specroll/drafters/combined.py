@@ -19,8 +19,9 @@ Losslessness composes: in exact mode the reused prefix and the cut token are dis
 sampling (``reuse.py``), and sampler-match keeps every later token a plain policy sample whatever the
 head proposes (``verify.py``); ``tests/test_combined.py`` checks the whole by a chi-square test.
 
-Departure: none of SPEC-RL / FastGRPO combines the two. The prompt's hidden states still come from
-the EAGLE drafter's one cache-free pass over the prompts (the engine keeps only the last one).
+Departure: none of SPEC-RL / FastGRPO combines the two. The prompt's hidden states come from the
+engine's prefill (``wants_prompt_hidden``), so the whole combined rollout runs no policy forward
+beyond the prefill, the verification pass and the decode/tree steps.
 
 Rollout stats per row: ``n_reused`` = reused tokens; ``n_drafted`` = the reuse draft's (truncated)
 length + tree nodes drafted; ``n_accepted`` = reused tokens + tree nodes accepted.
