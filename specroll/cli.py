@@ -18,6 +18,10 @@ class CliError(Exception):
 
 def _run(target: str):
     def call(args):
+        if getattr(args, "dtype", None) == "auto":  # commands see the concrete dtype of this CPU
+            from .device import resolve_dtype_name
+
+            args.dtype = resolve_dtype_name("auto")
         mod, fn = target.split(":")
         return getattr(importlib.import_module(mod), fn)(args)
 
@@ -48,7 +52,7 @@ def _generate(sub):
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--top-k", type=int, default=0)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"])
     p.add_argument("--json", action="store_true", help="print one JSON object per completion")
     p.set_defaults(func=_run("specroll.generate:cli"))
 
@@ -60,7 +64,7 @@ def _bench(sub):
     e.add_argument("--model", default="smollm2-135m")
     e.add_argument("--batch-sizes", default="1,8,32")
     e.add_argument("--max-new-tokens", type=int, default=64)
-    e.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    e.add_argument("--dtype", default="float32", choices=["auto", "float32", "bfloat16"])
     e.add_argument("--repeats", type=int, default=3, help="timed repetitions per system and batch (median kept)")
     e.add_argument("--no-hf", action="store_true", help="skip HF generate (engine only)")
     e.add_argument("--out", default="bench_engine.json")
@@ -86,7 +90,7 @@ def _bench_spec(s):
     b.add_argument("--depth", type=int, default=5, help="draft tree depth")
     b.add_argument("--temperature", type=float, default=1.0)
     b.add_argument("--top-p", type=float, default=1.0)
-    b.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
+    b.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"])
     b.add_argument("--repeats", type=int, default=1, help="timed repetitions per system and batch (summed)")
     b.add_argument("--force-length", action="store_true", help="ignore stop tokens: every row emits max-new-tokens")
     b.add_argument("--seed", type=int, default=0)
@@ -111,7 +115,7 @@ def _draft(sub):
     t.add_argument("--noise", type=float, default=0.0, help="uniform input-feature noise (relative to RMS)")
     t.add_argument("--draft-vocab", type=int, default=4096, help="reduced draft vocabulary (0 = full)")
     t.add_argument("--time-budget", type=float, default=None, help="stop training after this many seconds")
-    t.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"],
+    t.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"],
                    help="rollout / hidden-state dtype (the head trains in fp32)")
     t.add_argument("--seed", type=int, default=0)
     t.add_argument("--init", default=None, help="continue training this draft head directory")
@@ -160,7 +164,7 @@ def _bench_e2e(s):
                    help="training prompts, cycled every epoch (reuse needs repeats); 0 = the task's whole train set")
     b.add_argument("--epochs", type=int, default=3, help="passes over --prompts (steps = epochs x prompts / per step)")
     b.add_argument("--steps", type=int, default=None, help="GRPO steps per row (overrides --epochs)")
-    b.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
+    b.add_argument("--dtype", default="float32", choices=["auto", "float32", "bfloat16"],
                    help="both systems: bfloat16 = bf16 rollouts + bf16 autocast (TRL: bf16=True)")
     b.add_argument("--systems", default="specroll,trl")
     b.add_argument("--spec", default="off", help="specroll rows, comma-separated: off, reuse, draft, reuse+draft")
@@ -188,9 +192,10 @@ def _bench_reuse(s):
     b.add_argument("--lr", type=float, default=2e-5)
     b.add_argument("--level", type=int, default=1, help="arithmetic task difficulty (1: SmolLM2-135M learns)")
     b.add_argument("--micro-batch-size", type=int, default=16)
-    b.add_argument("--train-bf16", action=argparse.BooleanOptionalAction, default=True,
-                   help="bf16 autocast for the GRPO update (the update is not what this benchmark measures)")
-    b.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"], help="rollout activations")
+    b.add_argument("--train-bf16", action=argparse.BooleanOptionalAction, default=None,
+                   help="bf16 autocast for the GRPO update (default: where the CPU has native bf16; "
+                   "the update is not what this benchmark measures)")
+    b.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"], help="rollout activations")
     b.add_argument("--seed", type=int, default=0)
     b.add_argument("--out", default="bench_reuse.json")
     b.set_defaults(func=_run("specroll.bench.reuse:cli"))
@@ -212,7 +217,7 @@ def _bench_online(s):
     b.add_argument("--temperature", type=float, default=1.0)
     b.add_argument("--lr", type=float, default=2e-5, help="policy learning rate")
     b.add_argument("--level", type=int, default=1, help="arithmetic task difficulty")
-    b.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"], help="rollout activations")
+    b.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"], help="rollout activations")
     b.add_argument("--seed", type=int, default=0)
     b.add_argument("overrides", nargs="*", metavar="key=value",
                    help="config overrides for both runs, e.g. draft.update_every=2 draft.buffer=8")
@@ -223,7 +228,7 @@ def _bench_online(s):
 def _profile(sub):
     p = sub.add_parser("profile", help="measure C_peak: verification forward latency vs tokens per forward")
     p.add_argument("--model", default="smollm2-135m")
-    p.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"], help="rollout activations")
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"], help="rollout activations")
     p.add_argument("--max-tokens", type=int, default=512, help="largest batch x tokens per forward measured")
     p.add_argument("--batches", default="1,4,16", help="batch sizes of the batch x tokens grid")
     p.add_argument("--context", type=int, default=64, help="cached tokens per row before the timed forward")

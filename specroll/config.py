@@ -24,20 +24,21 @@ from typing import Any
 
 import yaml
 
+from .device import DTYPE_NAMES
 from .drafters.build import DraftConfig
 from .drafters.reuse import ReuseConfig
 from .rl.data import DataConfig
 from .rl.losses import LossConfig
 from .rl.rewards import RewardConfig
 
-DTYPES = ("float32", "bfloat16")
+DTYPES = DTYPE_NAMES  # "auto" = bf16 where the CPU has native bf16, else fp32 (specroll.device)
 
 
 @dataclass
 class ModelConfig:
     name: str = "smollm2-135m"  # alias, HF directory or .gguf (see `specroll models list`)
     dtype: str = "float32"  # master weights / training dtype
-    rollout_dtype: str = "bfloat16"  # activation dtype of rollouts (bf16 rollouts of fp32 weights)
+    rollout_dtype: str = "auto"  # activation dtype of rollouts (bf16 rollouts of fp32 weights where bf16 is fast)
 
     def __post_init__(self):
         if not self.name:
@@ -83,7 +84,7 @@ class TrainConfig:
     mini_batches: int = 1  # optimizer steps per pass (splits the batch by prompt groups)
     share_prompt: bool = True  # training forward runs each group's prompt once (else once per row)
     recompute_old_logprobs: bool = False  # else mu=1 uses the engine's rollout logprobs (no extra forward)
-    bf16: bool = True  # bf16 autocast for the training forward/backward (fp32 master weights)
+    bf16: bool | str = "auto"  # bf16 autocast for the training forward/backward (fp32 master weights); auto = if fast
     eval_every: int = 0  # evaluate every N steps (0 = only before and after training)
     eval_before: bool = True  # evaluate the base model at step 0
     eval_temperature: float = 0.0  # 0 = greedy pass@1
@@ -114,6 +115,8 @@ class TrainConfig:
             )
         if self.eval_temperature < 0:
             raise ValueError(f"train.eval_temperature must be >= 0, got {self.eval_temperature}")
+        if not (isinstance(self.bf16, bool) or self.bf16 == "auto"):
+            raise ValueError(f"train.bf16 must be true, false or auto, got {self.bf16!r}")
 
 
 SECTIONS: dict[str, type] = {
@@ -180,6 +183,8 @@ def _coerce(value: Any, default: Any, key: str) -> Any:
     if default is None or value is None:
         return value
     t = type(default)
+    if default == "auto" and isinstance(value, str) and value.lower() in ("true", "false", "yes", "no"):
+        return value.lower() in ("true", "yes")  # a `bool | "auto"` switch (train.bf16, draft.bf16)
     if t is bool:
         if isinstance(value, bool):
             return value

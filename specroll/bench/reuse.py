@@ -62,7 +62,7 @@ def bench_config(args):
         f"train.steps={args.epochs * steps_per_epoch}", f"train.prompts_per_step={args.prompts_per_step}",
         f"train.lr={args.lr}", "train.warmup=0", "train.eval_before=false", f"train.seed={args.seed}",
         f"train.micro_batch_size={args.micro_batch_size}",
-        f"train.bf16={'true' if args.train_bf16 else 'false'}",
+        f"train.bf16={'auto' if args.train_bf16 is None else str(args.train_bf16).lower()}",
         f"rollout.G={args.G}", f"rollout.max_new_tokens={args.max_new_tokens}",
         f"rollout.temperature={args.temperature}",
     ]), steps_per_epoch

@@ -43,7 +43,7 @@ class DraftConfig:
     w_feat: float = 2.0  # weight of the SmoothL1 feature regression
     w_ce: float = 0.1  # weight of the soft cross-entropy against the policy's distribution
     buffer: int = 4  # recent rollouts whose sequences the online updates sample from
-    bf16: bool = True  # bf16 autocast for the online updates (fp32 head weights and AdamW state)
+    bf16: bool | str = "auto"  # bf16 autocast for the online updates (fp32 head weights and AdamW state); auto = if fast
 
     def __post_init__(self):
         if not isinstance(self.head, str):
@@ -65,6 +65,8 @@ class DraftConfig:
             v = getattr(self, k)
             if not (isinstance(v, (int, float)) and math.isfinite(v) and v >= 0):
                 raise ValueError(f"draft.{k} must be a number >= 0, got {v!r}")
+        if not (isinstance(self.bf16, bool) or self.bf16 == "auto"):
+            raise ValueError(f"draft.bf16 must be true, false or auto, got {self.bf16!r}")
         if self.w_feat == 0 and self.w_ce == 0:
             raise ValueError("draft.w_feat and draft.w_ce are both 0: the online loss would be zero; set one > 0")
         if self.online and not self.head:
@@ -111,9 +113,11 @@ def make_plan(cfg, model, log=print):
 
     from ..engine.engine import Engine
 
-    dtype = getattr(torch, cfg.model.rollout_dtype)
+    from ..device import torch_dtype
+
+    dtype = torch_dtype(cfg.model.rollout_dtype)
     if load_profile(cfg.model.name, dtype) is None and log is not None:
-        log(f"draft.plan=adaptive: no C_peak profile for {cfg.model.name} ({cfg.model.rollout_dtype}) on this "
+        log(f"draft.plan=adaptive: no C_peak profile for {cfg.model.name} ({dtype}) on this "
             f"machine yet; profiling once (cached at {profile_path(cfg.model.name, dtype)})")
     planner = adaptive_planner(cfg.model.name, dtype, engine=Engine(model, dtype=dtype), log=log)
     if log is not None:

@@ -36,6 +36,7 @@ from collections import deque
 
 import torch
 
+from ..device import use_bf16
 from ..engine.budget import Plan
 from .build import DraftConfig
 from .distill import DistillConfig, _batch, head_loss
@@ -138,7 +139,7 @@ class OnlineLearner:
         for _ in range(self.cfg.update_steps):
             idx = torch.randperm(len(pool), generator=self.gen)[: self.cfg.batch].tolist()
             ids, H, valid = _batch([pool[i][0] for i in idx], [pool[i][1] for i in idx], list(range(len(idx))))
-            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=self.cfg.bf16):
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=use_bf16(self.cfg.bf16)):
                 loss, info = head_loss(self.head, lm, policy.embed, ids, H, valid, self.loss_cfg)
             self.opt.zero_grad(set_to_none=True)
             loss.backward()

@@ -45,6 +45,8 @@ from pathlib import Path
 
 import torch
 
+from ..device import fast_bf16, resolve_dtype_name, torch_dtype
+
 DEFAULT_DELTA = 0.5
 DEFAULT_CONTEXT = 64
 DEFAULT_BATCHES = (1, 4, 16)
@@ -93,7 +95,8 @@ def find_c_peak(tokens, latencies, delta: float = DEFAULT_DELTA) -> int:
 # --- identity and cache -----------------------------------------------------------------------------
 
 def fingerprint() -> dict:
-    """The machine facts a profile depends on: CPU model, cores, torch threads, torch version."""
+    """The machine facts a profile depends on: CPU model, its vector ISA as torch sees it (two "AMD EPYC"
+    machines differ 500x in bf16 matmul rate), cores, torch threads, torch version."""
     cpu = platform.processor() or platform.machine()
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
@@ -102,15 +105,16 @@ def fingerprint() -> dict:
                 break
     except OSError:
         pass
-    return {"cpu": cpu, "cores": os.cpu_count(), "torch_threads": torch.get_num_threads(),
-            "torch": torch.__version__}
+    return {"cpu": cpu, "isa": torch.backends.cpu.get_cpu_capability(), "native_bf16": fast_bf16(),
+            "cores": os.cpu_count(), "torch_threads": torch.get_num_threads(), "torch": torch.__version__}
 
 
 def dtype_name(dtype) -> str:
+    """"float32" or "bfloat16" for a torch dtype or a name (``auto`` resolves for this CPU)."""
     name = str(dtype).replace("torch.", "")
-    if name not in ("float32", "bfloat16"):
-        raise ValueError(f"dtype must be float32 or bfloat16, got {dtype!r}")
-    return name
+    if name not in ("auto", "float32", "bfloat16"):
+        raise ValueError(f"dtype must be float32, bfloat16 or auto, got {dtype!r}")
+    return resolve_dtype_name(name)
 
 
 def profile_key(model: str, dtype, fp: dict | None = None) -> str:
@@ -278,7 +282,7 @@ def _load_engine(model_name: str, dtype: str):
     from .engine import Engine
 
     model, _ = hub.load(model_name, torch.float32)
-    return Engine(model, dtype=getattr(torch, dtype))
+    return Engine(model, dtype=torch_dtype(dtype_name(dtype)))
 
 
 def get_c_peak(model_name: str, dtype, engine=None, profile_if_missing: bool = True, log=None) -> int:

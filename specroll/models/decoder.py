@@ -123,6 +123,8 @@ class FastLinear(nn.Linear):
     """
 
     _packing_ok = torch.backends.mkldnn.is_available()
+    # oneDNN packs bf16 only on CPUs with AVX-512 (BW/VL/DQ) or AVX-NE-CONVERT; elsewhere bf16 runs F.linear
+    _packing_bf16 = _packing_ok and torch.ops.mkldnn._is_mkldnn_bf16_supported()
 
     def __init__(self, in_features: int, out_features: int, bias: bool = False, weight: nn.Parameter | None = None):
         super().__init__(in_features, out_features, bias=bias)
@@ -139,7 +141,7 @@ class FastLinear(nn.Linear):
         with torch.no_grad():
             wd = w.detach().to(dtype).contiguous()
             b = None if self.bias is None else self.bias.detach().to(dtype)
-            packed = torch.ops.mkldnn._reorder_linear_weight(wd, None) if self._packing_ok else wd
+            packed = torch.ops.mkldnn._reorder_linear_weight(wd, None) if self._packs(dtype) else wd
         self._packed[dtype] = (key, packed, b)
         return packed, b
 
@@ -149,13 +151,16 @@ class FastLinear(nn.Linear):
             y = F.linear(x, self.weight.to(x.dtype), None if self.bias is None else self.bias.to(x.dtype))
             return y if residual is None else residual + y
         packed, b = self._pack(x.dtype)
-        if self._packing_ok and x.dtype in (torch.float32, torch.bfloat16):
+        if self._packs(x.dtype):
             if residual is not None and residual.dtype == x.dtype:
                 return torch.ops.mkldnn._linear_pointwise.binary(x, residual, packed, b, "add")
             y = torch.ops.mkldnn._linear_pointwise(x, packed, b, "none", [], "")
         else:
             y = F.linear(x, packed, b)
         return y if residual is None else residual + y
+
+    def _packs(self, dtype: torch.dtype) -> bool:
+        return self._packing_ok if dtype == torch.float32 else (dtype == torch.bfloat16 and self._packing_bf16)
 
     def _apply(self, fn, *args, **kwargs):
         self._packed = {}

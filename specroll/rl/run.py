@@ -12,7 +12,8 @@ from pathlib import Path
 
 from ..config import Config, load_config
 from . import checkpoint as ckpt
-from .trainer import DTYPE, PromptSet, Trainer
+from ..device import torch_dtype
+from .trainer import PromptSet, Trainer
 
 
 def _console():
@@ -35,7 +36,7 @@ def load_policy(cfg: Config, checkpoint: str | Path | None = None):
     """(Decoder, tokenizer, eos ids) for ``cfg.model``, optionally with a checkpoint's weights."""
     from ..models import hub
 
-    model, tok = hub.load(cfg.model.name, DTYPE[cfg.model.dtype])
+    model, tok = hub.load(cfg.model.name, torch_dtype(cfg.model.dtype))
     if checkpoint is not None:
         ckpt.load_model_weights(model, checkpoint)
     eos = hub.eos_ids(tok, hub.resolve(cfg.model.name, quiet=True))

@@ -32,13 +32,13 @@ from pathlib import Path
 import torch
 import yaml
 
+from ..device import torch_dtype, use_bf16
 from ..engine.engine import Engine, Rollout
 from ..engine.sampling import SamplingParams
 from . import checkpoint as ckpt
 from .losses import group_advantages, policy_loss, token_weights, zero_variance_groups
 from .metrics import MetricsWriter, step_line
 
-DTYPE = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
 @dataclass
@@ -227,7 +227,7 @@ class Trainer:
         self.model = model
         self.train_set, self.eval_set = train_set, eval_set
         self.reward, self.decode, self.drafter = reward, decode, drafter
-        self.engine = Engine(model, list(eos_ids), dtype=DTYPE[cfg.model.rollout_dtype])
+        self.engine = Engine(model, list(eos_ids), dtype=torch_dtype(cfg.model.rollout_dtype))
         self.ref = None
         if cfg.loss.beta > 0:  # the reference model exists only when the KL term is on
             self.ref = copy.deepcopy(model).eval().requires_grad_(False)
@@ -345,7 +345,7 @@ class Trainer:
         return completion_logprobs(model, batch, rows, with_entropy)
 
     def _autocast(self):
-        return torch.autocast("cpu", dtype=torch.bfloat16, enabled=self.cfg.train.bf16)
+        return torch.autocast("cpu", dtype=torch.bfloat16, enabled=use_bf16(self.cfg.train.bf16))
 
     def update(self, rollouts: list[Rollout], rewards: torch.Tensor) -> dict:
         cfg, G = self.cfg, self.cfg.rollout.G

@@ -1,0 +1,48 @@
+"""What this CPU does fast, and the ``auto`` dtype that follows from it.
+
+bf16 is a 4x matmul lever on CPUs with native bf16 arithmetic (AVX-512 BF16, AMX), and a trap
+elsewhere: on an AVX2-only CPU (e.g. AMD Zen 3) oneDNN refuses bf16 weight packing and the fallback
+GEMM ran at 0.3 GFLOP/s against 146 GFLOP/s in fp32 (measured 2026-11-23, AMD EPYC, 2 cores).
+So every dtype option of specroll accepts ``auto``: bf16 where the CPU has native bf16, fp32
+elsewhere. Config files keep the word ``auto``, so a run resumed on another machine re-decides.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+DTYPE_NAMES = ("auto", "float32", "bfloat16")
+_TORCH = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+@functools.cache
+def fast_bf16() -> bool:
+    """True when this CPU has native bf16 arithmetic (AVX-512 BF16 or AMX) and oneDNN packs bf16."""
+    cpu = torch.cpu
+    native = any(getattr(cpu, f, lambda: False)() for f in ("_is_avx512_bf16_supported", "_is_amx_tile_supported"))
+    return bool(native and torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported())
+
+
+def resolve_dtype_name(name: str) -> str:
+    """``auto`` -> ``bfloat16`` or ``float32`` for this CPU; other names are checked and returned."""
+    if name not in DTYPE_NAMES:
+        raise ValueError(f"dtype must be one of {list(DTYPE_NAMES)}, got {name!r}")
+    if name == "auto":
+        return "bfloat16" if fast_bf16() else "float32"
+    return name
+
+
+def torch_dtype(name: str) -> torch.dtype:
+    """A dtype name (``auto`` included) as a ``torch.dtype``."""
+    return _TORCH[resolve_dtype_name(name)]
+
+
+def use_bf16(flag: bool | str) -> bool:
+    """A bf16 switch that may be ``auto`` (on where the CPU has native bf16)."""
+    if isinstance(flag, str):
+        if flag.lower() != "auto":
+            raise ValueError(f"a bf16 switch must be true, false or auto, got {flag!r}")
+        return fast_bf16()
+    return bool(flag)

@@ -1,0 +1,50 @@
+"""The `auto` dtype: bf16 only where the CPU has native bf16, and a bf16 linear that works without packing."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from specroll import device
+from specroll.config import load_config
+from specroll.models.decoder import FastLinear
+
+
+def test_auto_follows_the_cpu(monkeypatch):
+    for fast, name in ((True, "bfloat16"), (False, "float32")):
+        monkeypatch.setattr(device, "fast_bf16", lambda fast=fast: fast)
+        assert device.resolve_dtype_name("auto") == name
+        assert device.torch_dtype("auto") == getattr(torch, name)
+        assert device.use_bf16("auto") is fast
+    assert device.resolve_dtype_name("float32") == "float32" and device.use_bf16(False) is False
+    with pytest.raises(ValueError, match="dtype must be one of"):
+        device.resolve_dtype_name("fp16")
+    with pytest.raises(ValueError, match="true, false or auto"):
+        device.use_bf16("maybe")
+
+
+def test_config_keeps_auto_and_parses_switches():
+    cfg = load_config()
+    assert cfg.model.rollout_dtype == "auto" and cfg.train.bf16 == "auto" and cfg.draft.bf16 == "auto"
+    cfg = load_config(overrides=["train.bf16=no", "draft.bf16=true", "model.rollout_dtype=float32"])
+    assert cfg.train.bf16 is False and cfg.draft.bf16 is True and cfg.model.rollout_dtype == "float32"
+    with pytest.raises(ValueError, match="train.bf16 must be true, false or auto"):
+        load_config(overrides=["train.bf16=sometimes"])
+    with pytest.raises(ValueError, match="model.rollout_dtype must be one of"):
+        load_config(overrides=["model.rollout_dtype=fp16"])
+
+
+@pytest.mark.parametrize("packs_bf16", [False, True])
+def test_bf16_linear_with_and_without_packing(monkeypatch, packs_bf16):
+    if packs_bf16 and not FastLinear._packing_bf16:
+        pytest.skip("this CPU cannot pack bf16 weights (no AVX-512 / AVX-NE-CONVERT)")
+    monkeypatch.setattr(FastLinear, "_packing_bf16", packs_bf16)
+    torch.manual_seed(0)
+    lin = FastLinear(64, 48, bias=True)
+    x = torch.randn(3, 5, 64, dtype=torch.bfloat16)
+    r = torch.randn(3, 5, 48, dtype=torch.bfloat16)
+    ref = F.linear(x.float(), lin.weight.bfloat16().float(), lin.bias.bfloat16().float())
+    with torch.no_grad():
+        y, yr = lin(x), lin(x, residual=r)
+    assert y.dtype == torch.bfloat16
+    torch.testing.assert_close(y.float(), ref, atol=0.05, rtol=0.02)
+    torch.testing.assert_close(yr.float(), ref + r.float(), atol=0.08, rtol=0.02)
