@@ -109,11 +109,9 @@ def make_plan(cfg, model, log=print):
     if dc.plan == "static":
         p = dc.static_plan()
         return p, None, p
-    import torch
-
-    from ..engine.engine import Engine
 
     from ..device import torch_dtype
+    from ..engine.engine import Engine
 
     dtype = torch_dtype(cfg.model.rollout_dtype)
     if load_profile(cfg.model.name, dtype) is None and log is not None:

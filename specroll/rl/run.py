@@ -11,8 +11,8 @@ import time
 from pathlib import Path
 
 from ..config import Config, load_config
-from . import checkpoint as ckpt
 from ..device import torch_dtype
+from . import checkpoint as ckpt
 from .trainer import PromptSet, Trainer
 
 

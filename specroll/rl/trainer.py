@@ -40,7 +40,6 @@ from .losses import group_advantages, policy_loss, token_weights, zero_variance_
 from .metrics import MetricsWriter, step_line
 
 
-
 @dataclass
 class PromptSet:
     """Tokenised prompts plus what the reward needs: the prompt text and per-example columns."""
