@@ -1,0 +1,54 @@
+"""Hand-written CPU kernels, compiled once per machine on first use.
+
+``skinny()`` returns the skinny fp32 GEMM of ``skinny.cpp`` (decode-sized linears, 1-32 rows; see the
+file for why), or None where it cannot run: not an x86 CPU with AVX2 + FMA, no C++ compiler, or
+``SPECROLL_KERNELS=0``. Callers fall back to oneDNN, so a missing compiler costs speed, not function.
+
+The build (``torch.utils.cpp_extension``, about 30 s of CPU) lands in ``$SPECROLL_HOME/kernels`` and
+is reused by later processes; a changed source or compiler flag triggers a rebuild.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import sys
+import warnings
+from pathlib import Path
+
+import torch
+
+SRC = Path(__file__).with_name("skinny.cpp")
+MAX_ROWS = 32  # the skinny kernel beat oneDNN by 1.2-1.7x up to here, and not always at 64 (BENCHMARKS.md)
+
+
+def _build_dir() -> Path:
+    home = Path(os.environ.get("SPECROLL_HOME", Path.home() / ".cache" / "specroll"))
+    d = home / "kernels" / f"torch{torch.__version__.split('+')[0]}-py{sys.version_info[0]}{sys.version_info[1]}"
+    d.mkdir(parents=True, exist_ok=True)
+    return d
+
+
+def enabled() -> bool:
+    return os.environ.get("SPECROLL_KERNELS", "1") not in ("0", "false", "off")
+
+
+@functools.cache
+def skinny():
+    """The compiled skinny-GEMM module, or None (with one warning saying why) if it cannot be used."""
+    if not enabled():
+        return None
+    if not (torch.cpu._is_avx2_supported() and os.uname().machine in ("x86_64", "AMD64")):
+        return None
+    try:
+        from torch.utils.cpp_extension import load
+
+        if not any(_build_dir().glob("*.so")):
+            print("specroll: compiling the skinny GEMM kernel for this machine (once, ~30 s) ...", file=sys.stderr,
+                  flush=True)
+        return load("specroll_skinny", [str(SRC)], build_directory=str(_build_dir()),
+                    extra_cflags=["-O3", "-mavx2", "-mfma", "-fopenmp"], extra_ldflags=["-fopenmp"], verbose=False)
+    except Exception as e:  # no compiler / headers / ninja: oneDNN still works
+        warnings.warn(f"specroll: the skinny GEMM kernel could not be built ({type(e).__name__}: {str(e)[:200]}); "
+                      "using oneDNN for every linear (set SPECROLL_KERNELS=0 to silence)", stacklevel=2)
+        return None
