@@ -13,19 +13,32 @@
 #include <ATen/Parallel.h>
 #include <immintrin.h>
 
+#include <algorithm>
+#include <vector>
+
 namespace {
 
 constexpr int PW = 16;  // panel width (output columns)
 constexpr int MAX_MB = 6;
+#ifndef PREFETCH_K
+#define PREFETCH_K 64  // weight rows (64 B each) prefetched ahead
+#endif
 
+// acc[m][0..16) += sum over k in [k0, k1) of x[m][k] * panel[k][0..16), for the MB rows of one block.
+// The accumulators live in registers through the k loop; ``acc`` is touched with constant indices only
+// (a runtime index would make GCC keep them in memory and store all of them every iteration).
 template <int MB>
-void panel(const float* __restrict x, int64_t ldx, const float* __restrict wp, int64_t K, float* __restrict y,
-           int64_t ldy, int nc, const float* bias, const float* res, int64_t ldr) {
+void accumulate(const float* __restrict x, int64_t ldx, const float* __restrict wp, int64_t k0, int64_t k1,
+                float* __restrict acc) {
   __m256 a0[MB], a1[MB];
 #pragma GCC unroll 8
-  for (int m = 0; m < MB; m++) a0[m] = a1[m] = _mm256_setzero_ps();
-  for (int64_t k = 0; k < K; k++) {
+  for (int m = 0; m < MB; m++) {
+    a0[m] = _mm256_loadu_ps(acc + m * PW);
+    a1[m] = _mm256_loadu_ps(acc + m * PW + 8);
+  }
+  for (int64_t k = k0; k < k1; k++) {
     const float* w = wp + k * PW;
+    _mm_prefetch(reinterpret_cast<const char*>(w + PREFETCH_K * PW), _MM_HINT_T0);  // one line per k: the stream
     __m256 w0 = _mm256_loadu_ps(w), w1 = _mm256_loadu_ps(w + 8);
 #pragma GCC unroll 8
     for (int m = 0; m < MB; m++) {
@@ -34,25 +47,41 @@ void panel(const float* __restrict x, int64_t ldx, const float* __restrict wp, i
       a1[m] = _mm256_fmadd_ps(b, w1, a1[m]);
     }
   }
-  // spill the accumulators with constant indices only (a runtime index would keep them in memory
-  // through the k loop: GCC then stores all of them every iteration)
-  alignas(32) float out[MB][PW];
 #pragma GCC unroll 8
   for (int m = 0; m < MB; m++) {
-    _mm256_store_ps(out[m], a0[m]);
-    _mm256_store_ps(out[m] + 8, a1[m]);
-  }
-  for (int m = 0; m < MB; m++) {
-    const float* tmp = out[m];
-    float* yr = y + m * ldy;
-    const float* rr = res ? res + m * ldr : nullptr;
-    for (int c = 0; c < nc; c++) yr[c] = tmp[c] + (bias ? bias[c] : 0.f) + (rr ? rr[c] : 0.f);
+    _mm256_storeu_ps(acc + m * PW, a0[m]);
+    _mm256_storeu_ps(acc + m * PW + 8, a1[m]);
   }
 }
 
-using PanelFn = void (*)(const float*, int64_t, const float*, int64_t, float*, int64_t, int, const float*,
-                         const float*, int64_t);
-const PanelFn kPanels[MAX_MB + 1] = {nullptr, panel<1>, panel<2>, panel<3>, panel<4>, panel<5>, panel<6>};
+using AccFn = void (*)(const float*, int64_t, const float*, int64_t, int64_t, float*);
+const AccFn kAcc[MAX_MB + 1] = {nullptr, accumulate<1>, accumulate<2>, accumulate<3>,
+                                accumulate<4>, accumulate<5>, accumulate<6>};
+
+// One panel of 16 output columns for all M rows. K is walked in chunks of KC (8 KB of the panel, which
+// stays in L1) and every row block consumes a chunk before the next is read, so the rows after the
+// first block cost compute only while the panel streams in from memory once.
+constexpr int64_t KC = 128;
+void panel(const float* x, int64_t M, int64_t K, const float* wp, float* y, int64_t ldy, int nc, const float* bias,
+           const float* res, float* acc) {
+  const int64_t nb = (M + MAX_MB - 1) / MAX_MB;  // row blocks of near-equal size
+  std::fill(acc, acc + M * PW, 0.f);
+  for (int64_t k0 = 0; k0 < K; k0 += KC) {
+    const int64_t k1 = std::min(K, k0 + KC);
+    int64_t m0 = 0;
+    for (int64_t blk = 0; blk < nb; blk++) {
+      const int64_t m1 = M * (blk + 1) / nb;
+      kAcc[m1 - m0](x + m0 * K, K, wp, k0, k1, acc + m0 * PW);
+      m0 = m1;
+    }
+  }
+  for (int64_t m = 0; m < M; m++) {
+    const float* a = acc + m * PW;
+    float* yr = y + m * ldy;
+    const float* rr = res ? res + m * ldy : nullptr;
+    for (int c = 0; c < nc; c++) yr[c] = a[c] + (bias ? bias[c] : 0.f) + (rr ? rr[c] : 0.f);
+  }
+}
 
 }  // namespace
 
@@ -83,17 +112,12 @@ torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& wp, int64_t N,
   const float* bs = bias ? b.data_ptr<float>() : nullptr;
   const float* rs = residual ? r.data_ptr<float>() : nullptr;
   float* ys = y.data_ptr<float>();
-  const int64_t nb = (M + MAX_MB - 1) / MAX_MB;  // row blocks of near-equal size
   at::parallel_for(0, P, 8, [&](int64_t p0, int64_t p1) {
+    std::vector<float> acc(M * PW);
     for (int64_t p = p0; p < p1; p++) {
       const int nc = (int)std::min<int64_t>(PW, N - p * PW);
-      int64_t m0 = 0;
-      for (int64_t blk = 0; blk < nb; blk++) {
-        const int64_t m1 = M * (blk + 1) / nb;
-        kPanels[m1 - m0](xs + m0 * K, K, ws + p * K * PW, K, ys + m0 * N + p * PW, N, nc, bs ? bs + p * PW : nullptr,
-                         rs ? rs + m0 * N + p * PW : nullptr, N);
-        m0 = m1;
-      }
+      panel(xs, M, K, ws + p * K * PW, ys + p * PW, N, nc, bs ? bs + p * PW : nullptr, rs ? rs + p * PW : nullptr,
+            acc.data());
     }
   });
   return y.view(out_shape);
