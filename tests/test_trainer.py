@@ -97,6 +97,27 @@ def test_training_forward_logprobs_equal_engine_logprobs():
     assert (ent[batch.cmask.bool()] > 0).all()
 
 
+def test_logprobs_of_short_rows_skip_the_batch_padding():
+    # a micro-batch of short completions is computed at its own width and padded back to the batch's
+    import dataclasses
+
+    from specroll.rl.trainer import shared_prompt_logprobs
+
+    tr = make_trainer(make_cfg())
+    rollouts = tr.engine.generate(prompts().ids[:2], SamplingParams(temperature=1.0, max_new_tokens=8, seed=5), n=4)
+    cut = [dataclasses.replace(r, completion_ids=r.completion_ids[:3], logprobs=r.logprobs[:3],
+                               sample_logprobs=r.sample_logprobs[:3]) if i % 2 else r for i, r in enumerate(rollouts)]
+    batch = Batch.from_rollouts(cut)
+    assert batch.comp.shape[1] == 8
+    short = torch.tensor([1, 3, 5, 7])
+    with torch.no_grad():
+        lp, _ = completion_logprobs(tr.model, batch, short)
+        lp2, _ = shared_prompt_logprobs(tr.model, batch, short, torch.arange(8) // 4)
+    for got in (lp, lp2):
+        assert got.shape == (4, 8) and not got[:, 3:].any()
+        torch.testing.assert_close(got, batch.old_lp[short], atol=2e-5, rtol=0)
+
+
 def test_micro_batches_give_the_full_batch_gradient():
     grads = []
     for mb in (1, 16):
@@ -318,6 +339,7 @@ def test_shared_prompt_forward_equals_per_row_forward(dtype):
         ref, ref_ent = completion_logprobs(tr.model, batch, rows, with_entropy=True)
         got, ent = shared_prompt_logprobs(tr.model, batch, rows, group, with_entropy=True)
     m = batch.cmask[rows].bool()
+    assert got.shape == ref.shape == batch.cmask[rows].shape and not got[~m].any() and not ref[~m].any()
     tol = 1e-5 if dtype == torch.float32 else 3e-2
     torch.testing.assert_close(got[m], ref[m], atol=tol, rtol=0)
     torch.testing.assert_close(ent[m], ref_ent[m], atol=tol, rtol=0)

@@ -124,11 +124,17 @@ def completion_logprobs(model, batch: Batch, rows: torch.Tensor, with_entropy: b
     valid = torch.arange(L)[None] < (plen + clen)[:, None]  # (b, L) real tokens
     mask = torch.ones(L, L, dtype=torch.bool).tril()[None] & valid[:, None, :]  # (b, L, L)
     hidden = model(ids, pos, mask=mask)  # (b, L, D)
-    C = batch.comp.shape[1]
+    C = max(1, int(clen.max()))  # these rows' longest completion: no lm_head over the batch's padding
     at = (plen[:, None] - 1 + torch.arange(C)[None]).clamp(max=L - 1)  # position predicting token j
     h = hidden.gather(1, at[..., None].expand(b, C, hidden.shape[-1]))
     logits = model.logits(h)  # (b, C, V) fp32
-    return logprobs_and_entropy(logits, batch.comp[rows], with_entropy)
+    return _pad_to_batch(logprobs_and_entropy(logits, batch.comp[rows, :C], with_entropy), batch)
+
+
+def _pad_to_batch(out, batch: Batch):
+    """(logp, entropy) over the first C completion positions -> the batch's width, zeros beyond."""
+    width = batch.comp.shape[1]
+    return tuple(None if t is None else torch.nn.functional.pad(t, (0, width - t.shape[-1])) for t in out)
 
 
 def logprobs_and_entropy(logits: torch.Tensor, ids: torch.Tensor, with_entropy: bool):
@@ -175,9 +181,9 @@ def shared_prompt_logprobs(model, batch: Batch, rows: torch.Tensor, group: torch
         x = layer(x, cos, sin, keep, m1)
     h_last = model.norm(x)[torch.arange(U), plen - 1]  # (U, D): predicts completion token 0
 
-    C = batch.comp.shape[1]
+    C = max(1, int(batch.clen[rows].max()))  # these rows' longest completion (rows are length-sorted)
     b = len(rows)
-    cids = batch.comp[rows]  # (b, C)
+    cids = batch.comp[rows, :C]  # (b, C)
     my_plen = plen[inv]
     cpos = my_plen[:, None] + torch.arange(C)[None]
     cos2, sin2 = model.rope(cpos, dtype)
@@ -196,7 +202,7 @@ def shared_prompt_logprobs(model, batch: Batch, rows: torch.Tensor, group: torch
     hc = model.norm(y)  # (b, C, D); position j predicts token j + 1
     h = torch.cat([h_last[inv][:, None].to(hc.dtype), hc[:, : C - 1]], dim=1)
     logits = model.logits(h)
-    return logprobs_and_entropy(logits, cids, with_entropy)
+    return _pad_to_batch(logprobs_and_entropy(logits, cids, with_entropy), batch)
 
 
 def lr_lambda(warmup: int, total: int, cosine: bool, min_ratio: float) -> Callable[[int], float]:
