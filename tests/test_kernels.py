@@ -75,3 +75,25 @@ def test_kernels_can_be_switched_off(monkeypatch):
     finally:
         monkeypatch.delenv("SPECROLL_KERNELS")
         kernels.skinny.cache_clear()
+
+
+@needs_kernel
+@pytest.mark.parametrize("M", [1, 6, 8, 32])
+def test_skinny_prologues_match_the_eager_ops(M):
+    """RMSNorm and silu-gate prologues equal decoder.rms_norm / F.silu(gate) * up followed by F.linear."""
+    from specroll.models.decoder import rms_norm
+
+    g = torch.Generator().manual_seed(M)
+    K, N = 72, 40
+    w, r = torch.randn(N, K, generator=g), torch.randn(M, N, generator=g)
+    gain = torch.rand(K, generator=g) + 0.5
+    x = torch.randn(M, K, generator=g) * 3
+    wp = ext.pack(w)
+    ref = F.linear(rms_norm(x, gain, 1e-5), w) + r
+    torch.testing.assert_close(ext.linear(x, wp, N, None, r, gain, 1e-5, False), ref, atol=2e-5, rtol=1e-5)
+    gu = torch.randn(M, 2 * K, generator=g) * 3
+    gate, up = gu.chunk(2, dim=-1)
+    ref = F.linear(F.silu(gate) * up, w)
+    torch.testing.assert_close(ext.linear(gu, wp, N, gated=True), ref, atol=2e-5, rtol=1e-5)
+    with pytest.raises(RuntimeError, match="not both"):
+        ext.linear(gu, wp, N, None, None, gain, 1e-5, True)

@@ -14,6 +14,7 @@
 #include <immintrin.h>
 
 #include <algorithm>
+#include <cmath>
 #include <vector>
 
 namespace {
@@ -94,12 +95,43 @@ torch::Tensor pack(const torch::Tensor& w) {
   return wp.view({P, PW, K}).transpose(1, 2).contiguous();
 }
 
+// The GEMM's input rows, from x2 (M, Kx): RMSNorm(x) * g when ``norm`` is given (HF's order: the mean
+// square in fp32, x * rsqrt(ms + eps), then the weight), or silu(gate) * up when ``gated`` (x2 = [gate | up]).
+// Both fuse the eager ops around a decode step's linears (6 for a norm, 2 for the gate) into one pass.
+torch::Tensor prologue(const torch::Tensor& x2, const c10::optional<torch::Tensor>& norm, double eps, bool gated) {
+  const int64_t M = x2.size(0), Kx = x2.size(1), K = gated ? Kx / 2 : Kx;
+  auto out = torch::empty({M, K}, x2.options());
+  const float* xs = x2.data_ptr<float>();
+  float* os = out.data_ptr<float>();
+  torch::Tensor g;
+  if (norm) g = norm->contiguous();
+  const float* gs = norm ? g.data_ptr<float>() : nullptr;
+  at::parallel_for(0, M, 4, [&](int64_t m0, int64_t m1) {
+    for (int64_t m = m0; m < m1; m++) {
+      const float* xr = xs + m * Kx;
+      float* orow = os + m * K;
+      if (gated) {
+        for (int64_t k = 0; k < K; k++) orow[k] = xr[k] / (1.f + std::exp(-xr[k])) * xr[K + k];
+      } else {
+        float ss = 0.f;
+        for (int64_t k = 0; k < K; k++) ss += xr[k] * xr[k];
+        const float inv = 1.f / std::sqrt(ss / (float)K + (float)eps);
+        for (int64_t k = 0; k < K; k++) orow[k] = gs[k] * (xr[k] * inv);
+      }
+    }
+  });
+  return out;
+}
+
 torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& wp, int64_t N, const c10::optional<torch::Tensor>& bias,
-                     const c10::optional<torch::Tensor>& residual) {
+                     const c10::optional<torch::Tensor>& residual, const c10::optional<torch::Tensor>& norm,
+                     double eps, bool gated) {
   TORCH_CHECK(x.scalar_type() == torch::kFloat32 && wp.scalar_type() == torch::kFloat32, "linear: fp32 only");
-  const int64_t K = x.size(-1), P = wp.size(0);
+  TORCH_CHECK(!(norm && gated), "linear: a norm or a gate, not both");
+  auto x2 = x.reshape({-1, x.size(-1)}).contiguous();
+  if (norm || gated) x2 = prologue(x2, norm, eps, gated);
+  const int64_t K = x2.size(1), P = wp.size(0);
   TORCH_CHECK(wp.dim() == 3 && wp.size(1) == K && wp.size(2) == PW && P * PW >= N, "linear: packed weight does not match");
-  auto x2 = x.reshape({-1, K}).contiguous();
   const int64_t M = x2.size(0);
   auto out_shape = x.sizes().vec();
   out_shape.back() = N;
@@ -125,5 +157,7 @@ torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& wp, int64_t N,
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("pack", &pack, "pack an (N, K) fp32 weight into 16-column panels");
-  m.def("linear", &linear, "x @ W^T (+ bias) (+ residual) over packed panels");
+  m.def("linear", &linear, "f(x) @ W^T (+ bias) (+ residual) over packed panels; f = identity, RMSNorm or silu-gate",
+        py::arg("x"), py::arg("wp"), py::arg("n"), py::arg("bias") = py::none(), py::arg("residual") = py::none(),
+        py::arg("norm") = py::none(), py::arg("eps") = 1e-6, py::arg("gated") = false);
 }

@@ -154,14 +154,23 @@ class FastLinear(nn.Linear):
         self._packed[dtype] = (key, packed, b)
         return packed, b
 
-    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
-        """``x @ W.T + b``, plus ``residual`` when given (fused into the packed matmul's epilogue)."""
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None, norm: RMSNorm | None = None,
+                gated: bool = False) -> torch.Tensor:
+        """``f(x) @ W.T + b``, plus ``residual`` when given (fused into the matmul's epilogue).
+
+        ``f`` is the identity, ``norm(x)`` (an RMSNorm applied first), or with ``gated`` silu(gate) * up
+        of x = [gate | up]; the skinny kernel fuses them into its prologue, the other paths apply them here.
+        """
         if torch.is_grad_enabled() and (self.weight.requires_grad or x.requires_grad):
+            x = self._prologue(x, norm, gated)
             y = F.linear(x, self.weight.to(x.dtype), None if self.bias is None else self.bias.to(x.dtype))
             return y if residual is None else residual + y
         if x.dtype == torch.float32 and x.numel() <= kernels.MAX_ROWS * x.shape[-1] and kernels.skinny() is not None:
             packed, b = self._pack("skinny")
-            return kernels.skinny().linear(x, packed, self.out_features, b, residual)
+            g = None if norm is None else norm.weight.float()
+            return kernels.skinny().linear(x, packed, self.out_features, b, residual, g,
+                                           1e-6 if norm is None else norm.eps, gated)
+        x = self._prologue(x, norm, gated)
         packed, b = self._pack(x.dtype)
         if self._packs(x.dtype):
             if residual is not None and residual.dtype == x.dtype:
@@ -170,6 +179,15 @@ class FastLinear(nn.Linear):
         else:
             y = F.linear(x, packed, b)
         return y if residual is None else residual + y
+
+    @staticmethod
+    def _prologue(x: torch.Tensor, norm: RMSNorm | None, gated: bool) -> torch.Tensor:
+        if norm is not None:
+            x = norm(x)
+        if gated:
+            gate, up = x.chunk(2, dim=-1)
+            x = F.silu(gate) * up
+        return x
 
     def _packs(self, dtype: torch.dtype) -> bool:
         return self._packing_ok if dtype == torch.float32 else (dtype == torch.bfloat16 and self._packing_bf16)
@@ -238,7 +256,7 @@ class Block(nn.Module):
         cfg = self.cfg
         B, T, _ = x.shape
         hd, nh, nkv = cfg.head_dim, cfg.num_heads, cfg.num_kv_heads
-        qkv = self.qkv(self.attn_norm(x))  # (B, T, (nh + 2 nkv) hd)
+        qkv = self.qkv(x, norm=self.attn_norm)  # (B, T, (nh + 2 nkv) hd)
         v = qkv[..., (nh + nkv) * hd :].view(B, T, nkv, hd)
         if cfg.qk_norm:
             q = rotate(self.q_norm(qkv[..., : nh * hd].view(B, T, nh, hd)), cos, sin)
@@ -256,8 +274,7 @@ class Block(nn.Module):
         a = F.scaled_dot_product_attention(qf, K.to(qf.dtype), V.to(qf.dtype), attn_mask=mask)  # (B, KV, G*T, hd)
         a = a.view(B, nkv, g, T, hd).permute(0, 3, 1, 2, 4).reshape(B, T, nh * hd)
         x = self.o(a, residual=x)
-        gate, up = self.gate_up(self.mlp_norm(x)).chunk(2, dim=-1)
-        return self.down(F.silu(gate).mul_(up), residual=x)
+        return self.down(self.gate_up(x, norm=self.mlp_norm), residual=x, gated=True)
 
 
 class Decoder(nn.Module):
