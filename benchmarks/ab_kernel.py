@@ -1,9 +1,11 @@
-"""A/B of the skinny kernel's fused prologues (RMSNorm before qkv / gate_up, silu-gate before down)
-against the same kernel fed by the eager ops, interleaved in one process (BENCHMARKS.md).
+"""A/B of the skinny GEMM kernel in the engine, interleaved in one process (BENCHMARKS.md).
 
-fp32, the bench's chat prompts, every row forced to 64 new tokens, best of 4 per system.
-Run: python benchmarks/ab_prologue.py"""
+  python benchmarks/ab_kernel.py skinny     # the kernel (with its fused prologues) vs oneDNN's linears
+  python benchmarks/ab_kernel.py prologue   # fused RMSNorm / silu-gate prologues vs the same kernel fed by eager ops
 
+fp32, the bench's chat prompts, every row forced to 64 new tokens, best of 4 per system."""
+
+import sys
 import time
 
 import torch
@@ -17,13 +19,11 @@ from specroll.models import hub
 from specroll.models.decoder import rms_norm
 
 torch.set_num_threads(2)
-model, tok = hub.load("smollm2-135m", torch.float32)
-engine = Engine(model, eos_ids=[], dtype=torch.float32)
 ext = kernels.skinny()
 assert ext is not None, "the skinny kernel did not build here"
 
 
-class Unfused:
+class EagerPrologue:
     """The kernel with its prologue done by the eager ops (the code before the fusion)."""
 
     pack = staticmethod(ext.pack)
@@ -38,15 +38,19 @@ class Unfused:
         return ext.linear(x, wp, n, bias, residual)
 
 
+what = sys.argv[1] if len(sys.argv) > 1 else "skinny"
+systems = {"skinny": {"kernel": ext, "oneDNN": None}, "prologue": {"fused": ext, "eager prologue": EagerPrologue}}[what]
+model, tok = hub.load("smollm2-135m", torch.float32)
+engine = Engine(model, eos_ids=[], dtype=torch.float32)
 for B in (1, 8, 32):
     prompts = chat_prompts(tok, B)
     params = SamplingParams(temperature=1.0, max_new_tokens=64, min_new_tokens=64, seed=0)
-    best = {"fused": float("inf"), "eager": float("inf")}
+    best = dict.fromkeys(systems, float("inf"))
     for _ in range(4):
-        for kind, mod in (("fused", ext), ("eager", Unfused)):
+        for name, mod in systems.items():
             kernels.skinny = lambda mod=mod: mod
             t = time.perf_counter()
             engine.generate(prompts, params)
-            best[kind] = min(best[kind], time.perf_counter() - t)
-    print(f"batch {B}: fused {B * 64 / best['fused']:.1f} tok/s, eager prologue {B * 64 / best['eager']:.1f} tok/s, "
-          f"ratio {best['eager'] / best['fused']:.3f}", flush=True)
+            best[name] = min(best[name], time.perf_counter() - t)
+    (a, ta), (b, tb) = best.items()
+    print(f"batch {B}: {a} {B * 64 / ta:.1f} tok/s, {b} {B * 64 / tb:.1f} tok/s, ratio {tb / ta:.3f}", flush=True)
