@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import functools
 import os
+import platform
 import sys
 import warnings
 from pathlib import Path
@@ -38,7 +39,8 @@ def skinny():
     """The compiled skinny-GEMM module, or None (with one warning saying why) if it cannot be used."""
     if not enabled():
         return None
-    if not (torch.cpu._is_avx2_supported() and os.uname().machine in ("x86_64", "AMD64")):
+    avx2 = getattr(torch.cpu, "_is_avx2_supported", lambda: False)
+    if not (platform.machine() in ("x86_64", "AMD64") and avx2()):
         return None
     try:
         from torch.utils.cpp_extension import load
