@@ -111,10 +111,7 @@ def fingerprint() -> dict:
 
 def dtype_name(dtype) -> str:
     """"float32" or "bfloat16" for a torch dtype or a name (``auto`` resolves for this CPU)."""
-    name = str(dtype).replace("torch.", "")
-    if name not in ("auto", "float32", "bfloat16"):
-        raise ValueError(f"dtype must be float32, bfloat16 or auto, got {dtype!r}")
-    return resolve_dtype_name(name)
+    return resolve_dtype_name(str(dtype).replace("torch.", ""))
 
 
 def profile_key(model: str, dtype, fp: dict | None = None) -> str:

@@ -20,12 +20,13 @@ from pathlib import Path
 import torch
 
 SRC = Path(__file__).with_name("skinny.cpp")
-MAX_ROWS = 32  # the skinny kernel beat oneDNN by 1.2-1.7x up to here, and not always at 64 (BENCHMARKS.md)
+MAX_ROWS = 32  # up to here the kernel beat oneDNN on every SmolLM2 shape (1.0-2.2x); at 64 not always (BENCHMARKS.md)
 
 
 def _build_dir() -> Path:
-    home = Path(os.environ.get("SPECROLL_HOME", Path.home() / ".cache" / "specroll"))
-    d = home / "kernels" / f"torch{torch.__version__.split('+')[0]}-py{sys.version_info[0]}{sys.version_info[1]}"
+    from ..models.hub import home
+
+    d = home() / "kernels" / f"torch{torch.__version__.split('+')[0]}-py{sys.version_info[0]}{sys.version_info[1]}"
     d.mkdir(parents=True, exist_ok=True)
     return d
 

@@ -186,7 +186,7 @@ class FastLinear(nn.Linear):
             x = norm(x)
         if gated:
             gate, up = x.chunk(2, dim=-1)
-            x = F.silu(gate) * up
+            x = F.silu(gate).mul_(up)
         return x
 
     def _packs(self, dtype: torch.dtype) -> bool:
