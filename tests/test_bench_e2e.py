@@ -18,7 +18,7 @@ COMMON = ["bench", "e2e", "--model", "tiny-llama", "--systems", "specroll", "--p
 def test_bench_e2e_spec_modes_rows_ratios_and_figure(tmp_path, capsys):
     out = tmp_path / "e2e.json"
     assert main(COMMON + ["--epochs", "2", "--spec", "off,reuse,draft,reuse+draft", "--lenience", "inf",
-                          "--draft", "random", "draft.n_verify=4", "draft.k=2", "draft.depth=2",
+                          "--draft", "random", "draft.plan=static", "draft.n_verify=4", "draft.k=2", "draft.depth=2",
                           "--out", str(out)]) == 0
     res = json.loads(out.read_text())
     rows = res["rows"]

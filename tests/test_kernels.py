@@ -97,3 +97,106 @@ def test_skinny_prologues_match_the_eager_ops(M):
     torch.testing.assert_close(ext.linear(gu, wp, N, gated=True), ref, atol=2e-5, rtol=1e-5)
     with pytest.raises(RuntimeError, match="not both"):
         ext.linear(gu, wp, N, None, None, gain, 1e-5, True)
+
+
+def _sdpa64(q, k, v, mask):
+    """Float64 reference attention (SDPA semantics); queries that see no key give zeros."""
+    s = (q.double() @ k.double().transpose(-1, -2)) * q.shape[-1] ** -0.5
+    if mask is not None:
+        s = s.masked_fill(~mask, float("-inf"))
+    p = torch.softmax(s, dim=-1).nan_to_num(0.0)
+    return (p @ v.double()).float()
+
+
+@needs_kernel
+@pytest.mark.parametrize("Q,S,D", [(1, 1, 64), (3, 7, 64), (3, 100, 64), (17, 33, 24), (64, 9, 128), (5, 300, 8)])
+@pytest.mark.parametrize("mask_kind", ["none", "ragged", "broadcast"])
+def test_attention_kernel_matches_sdpa(Q, S, D, mask_kind):
+    """The kernel against float64 attention and SDPA, on strided cache-like K/V views; scores span a wide
+    range (the kernel's own exp), rows see different numbers of keys, some queries see none (zeros)."""
+    g = torch.Generator().manual_seed(Q * 1000 + S + D)
+    B, H = 3, 2
+    q = torch.randn(B, H, Q, D, generator=g) * 4
+    k_all, v_all = torch.randn(B, H, S + 5, D, generator=g), torch.randn(B, H, S + 5, D, generator=g)
+    k, v = k_all[:, :, :S], v_all[:, :, :S]  # strided along the batch axes, like a cache's span
+    mask = None
+    if mask_kind == "ragged":
+        mask = torch.rand(B, 1, Q, S, generator=g) < 0.7
+        mask[..., 0] = True
+        mask[1, 0, 0] = False  # a query that sees nothing
+    elif mask_kind == "broadcast":
+        mask = torch.ones(1, 1, Q, S, dtype=torch.bool).tril(diagonal=S - Q)
+    out = ext.attention(q, k, v, mask, D ** -0.5)
+    torch.testing.assert_close(out, _sdpa64(q, k, v, mask), atol=2e-5, rtol=2e-5)
+    if mask_kind != "ragged":  # SDPA's NaN rows aside, the same as what the eager path computes
+        torch.testing.assert_close(out, F.scaled_dot_product_attention(q, k, v, attn_mask=mask), atol=2e-5, rtol=2e-5)
+
+
+@needs_kernel
+def test_attention_kernel_rejects_bad_input():
+    q, k = torch.randn(1, 2, 3, 8), torch.randn(1, 2, 5, 8)
+    with pytest.raises(RuntimeError, match="fp32 only"):
+        ext.attention(q.double(), k.double(), k.double(), None, 1.0)
+    with pytest.raises(RuntimeError, match="shape mismatch"):
+        ext.attention(q, k, k[:, :1], None, 1.0)
+    with pytest.raises(RuntimeError, match="bool"):
+        ext.attention(q, k, k, torch.ones(1, 1, 3, 5), 1.0)
+
+
+def _step_outputs(model, cache_len: int, T: int, tree: bool, seed: int):
+    """One cached forward of T new tokens per row after ragged prompts: (hidden, cache K, cache V)."""
+    from specroll.engine.cache import KVCache
+
+    g = torch.Generator().manual_seed(seed)
+    cfg, B = model.cfg, 4
+    cache = KVCache.for_model(cfg, B, cache_len, torch.float32)
+    cache.reset(B)
+    lens = torch.tensor([5, 9, 1, 12])
+    P = int(lens.max())
+    ids = torch.randint(0, cfg.vocab_size, (B, P), generator=g)
+    pos = torch.arange(P).expand(B, P)
+    model(ids, pos, cache=cache, mask=cache.mask(P), slots=pos)
+    cache.lens[:B] = lens
+    new = torch.randint(0, cfg.vocab_size, (B, T), generator=g)
+    tmask = None
+    if tree:  # a random tree: every node sees itself and a random subset of the earlier nodes
+        tmask = (torch.rand(B, T, T, generator=g) < 0.5).tril() | torch.eye(T, dtype=torch.bool)
+    slots = cache.chain_slots(T)
+    h = model(new, slots, cache=cache, mask=cache.mask(T, tmask), slots=slots)
+    span = int(slots.max()) + 1
+    return h, cache.k[:, :B, :, :span].clone(), cache.v[:, :B, :, :span].clone(), lens
+
+
+@needs_kernel
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+@pytest.mark.parametrize("T,tree", [(1, False), (4, False), (6, True)])
+def test_fused_rope_attention_step_matches_eager(monkeypatch, arch, T, tree):
+    """A decode / tree-verification forward through ``rope_attention`` gives the eager path's hidden states
+    and writes the same K/V into the cache (committed slots and new slots alike)."""
+    from specroll.models import decoder
+    from specroll.models.tiny import tiny_hf_config
+
+    torch.manual_seed(0)
+    model = decoder.Decoder(decoder.DecoderConfig.from_hf(tiny_hf_config(arch))).eval()
+    calls = []
+    real = ext
+
+    class Spy:
+        def __getattr__(self, name):
+            if name == "rope_attention":
+                calls.append(name)
+            return getattr(real, name)
+
+    monkeypatch.setattr(kernels, "skinny", lambda: Spy())
+    with torch.no_grad():
+        fused = _step_outputs(model, 40, T, tree, seed=T)
+        assert calls, "the fused kernel was not used"
+        monkeypatch.setattr(decoder, "MAX_KERNEL_QUERIES", 0)
+        calls.clear()
+        eager = _step_outputs(model, 40, T, tree, seed=T)
+        assert not calls
+    h, K, V, lens = fused
+    torch.testing.assert_close(h, eager[0], atol=1e-5, rtol=1e-5)
+    for b, n in enumerate(lens.tolist()):  # slots beyond a row's prompt + T new tokens are never written
+        torch.testing.assert_close(K[:, b, :, : n + T], eager[1][:, b, :, : n + T], atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(V[:, b, :, : n + T], eager[2][:, b, :, : n + T], atol=1e-5, rtol=1e-5)

@@ -185,7 +185,7 @@ def test_trainer_learns_the_head_online_checkpoints_and_resumes(tmp_path):
     from specroll.rl.trainer import Trainer
 
     decode, make_cfg, prompts, target_fraction, tiny_model = trainer_parts()
-    cfg = make_cfg("draft.head=random", "draft.online=true", "draft.vocab=16", "draft.n_verify=6", "draft.k=2",
+    cfg = make_cfg("draft.head=random", "draft.online=true", "draft.vocab=16", "draft.plan=static", "draft.n_verify=6", "draft.k=2",
                    "draft.depth=3", "draft.lr=1e-2", "draft.update_steps=2", "train.steps=2")
     ps = prompts()
 
@@ -222,7 +222,7 @@ def test_frozen_head_reports_acceptance_and_does_not_change():
     from specroll.rl.trainer import Trainer
 
     decode, make_cfg, prompts, target_fraction, tiny_model = trainer_parts()
-    cfg = make_cfg("draft.head=random", "draft.vocab=0", "draft.n_verify=6", "draft.k=2", "draft.depth=3")
+    cfg = make_cfg("draft.head=random", "draft.vocab=0", "draft.plan=static", "draft.n_verify=6", "draft.k=2", "draft.depth=3")
     ps = prompts()
     model = tiny_model(0)
     d = build_spec_drafter(cfg, model, ps.ids, log=None)
@@ -323,7 +323,7 @@ def test_cli_bench_online_writes_both_curves(tmp_path, monkeypatch, capsys):
     out = tmp_path / "b" / "online.json"
     args = ["bench", "online", "--model", "tiny-llama", "--steps", "2", "--prompts", "4", "--prompts-per-step", "2",
             "-G", "2", "--max-new-tokens", "6", "--dtype", "float32", "--draft-lr", "1e-2", "--out", str(out),
-            "draft.n_verify=4", "draft.k=2", "draft.depth=2", "train.micro_batch_size=4"]
+            "draft.plan=static", "draft.n_verify=4", "draft.k=2", "draft.depth=2", "train.micro_batch_size=4"]
     assert main(args) == 0
     res = json.loads(out.read_text())
     rows = res["rows"]

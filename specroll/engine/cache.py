@@ -29,6 +29,22 @@ def compaction_order(alive: torch.Tensor) -> torch.Tensor:
     return order
 
 
+class LayerWriter:
+    """One layer's cache rows for the current forward: ``k``, ``v`` (B, KV, S_max, hd) views, the (B, T)
+    ``slots`` being written and the ``span`` of slots visible. Calling it stores new K/V (the eager path);
+    ``decoder.Block`` may instead hand the fields to a fused kernel that writes the same slots."""
+
+    __slots__ = ("k", "v", "rows", "slots", "span")
+
+    def __init__(self, k, v, rows, slots, span):
+        self.k, self.v, self.rows, self.slots, self.span = k, v, rows, slots, span
+
+    def __call__(self, k: torch.Tensor, v: torch.Tensor):
+        self.k[self.rows, :, self.slots] = k.to(self.k.dtype)
+        self.v[self.rows, :, self.slots] = v.to(self.v.dtype)
+        return self.k[:, :, : self.span], self.v[:, :, : self.span]
+
+
 class KVCache:
     def __init__(self, n_layers: int, max_batch: int, n_kv: int, max_len: int, head_dim: int,
                  dtype: torch.dtype = torch.float32):
@@ -71,19 +87,11 @@ class KVCache:
         self._span = span
         self._rows = torch.arange(slots.shape[0]).unsqueeze(1).expand_as(slots)
 
-    def writer(self, layer: int, slots: torch.Tensor):
+    def writer(self, layer: int, slots: torch.Tensor) -> LayerWriter:
         """Return ``f(k, v) -> (K, V)`` that stores (B, T, KV, hd) at ``slots`` and returns the visible
-        (B, KV, S, hd) views for this layer."""
+        (B, KV, S, hd) views for this layer (a ``LayerWriter``, which fused kernels can also read)."""
         B = slots.shape[0]
-        rows, span = self._rows, self._span
-        k_all, v_all = self.k[layer, :B], self.v[layer, :B]
-
-        def write(k: torch.Tensor, v: torch.Tensor):
-            k_all[rows, :, slots] = k.to(k_all.dtype)
-            v_all[rows, :, slots] = v.to(v_all.dtype)
-            return k_all[:, :, :span], v_all[:, :, :span]
-
-        return write
+        return LayerWriter(self.k[layer, :B], self.v[layer, :B], self._rows, slots, self._span)
 
     def chain_slots(self, T: int) -> torch.Tensor:
         """(B, T) slots right after each row's committed length."""

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-SRC = Path(__file__).with_name("skinny.cpp")
+SRCS = [Path(__file__).with_name(n) for n in ("skinny.cpp", "attention.cpp")]
 MAX_ROWS = 32  # up to here the kernel beat oneDNN on every SmolLM2 shape (1.0-2.2x); at 64 not always (BENCHMARKS.md)
 
 
@@ -49,7 +49,7 @@ def skinny():
         if not any(_build_dir().glob("*.so")):
             print("specroll: compiling the skinny GEMM kernel for this machine (once, ~30 s) ...", file=sys.stderr,
                   flush=True)
-        return load("specroll_skinny", [str(SRC)], build_directory=str(_build_dir()),
+        return load("specroll_skinny", [str(p) for p in SRCS], build_directory=str(_build_dir()),
                     extra_cflags=["-O3", "-mavx2", "-mfma", "-fopenmp"], extra_ldflags=["-fopenmp"], verbose=False)
     except Exception as e:  # no compiler / headers / ninja: oneDNN still works
         warnings.warn(f"specroll: the skinny GEMM kernel could not be built ({type(e).__name__}: {str(e)[:200]}); "

@@ -155,9 +155,24 @@ torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& wp, int64_t N,
   return y.view(out_shape);
 }
 
+namespace specroll {
+torch::Tensor attention(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
+                        const c10::optional<torch::Tensor>& mask, double scale);  // attention.cpp
+torch::Tensor rope_attention(const torch::Tensor& qkv, const torch::Tensor& cos, const torch::Tensor& sin,
+                             const torch::Tensor& k_cache, const torch::Tensor& v_cache, const torch::Tensor& slots,
+                             const c10::optional<torch::Tensor>& mask, int64_t nh, int64_t kv, int64_t span,
+                             double scale);
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("pack", &pack, "pack an (N, K) fp32 weight into 16-column panels");
   m.def("linear", &linear, "f(x) @ W^T (+ bias) (+ residual) over packed panels; f = identity, RMSNorm or silu-gate",
         py::arg("x"), py::arg("wp"), py::arg("n"), py::arg("bias") = py::none(), py::arg("residual") = py::none(),
         py::arg("norm") = py::none(), py::arg("eps") = 1e-6, py::arg("gated") = false);
+  m.def("attention", &specroll::attention, "softmax(scale q K^T, masked) V for few queries per (row, head)",
+        py::arg("q"), py::arg("k"), py::arg("v"), py::arg("mask") = py::none(), py::arg("scale"));
+  m.def("rope_attention", &specroll::rope_attention,
+        "RoPE, KV-cache write and attention of a decode / verification step (qkv -> heads for the o projection)",
+        py::arg("qkv"), py::arg("cos"), py::arg("sin"), py::arg("k_cache"), py::arg("v_cache"), py::arg("slots"),
+        py::arg("mask"), py::arg("nh"), py::arg("kv"), py::arg("span"), py::arg("scale"));
 }

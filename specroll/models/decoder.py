@@ -13,7 +13,8 @@ Departures from the HF implementation, all numerically equivalent in fp32:
   keep fp32 master weights while rollouts run in bf16. Measured on this machine, the packed
   linears stream weights 3-4x faster than ``F.linear`` at batch 8-32;
 - fp32 linears over 1-32 rows (decode and verification steps) run the hand-written skinny GEMM of
-  ``specroll/kernels/skinny.cpp`` where it builds (x86 with AVX2), else oneDNN.
+  ``specroll/kernels/skinny.cpp`` where it builds (x86 with AVX2), else oneDNN; the attention of such
+  steps runs ``specroll/kernels/attention.cpp`` (else SDPA).
 """
 
 from __future__ import annotations
@@ -234,6 +235,28 @@ def fold_mask(mask: torch.Tensor, groups: int) -> torch.Tensor:
     return mask[:, None, None].expand(B, 1, groups, T, S).reshape(B, 1, groups * T, S)
 
 
+MAX_KERNEL_QUERIES = 64  # folded queries per (row, KV head) up to which ``attend`` uses the kernel (decode, trees)
+
+
+def fused_step(qkv: torch.Tensor, layer_kv, queries: int) -> bool:
+    """Whether a layer's RoPE + cache write + attention can run as one kernel call: an fp32 step without
+    autograd over a KV-cache layer (``engine.cache.LayerWriter``) with at most ``MAX_KERNEL_QUERIES``
+    folded queries per (row, KV head), and the kernels built."""
+    return (qkv.dtype == torch.float32 and queries <= MAX_KERNEL_QUERIES and hasattr(layer_kv, "slots")
+            and layer_kv.k.dtype == torch.float32 and not torch.is_grad_enabled() and kernels.skinny() is not None)
+
+
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+    """softmax(q k^T / sqrt(hd), masked) v; q (B, KV, Q, hd), k/v (B, KV, S, hd), mask bool or None.
+
+    fp32 without autograd and with few queries (decode and verification steps) runs the kernel of
+    ``specroll/kernels/attention.cpp``; everything else runs PyTorch's SDPA."""
+    if (q.dtype == torch.float32 and q.shape[2] <= MAX_KERNEL_QUERIES and not torch.is_grad_enabled()
+            and k.stride(-1) == 1 and v.stride(-1) == 1 and kernels.skinny() is not None):
+        return kernels.skinny().attention(q, k, v, mask, q.shape[-1] ** -0.5)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+
+
 class Block(nn.Module):
     def __init__(self, cfg: DecoderConfig):
         super().__init__()
@@ -257,6 +280,11 @@ class Block(nn.Module):
         B, T, _ = x.shape
         hd, nh, nkv = cfg.head_dim, cfg.num_heads, cfg.num_kv_heads
         qkv = self.qkv(x, norm=self.attn_norm)  # (B, T, (nh + 2 nkv) hd)
+        if fused_step(qkv, layer_kv, nh // nkv * T) and not cfg.qk_norm:
+            a = kernels.skinny().rope_attention(qkv, cos, sin, layer_kv.k, layer_kv.v, layer_kv.slots, mask, nh, nkv,
+                                                layer_kv.span, hd ** -0.5)
+            x = self.o(a, residual=x)
+            return self.down(self.gate_up(x, norm=self.mlp_norm), residual=x, gated=True)
         v = qkv[..., (nh + nkv) * hd :].view(B, T, nkv, hd)
         if cfg.qk_norm:
             q = rotate(self.q_norm(qkv[..., : nh * hd].view(B, T, nh, hd)), cos, sin)
@@ -271,7 +299,7 @@ class Block(nn.Module):
         # fold the G query heads of each KV head into the query axis: (B, KV, G*T, hd)
         g = nh // nkv
         qf = q.view(B, T, nkv, g, hd).permute(0, 2, 3, 1, 4).reshape(B, nkv, g * T, hd)
-        a = F.scaled_dot_product_attention(qf, K.to(qf.dtype), V.to(qf.dtype), attn_mask=mask)  # (B, KV, G*T, hd)
+        a = attend(qf, K.to(qf.dtype), V.to(qf.dtype), mask)  # (B, KV, G*T, hd)
         a = a.view(B, nkv, g, T, hd).permute(0, 3, 1, 2, 4).reshape(B, T, nh * hd)
         x = self.o(a, residual=x)
         return self.down(self.gate_up(x, norm=self.mlp_norm), residual=x, gated=True)
