@@ -1,7 +1,8 @@
 """Shared fixtures.
 
 - ``specroll_home`` (session, autouse): a temporary ``SPECROLL_HOME`` so tests never touch the user's
-  cache. Aliases such as ``tiny-llama`` resolved by tests are built there.
+  cache. Aliases such as ``tiny-llama`` resolved by tests are built there; its ``kernels`` links to the
+  real cache's, so the C++ kernels compile once per machine rather than once per test run.
 - ``smollm2`` (session): (Decoder, tokenizer, dir) of the real SmolLM2-135M-Instruct. It lives in the
   *real* cache (``$SPECROLL_HOME`` as set before pytest started, else ``~/.cache/specroll``), so it is
   pulled once per machine (about 40 s) and reloaded in about a second afterwards.
@@ -22,6 +23,8 @@ REAL_HOME = Path(os.environ.get("SPECROLL_HOME") or Path.home() / ".cache" / "sp
 @pytest.fixture(scope="session", autouse=True)
 def specroll_home(tmp_path_factory):
     home = tmp_path_factory.mktemp("specroll_home")
+    (REAL_HOME / "kernels").mkdir(parents=True, exist_ok=True)
+    (home / "kernels").symlink_to(REAL_HOME / "kernels")  # built kernels are per machine: compile once, not per run
     old = os.environ.get("SPECROLL_HOME")
     os.environ["SPECROLL_HOME"] = str(home)
     yield home

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import math
 
 import pytest
@@ -11,7 +12,7 @@ from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCau
 from specroll.engine.cache import KVCache, compaction_order
 from specroll.engine.engine import Engine
 from specroll.engine.sampling import SamplingParams, processed_logprobs, sample
-from specroll.models.decoder import Decoder, DecoderConfig, hf_to_decoder_state
+from specroll.models.decoder import Decoder, DecoderConfig, FastLinear, hf_to_decoder_state
 
 V = 96
 
@@ -157,6 +158,34 @@ def test_bf16_rollout_close_to_fp32():
     assert h16.dtype == torch.bfloat16
     l32, l16 = model.logits(h32), model.logits(h16)
     assert (l32.softmax(-1) - l16.softmax(-1)).abs().sum(-1).max() < 0.1
+
+
+def test_bf16_weight_mode_equals_fp32_on_rounded_weights():
+    """On a CPU without native bf16 a bf16 engine streams bf16 weights with fp32 arithmetic: it must give
+    what the fp32 engine gives on a copy of the model with its weights rounded to bf16 (greedy tokens equal,
+    policy logprobs within 1e-4), and leave the model's fp32 weights alone."""
+    from specroll import kernels
+    from specroll.device import fast_bf16
+
+    if fast_bf16() or kernels.skinny() is None:
+        pytest.skip("the bf16 weight mode is for CPUs without native bf16, with the kernels built")
+    _, model = tiny_hf("llama")
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    eng = Engine(model, eos_ids=[], dtype=torch.bfloat16)
+    assert eng.bf16_weights and eng.act_dtype == torch.float32
+    rounded = copy.deepcopy(model)  # every linear's weight rounded; the embedding lookup stays fp32
+    rounded.lm_head.weight = torch.nn.Parameter(rounded.lm_head.weight.detach().clone())  # untie
+    with torch.no_grad():
+        for mod in rounded.modules():
+            if isinstance(mod, FastLinear):
+                mod.weight.copy_(mod.weight.bfloat16().float())
+    p = SamplingParams(temperature=0.0, max_new_tokens=12)
+    a = eng.generate(PROMPTS, p, n=1)
+    b = Engine(rounded, eos_ids=[]).generate(PROMPTS, p, n=1)
+    for x, y in zip(a, b):
+        assert x.completion_ids.tolist() == y.completion_ids.tolist()
+        torch.testing.assert_close(x.logprobs, y.logprobs, atol=1e-4, rtol=0)
+    assert all(torch.equal(v, model.state_dict()[k]) for k, v in before.items())
 
 
 # -- sampler ---------------------------------------------------------------------------------

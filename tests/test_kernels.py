@@ -13,7 +13,7 @@ needs_kernel = pytest.mark.skipif(ext is None, reason="skinny kernel unavailable
 
 @needs_kernel
 @pytest.mark.parametrize("K,N", [(64, 48), (37, 50), (576, 960), (1536, 576), (8, 1)])
-@pytest.mark.parametrize("M", [1, 2, 5, 6, 7, 8, 13, 32, 33])
+@pytest.mark.parametrize("M", [1, 2, 5, 6, 7, 8, 13, 32, 33, 200])
 def test_skinny_matches_f_linear(K, N, M):
     g = torch.Generator().manual_seed(M * 1000 + N)
     w, b = torch.randn(N, K, generator=g), torch.randn(N, generator=g)
@@ -25,6 +25,21 @@ def test_skinny_matches_f_linear(K, N, M):
     torch.testing.assert_close(ext.linear(x, wp, N, None, None), ref, **tol)
     torch.testing.assert_close(ext.linear(x, wp, N, b, None), ref + b, **tol)
     torch.testing.assert_close(ext.linear(x, wp, N, b, r), ref + b + r, **tol)
+
+
+@needs_kernel
+@pytest.mark.parametrize("K,N", [(64, 48), (37, 50), (576, 960)])
+@pytest.mark.parametrize("M", [1, 7, 12, 32, 100])
+def test_skinny_bf16_weights_match_f_linear_of_the_rounded_weights(K, N, M):
+    """bf16 panels: the same product as F.linear with the weights rounded to bf16, computed in fp32."""
+    g = torch.Generator().manual_seed(M * 7 + N)
+    w, b = torch.randn(N, K, generator=g), torch.randn(N, generator=g)
+    x, r = torch.randn(M, K, generator=g), torch.randn(M, N, generator=g)
+    wp = ext.pack(w.bfloat16())
+    assert wp.dtype == torch.bfloat16 and wp.shape == (-(-N // 16), K, 16)
+    ref = F.linear(x, w.bfloat16().float()) + b + r
+    torch.testing.assert_close(ext.linear(x, wp, N, b, r), ref, atol=1e-5 * K ** 0.5 * 4, rtol=1e-5)
+    assert (ext.linear(x, wp, N, b, r) - (F.linear(x, w) + b + r)).abs().max() > 1e-4  # the rounding is real
 
 
 @needs_kernel

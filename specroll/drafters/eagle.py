@@ -255,7 +255,7 @@ class EagleDrafter:
     def prepare(self, engine, st, prompts, n):
         """The head's KV over every row's prompt, rows prompt-major as the engine forks them."""
         self.engine, self.policy = engine, engine.model
-        self.dtype = engine.dtype
+        self.dtype = engine.act_dtype
         self.lm = DraftVocab(self.policy, self.head.vocab_ids)
         mp = self.max_plan
         longest = max(len(p) for p in prompts)

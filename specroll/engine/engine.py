@@ -18,7 +18,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..models.decoder import Decoder
+from .. import kernels
+from ..device import fast_bf16
+from ..models.decoder import Decoder, bf16_weights
 from .cache import KVCache, compaction_order
 from .sampling import SamplingParams, sample
 
@@ -61,14 +63,20 @@ class DecodeState:
 class Engine:
     """Batched KV-cache generation over a ``Decoder``.
 
-    ``dtype``: activation / KV dtype for rollouts (default: the weights' dtype). ``bfloat16`` runs
-    bf16 rollouts of fp32 weights through bf16 packed copies (see ``decoder.FastLinear``).
+    ``dtype``: rollout precision (default: the weights' dtype). ``bfloat16`` of fp32 weights runs bf16
+    rollouts through bf16 copies of the weights: on a CPU with native bf16, bf16 activations and KV
+    cache with oneDNN-packed weights; elsewhere (``bf16_weights``) fp32 activations, KV cache and
+    arithmetic with bf16 weights streamed by the skinny kernel (``act_dtype`` says which).
     """
 
     def __init__(self, model: Decoder, eos_ids=(), dtype: torch.dtype | None = None, prefill_chunk: int = 4096):
         self.model = model
         self.eos_ids = tuple(int(e) for e in (eos_ids if isinstance(eos_ids, (list, tuple)) else [eos_ids]))
         self.dtype = dtype or model.dtype
+        # bf16 on a CPU without native bf16 arithmetic: bf16 weights, fp32 activations / KV cache / arithmetic
+        self.bf16_weights = (self.dtype == torch.bfloat16 and model.dtype == torch.float32 and not fast_bf16()
+                             and kernels.skinny() is not None)
+        self.act_dtype = torch.float32 if self.bf16_weights else self.dtype
         self.prefill_chunk = prefill_chunk  # max prompt tokens per prefill forward
         self.policy_version = 0
         self._cache: KVCache | None = None
@@ -76,15 +84,20 @@ class Engine:
     # -- helpers ------------------------------------------------------------------------------
     def _get_cache(self, batch: int, length: int) -> KVCache:
         c = self._cache
-        if c is None or c.max_batch < batch or c.max_len < length or c.k.dtype != self.dtype:
-            c = KVCache.for_model(self.model.cfg, batch, length, self.dtype)
+        if c is None or c.max_batch < batch or c.max_len < length or c.k.dtype != self.act_dtype:
+            c = KVCache.for_model(self.model.cfg, batch, length, self.act_dtype)
             self._cache = c
         c.reset(batch)
         return c
 
     def forward(self, cache: KVCache, ids: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
                 mask: torch.Tensor) -> torch.Tensor:
-        return self.model(ids, positions, cache=cache, mask=mask, slots=slots, act_dtype=self.dtype)
+        with self.precision():
+            return self.model(ids, positions, cache=cache, mask=mask, slots=slots, act_dtype=self.act_dtype)
+
+    def precision(self):
+        """The context every policy forward of a rollout runs in (``bf16_weights`` in the bf16 weight mode)."""
+        return bf16_weights(self.bf16_weights)
 
     def _check_prompts(self, prompts, params: SamplingParams, extra: int) -> list[torch.Tensor]:
         out = []
@@ -110,7 +123,7 @@ class Engine:
         ``keep``: a list that receives each prompt's hidden states at every position, (len_p, D)."""
         P = len(prompts)
         lens = torch.tensor([len(p) for p in prompts])
-        hidden = torch.empty(P, self.model.cfg.hidden_size, dtype=self.dtype)
+        hidden = torch.empty(P, self.model.cfg.hidden_size, dtype=self.act_dtype)
         per = max(1, self.prefill_chunk // int(lens.max()))
         for s in range(0, P, per):  # rows of a chunk are right-padded to the chunk's longest
             rows = slice(s, min(P, s + per))
@@ -132,6 +145,10 @@ class Engine:
     @torch.no_grad()
     def generate(self, prompts, params: SamplingParams, n: int = 1, drafter=None) -> list[Rollout]:
         """Sample ``n`` completions for each prompt. Returns prompt-major rollouts (p0s0, p0s1, ...)."""
+        with self.precision():  # every forward of the rollout, the drafter's included
+            return self._generate(prompts, params, n, drafter)
+
+    def _generate(self, prompts, params: SamplingParams, n: int, drafter) -> list[Rollout]:
         if n < 1:
             raise ValueError(f"n must be >= 1, got {n}")
         extra = drafter.max_tokens_per_step() if drafter is not None else 1

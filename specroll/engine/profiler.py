@@ -162,10 +162,11 @@ def _prefilled_cache(engine, batch: int, context: int, tokens: int, gen: torch.G
     from .cache import KVCache
 
     cfg = engine.model.cfg
-    cache = KVCache.for_model(cfg, batch, context + tokens, engine.dtype)
+    cache = KVCache.for_model(cfg, batch, context + tokens, engine.act_dtype)
     cache.reset(batch)
     prompts = [torch.randint(cfg.vocab_size, (context,), generator=gen) for _ in range(batch)]
-    engine.prefill(cache, prompts)
+    with engine.precision():
+        engine.prefill(cache, prompts)
     return cache
 
 
@@ -183,8 +184,9 @@ class VerifyPoint:
     @torch.no_grad()
     def run(self) -> float:
         t = time.perf_counter()
-        h = self.engine.forward(self.cache, self.ids, self.slots, self.slots, self.mask)
-        self.engine.model.logits(h)
+        with self.engine.precision():
+            h = self.engine.forward(self.cache, self.ids, self.slots, self.slots, self.mask)
+            self.engine.model.logits(h)
         return time.perf_counter() - t
 
 

@@ -1,4 +1,5 @@
-// Skinny fp32 GEMM for decode-sized batches: y = x @ W^T (+ bias) (+ residual), x: (M, K) with M small.
+// Skinny fp32 GEMM for decode-sized batches: y = x @ W^T (+ bias) (+ residual), x: (M, K) with M small;
+// W fp32, or bf16 (the bf16 weight mode of CPUs without native bf16: half the bytes, fp32 arithmetic).
 //
 // Why hand-written: at a few rows a linear layer is a pass over its weights, so its speed is the read
 // bandwidth it reaches. oneDNN's AVX2 kernels reached 12-22 GB/s of the 32.5 GB/s this 2-core EPYC
@@ -25,11 +26,23 @@ constexpr int MAX_MB = 6;
 #define PREFETCH_K 64  // weight rows (64 B each) prefetched ahead
 #endif
 
+// A weight panel row of 16 columns as two fp32 vectors: fp32 panels load directly, bf16 panels (the bf16
+// weight mode: half the bytes to stream) widen each 16-bit value into the top half of an fp32.
+inline void load_row(const float* w, __m256& w0, __m256& w1) {
+  w0 = _mm256_loadu_ps(w);
+  w1 = _mm256_loadu_ps(w + 8);
+}
+inline void load_row(const uint16_t* w, __m256& w0, __m256& w1) {
+  const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w));
+  w0 = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm256_castsi256_si128(raw)), 16));
+  w1 = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm256_extracti128_si256(raw, 1)), 16));
+}
+
 // acc[m][0..16) += sum over k in [k0, k1) of x[m][k] * panel[k][0..16), for the MB rows of one block.
 // The accumulators live in registers through the k loop; ``acc`` is touched with constant indices only
 // (a runtime index would make GCC keep them in memory and store all of them every iteration).
-template <int MB>
-void accumulate(const float* __restrict x, int64_t ldx, const float* __restrict wp, int64_t k0, int64_t k1,
+template <int MB, typename W>
+void accumulate(const float* __restrict x, int64_t ldx, const W* __restrict wp, int64_t k0, int64_t k1,
                 float* __restrict acc) {
   __m256 a0[MB], a1[MB];
 #pragma GCC unroll 8
@@ -38,9 +51,10 @@ void accumulate(const float* __restrict x, int64_t ldx, const float* __restrict 
     a1[m] = _mm256_loadu_ps(acc + m * PW + 8);
   }
   for (int64_t k = k0; k < k1; k++) {
-    const float* w = wp + k * PW;
-    _mm_prefetch(reinterpret_cast<const char*>(w + PREFETCH_K * PW), _MM_HINT_T0);  // one line per k: the stream
-    __m256 w0 = _mm256_loadu_ps(w), w1 = _mm256_loadu_ps(w + 8);
+    const W* w = wp + k * PW;
+    _mm_prefetch(reinterpret_cast<const char*>(w + PREFETCH_K * PW), _MM_HINT_T0);  // the stream, PREFETCH_K rows ahead
+    __m256 w0, w1;
+    load_row(w, w0, w1);
 #pragma GCC unroll 8
     for (int m = 0; m < MB; m++) {
       __m256 b = _mm256_broadcast_ss(x + m * ldx + k);
@@ -55,24 +69,53 @@ void accumulate(const float* __restrict x, int64_t ldx, const float* __restrict 
   }
 }
 
-using AccFn = void (*)(const float*, int64_t, const float*, int64_t, int64_t, float*);
-const AccFn kAcc[MAX_MB + 1] = {nullptr, accumulate<1>, accumulate<2>, accumulate<3>,
-                                accumulate<4>, accumulate<5>, accumulate<6>};
+template <typename W>
+struct Acc {
+  using Fn = void (*)(const float*, int64_t, const W*, int64_t, int64_t, float*);
+  static constexpr Fn table[MAX_MB + 1] = {nullptr, accumulate<1, W>, accumulate<2, W>, accumulate<3, W>,
+                                           accumulate<4, W>, accumulate<5, W>, accumulate<6, W>};
+};
 
-// One panel of 16 output columns for all M rows. K is walked in chunks of KC (8 KB of the panel, which
+// One panel of 16 output columns for all M rows. K is walked in chunks of KC (8 KB of an fp32 panel, which
 // stays in L1) and every row block consumes a chunk before the next is read, so the rows after the
 // first block cost compute only while the panel streams in from memory once.
 constexpr int64_t KC = 128;
-void panel(const float* x, int64_t M, int64_t K, const float* wp, float* y, int64_t ldy, int nc, const float* bias,
+// bf16 panels with more than one row block are widened a chunk at a time into ``buf`` (KC x 16 fp32, in
+// L1), so each weight is converted once rather than once per row block.
+inline const float* chunk(const float* wp, int64_t, int64_t, float*, int64_t& off) {
+  off = 0;
+  return wp;
+}
+inline const float* chunk(const uint16_t* wp, int64_t k0, int64_t k1, float* buf, int64_t& off) {
+  for (int64_t k = k0; k < k1; k++) {
+    _mm_prefetch(reinterpret_cast<const char*>(wp + (k + PREFETCH_K) * PW), _MM_HINT_T0);
+    __m256 w0, w1;
+    load_row(wp + k * PW, w0, w1);
+    _mm256_storeu_ps(buf + (k - k0) * PW, w0);
+    _mm256_storeu_ps(buf + (k - k0) * PW + 8, w1);
+  }
+  off = k0;
+  return buf;
+}
+
+template <typename W>
+void panel(const float* x, int64_t M, int64_t K, const W* wp, float* y, int64_t ldy, int nc, const float* bias,
            const float* res, float* acc) {
   const int64_t nb = (M + MAX_MB - 1) / MAX_MB;  // row blocks of near-equal size
   std::fill(acc, acc + M * PW, 0.f);
+  alignas(32) float buf[KC * PW];
   for (int64_t k0 = 0; k0 < K; k0 += KC) {
     const int64_t k1 = std::min(K, k0 + KC);
+    if (nb == 1) {  // one pass over the chunk: read the panel directly
+      Acc<W>::table[M](x, K, wp, k0, k1, acc);
+      continue;
+    }
+    int64_t off;
+    const float* w = chunk(wp, k0, k1, buf, off);  // (k - off) indexes w
     int64_t m0 = 0;
     for (int64_t blk = 0; blk < nb; blk++) {
       const int64_t m1 = M * (blk + 1) / nb;
-      kAcc[m1 - m0](x + m0 * K, K, wp, k0, k1, acc + m0 * PW);
+      Acc<float>::table[m1 - m0](x + m0 * K + off, K, w, k0 - off, k1 - off, acc + m0 * PW);
       m0 = m1;
     }
   }
@@ -86,9 +129,10 @@ void panel(const float* x, int64_t M, int64_t K, const float* wp, float* y, int6
 
 }  // namespace
 
-// (N, K) fp32 -> (ceil(N/16), K, 16), zero-padded.
+// (N, K) fp32 or bf16 -> (ceil(N/16), K, 16) of the same dtype, zero-padded.
 torch::Tensor pack(const torch::Tensor& w) {
-  TORCH_CHECK(w.dim() == 2 && w.scalar_type() == torch::kFloat32, "pack: expected an fp32 (N, K) weight");
+  TORCH_CHECK(w.dim() == 2 && (w.scalar_type() == torch::kFloat32 || w.scalar_type() == torch::kBFloat16),
+              "pack: expected an fp32 or bf16 (N, K) weight");
   auto N = w.size(0), K = w.size(1), P = (N + PW - 1) / PW;
   auto wp = torch::zeros({P * PW, K}, w.options());
   wp.narrow(0, 0, N).copy_(w);
@@ -126,7 +170,9 @@ torch::Tensor prologue(const torch::Tensor& x2, const c10::optional<torch::Tenso
 torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& wp, int64_t N, const c10::optional<torch::Tensor>& bias,
                      const c10::optional<torch::Tensor>& residual, const c10::optional<torch::Tensor>& norm,
                      double eps, bool gated) {
-  TORCH_CHECK(x.scalar_type() == torch::kFloat32 && wp.scalar_type() == torch::kFloat32, "linear: fp32 only");
+  const bool bf16 = wp.scalar_type() == torch::kBFloat16;
+  TORCH_CHECK(x.scalar_type() == torch::kFloat32 && (bf16 || wp.scalar_type() == torch::kFloat32),
+              "linear: fp32 only (x fp32; weights fp32 or bf16)");
   TORCH_CHECK(!(norm && gated), "linear: a norm or a gate, not both");
   auto x2 = x.reshape({-1, x.size(-1)}).contiguous();
   if (norm || gated) x2 = prologue(x2, norm, eps, gated);
@@ -140,18 +186,28 @@ torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& wp, int64_t N,
   if (bias) b = bias->contiguous();
   if (residual) r = residual->reshape({M, N}).contiguous();
   const float* xs = x2.data_ptr<float>();
-  const float* ws = wp.data_ptr<float>();
+  const float* ws = bf16 ? nullptr : wp.data_ptr<float>();
+  const uint16_t* wh = bf16 ? reinterpret_cast<const uint16_t*>(wp.data_ptr<at::BFloat16>()) : nullptr;
   const float* bs = bias ? b.data_ptr<float>() : nullptr;
   const float* rs = residual ? r.data_ptr<float>() : nullptr;
   float* ys = y.data_ptr<float>();
-  at::parallel_for(0, P, 8, [&](int64_t p0, int64_t p1) {
-    std::vector<float> acc(M * PW);
-    for (int64_t p = p0; p < p1; p++) {
-      const int nc = (int)std::min<int64_t>(PW, N - p * PW);
-      panel(xs, M, K, ws + p * K * PW, ys + p * PW, N, nc, bs ? bs + p * PW : nullptr, rs ? rs + p * PW : nullptr,
-            acc.data());
-    }
-  });
+  // rows in slabs of up to MSLAB (x then stays in L2 while every panel passes over it); one slab at decode sizes
+  constexpr int64_t MSLAB = 96;
+  for (int64_t s0 = 0; s0 < M; s0 += MSLAB) {
+    const int64_t Ms = std::min(MSLAB, M - s0);
+    at::parallel_for(0, P, 8, [&](int64_t p0, int64_t p1) {
+      std::vector<float> acc(Ms * PW);
+      for (int64_t p = p0; p < p1; p++) {
+        const int nc = (int)std::min<int64_t>(PW, N - p * PW);
+        float* yp = ys + s0 * N + p * PW;
+        const float* bp = bs ? bs + p * PW : nullptr;
+        const float* rp = rs ? rs + s0 * N + p * PW : nullptr;
+        const float* xp = xs + s0 * K;
+        if (bf16) panel(xp, Ms, K, wh + p * K * PW, yp, N, nc, bp, rp, acc.data());
+        else panel(xp, Ms, K, ws + p * K * PW, yp, N, nc, bp, rp, acc.data());
+      }
+    });
+  }
   return y.view(out_shape);
 }
 

@@ -14,11 +14,15 @@ Departures from the HF implementation, all numerically equivalent in fp32:
   linears stream weights 3-4x faster than ``F.linear`` at batch 8-32;
 - fp32 linears over 1-32 rows (decode and verification steps) run the hand-written skinny GEMM of
   ``specroll/kernels/skinny.cpp`` where it builds (x86 with AVX2), else oneDNN; the attention of such
-  steps runs ``specroll/kernels/attention.cpp`` (else SDPA).
+  steps runs ``specroll/kernels/attention.cpp`` (else SDPA);
+- inside ``bf16_weights()`` (bf16 rollouts on CPUs without native bf16) every fp32 no-grad linear
+  streams a bf16 copy of its weight through the skinny kernel, whatever its row count.
 """
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import json
 import math
 from dataclasses import asdict, dataclass
@@ -120,6 +124,21 @@ def rope_inv_freq(cfg: DecoderConfig) -> torch.Tensor:
     raise ValueError(f"rope scaling type {kind!r} is not supported (supported: default, linear, llama3)")
 
 
+_BF16_WEIGHTS = contextvars.ContextVar("specroll_bf16_weights", default=False)
+
+
+@contextlib.contextmanager
+def bf16_weights(on: bool = True):
+    """Within this block, fp32 no-grad linears stream bf16 copies of their weights through the skinny
+    kernel (fp32 arithmetic, half the bytes): the bf16 rollout mode of CPUs without native bf16.
+    No effect where the kernel is unavailable, under autograd, or for bf16 activations."""
+    tok = _BF16_WEIGHTS.set(bool(on))
+    try:
+        yield
+    finally:
+        _BF16_WEIGHTS.reset(tok)
+
+
 class FastLinear(nn.Linear):
     """``nn.Linear`` that runs a prepacked oneDNN weight when autograd is off.
 
@@ -138,15 +157,16 @@ class FastLinear(nn.Linear):
         self._packed: dict = {}
 
     def _pack(self, dtype: torch.dtype | str):
-        """(packed weight, bias) for ``dtype``, or for the skinny kernel's panels when ``dtype == "skinny"``."""
+        """(packed weight, bias) for ``dtype``, or the skinny kernel's fp32 / bf16 panels for "skinny" / "skinny_bf16"."""
         w = self.weight
         key = (w._version, w.data_ptr(), None if self.bias is None else self.bias._version)
         hit = self._packed.get(dtype)
         if hit is not None and hit[0] == key:
             return hit[1], hit[2]
         with torch.no_grad():
-            if dtype == "skinny":
-                packed = kernels.skinny().pack(w.detach().float().contiguous())
+            if dtype in ("skinny", "skinny_bf16"):
+                wd = w.detach().to(torch.bfloat16 if dtype == "skinny_bf16" else torch.float32).contiguous()
+                packed = kernels.skinny().pack(wd)
                 b = None if self.bias is None else self.bias.detach().float().contiguous()
             else:
                 wd = w.detach().to(dtype).contiguous()
@@ -166,8 +186,9 @@ class FastLinear(nn.Linear):
             x = self._prologue(x, norm, gated)
             y = F.linear(x, self.weight.to(x.dtype), None if self.bias is None else self.bias.to(x.dtype))
             return y if residual is None else residual + y
-        if x.dtype == torch.float32 and x.numel() <= kernels.MAX_ROWS * x.shape[-1] and kernels.skinny() is not None:
-            packed, b = self._pack("skinny")
+        if x.dtype == torch.float32 and kernels.skinny() is not None and (
+                _BF16_WEIGHTS.get() or x.numel() <= kernels.MAX_ROWS * x.shape[-1]):
+            packed, b = self._pack("skinny_bf16" if _BF16_WEIGHTS.get() else "skinny")
             g = None if norm is None else norm.weight.float()
             return kernels.skinny().linear(x, packed, self.out_features, b, residual, g,
                                            1e-6 if norm is None else norm.eps, gated)
