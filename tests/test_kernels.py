@@ -215,3 +215,23 @@ def test_fused_rope_attention_step_matches_eager(monkeypatch, arch, T, tree):
     for b, n in enumerate(lens.tolist()):  # slots beyond a row's prompt + T new tokens are never written
         torch.testing.assert_close(K[:, b, :, : n + T], eager[1][:, b, :, : n + T], atol=1e-5, rtol=1e-5)
         torch.testing.assert_close(V[:, b, :, : n + T], eager[2][:, b, :, : n + T], atol=1e-5, rtol=1e-5)
+
+
+def test_cli_bench_engine_rows_on_a_tiny_model(tmp_path, monkeypatch):
+    """`bench engine` (no HF side) writes a row per batch size with the bf16/fp32 ratio and a finite bound;
+    the bf16 weight mode is recorded."""
+    import json
+
+    from specroll.cli import main
+    from specroll.device import fast_bf16
+
+    out = tmp_path / "engine.json"
+    assert main(["bench", "engine", "--model", "tiny-llama", "--batch-sizes", "1,3", "--max-new-tokens", "3",
+                 "--dtype", "bfloat16", "--no-hf", "--repeats", "1", "--out", str(out)]) == 0
+    res = json.loads(out.read_text())
+    assert [r["batch"] for r in res["rows"]] == [1, 3]
+    assert res["bf16_weight_mode"] == (not fast_bf16() and ext is not None)
+    for r in res["rows"]:
+        assert r["engine_tok_s"] > 0 and r["engine_fp32_tok_s"] > 0 and r["hf_tok_s"] is None
+        assert r["over_fp32_engine"] == pytest.approx(r["engine_tok_s"] / r["engine_fp32_tok_s"])
+        assert 0 < r["fraction_of_bound"] < 1

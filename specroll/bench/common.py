@@ -93,6 +93,7 @@ def parse_int_list(s: str, name: str) -> list[int]:
 
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+DTYPE_NAME = {v: k for k, v in DTYPES.items()}
 
 BENCH_QUESTIONS = [
     "What is 17 + 25?", "What is 9 times 8?", "Subtract 13 from 40.", "What is 144 divided by 12?",

@@ -4,7 +4,9 @@ Both sample at T = 1 from the same prompts with every row forced to the same len
 compare like for like. HF ``generate`` always runs in fp32 (the baseline the issue names); the
 engine runs in ``--dtype``. In bf16 mode the fp32 engine is measured too, giving the bf16/fp32 ratio
 from the same run. The roofline bound uses ceilings measured in this run, in the bench's dtype:
-``bound_tok_s = batch / max(weight_bytes / read_bw, 2 * params * batch / matmul_rate)``.
+``bound_tok_s = batch / max(weight_bytes / read_bw, 2 * params * batch / matmul_rate)``. In the bf16
+weight mode of CPUs without native bf16 (``Engine.bf16_weights``) the bytes are bf16 and the matmul
+rate is fp32's, the arithmetic the engine does.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import torch
 from ..engine.engine import Engine
 from ..engine.sampling import SamplingParams
 from .common import (
+    DTYPE_NAME,
     DTYPES,
     chat_prompts,
     machine_info,
@@ -68,10 +71,12 @@ def run_bench(model_name: str, batch_sizes: list[int], M: int, dtype_name: str, 
         from transformers import AutoModelForCausalLM
 
         hf = AutoModelForCausalLM.from_pretrained(hub.resolve(model_name), dtype=torch.float32).eval()
-    log(f"measuring ceilings ({dtype_name}) ...")
-    bw, mm = measure_read_bandwidth(dtype), measure_matmul_rate(dtype)
-    wb, params = weight_bytes(model, dtype), model.num_params()
     systems = {"engine": Engine(model, eos_ids=eos, dtype=dtype)}
+    # the bf16 weight mode (no native bf16) streams bf16 bytes but does its arithmetic in fp32
+    arith = torch.float32 if systems["engine"].bf16_weights else dtype
+    log(f"measuring ceilings (read {dtype_name}, matmul {DTYPE_NAME[arith]}) ...")
+    bw, mm = measure_read_bandwidth(dtype), measure_matmul_rate(arith)
+    wb, params = weight_bytes(model, dtype), model.num_params()
     if dtype != torch.float32:
         systems["engine_fp32"] = Engine(model, eos_ids=eos, dtype=torch.float32)
     rows = []
@@ -97,7 +102,8 @@ def run_bench(model_name: str, batch_sizes: list[int], M: int, dtype_name: str, 
             row["over_fp32_engine"] = tps["engine"] / tps["engine_fp32"]
         rows.append(row)
         log("  ".join(f"{k}={v:.3f}" if isinstance(v, float) else f"{k}={v}" for k, v in row.items()))
-    return {"model": model_name, "dtype": dtype_name, "max_new_tokens": M, "repeats": repeats,
+    return {"model": model_name, "dtype": dtype_name, "bf16_weight_mode": systems["engine"].bf16_weights,
+            "max_new_tokens": M, "repeats": repeats,
             "machine": machine_info(),
             "roofline": {"weight_bytes": wb, "params": params, "read_GBps": bw, "matmul_GFLOPs": mm},
             "rows": rows}
