@@ -1,7 +1,8 @@
-"""A/B of the skinny GEMM kernel in the engine, interleaved in one process (BENCHMARKS.md).
+"""A/B of the hand-written kernels in the engine, interleaved in one process (BENCHMARKS.md).
 
-  python benchmarks/ab_kernel.py skinny     # the kernel (with its fused prologues) vs oneDNN's linears
+  python benchmarks/ab_kernel.py skinny     # every kernel vs none (oneDNN linears, eager RoPE / cache write / SDPA)
   python benchmarks/ab_kernel.py prologue   # fused RMSNorm / silu-gate prologues vs the same kernel fed by eager ops
+  python benchmarks/ab_kernel.py attention  # fused RoPE + cache write + attention vs the eager ops and SDPA
 
 fp32, the bench's chat prompts, every row forced to 64 new tokens, best of 4 per system."""
 
@@ -15,7 +16,7 @@ from specroll import kernels
 from specroll.bench.common import chat_prompts
 from specroll.engine.engine import Engine
 from specroll.engine.sampling import SamplingParams
-from specroll.models import hub
+from specroll.models import decoder, hub
 from specroll.models.decoder import rms_norm
 
 torch.set_num_threads(2)
@@ -39,7 +40,10 @@ class EagerPrologue:
 
 
 what = sys.argv[1] if len(sys.argv) > 1 else "skinny"
-systems = {"skinny": {"kernel": ext, "oneDNN": None}, "prologue": {"fused": ext, "eager prologue": EagerPrologue}}[what]
+# name -> (kernel module or None, decoder.MAX_KERNEL_QUERIES)
+systems = {"skinny": {"kernels": (ext, 64), "none": (None, 64)},
+           "prologue": {"fused": (ext, 64), "eager prologue": (EagerPrologue, 64)},
+           "attention": {"fused attention": (ext, 64), "eager attention": (ext, 0)}}[what]
 model, tok = hub.load("smollm2-135m", torch.float32)
 engine = Engine(model, eos_ids=[], dtype=torch.float32)
 for B in (1, 8, 32):
@@ -47,8 +51,9 @@ for B in (1, 8, 32):
     params = SamplingParams(temperature=1.0, max_new_tokens=64, min_new_tokens=64, seed=0)
     best = dict.fromkeys(systems, float("inf"))
     for _ in range(4):
-        for name, mod in systems.items():
+        for name, (mod, queries) in systems.items():
             kernels.skinny = lambda mod=mod: mod
+            decoder.MAX_KERNEL_QUERIES = queries
             t = time.perf_counter()
             engine.generate(prompts, params)
             best[name] = min(best[name], time.perf_counter() - t)

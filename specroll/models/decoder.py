@@ -15,8 +15,8 @@ Departures from the HF implementation, all numerically equivalent in fp32:
 - fp32 linears over 1-32 rows (decode and verification steps) run the hand-written skinny GEMM of
   ``specroll/kernels/skinny.cpp`` where it builds (x86 with AVX2), else oneDNN; the attention of such
   steps runs ``specroll/kernels/attention.cpp`` (else SDPA);
-- inside ``bf16_weights()`` (bf16 rollouts on CPUs without native bf16) every fp32 no-grad linear
-  streams a bf16 copy of its weight through the skinny kernel, whatever its row count.
+- inside ``bf16_weights()`` (bf16 rollouts on CPUs without native bf16) those 1-32-row linears stream
+  a bf16 copy of the weight through the same kernel.
 """
 
 from __future__ import annotations
@@ -129,9 +129,11 @@ _BF16_WEIGHTS = contextvars.ContextVar("specroll_bf16_weights", default=False)
 
 @contextlib.contextmanager
 def bf16_weights(on: bool = True):
-    """Within this block, fp32 no-grad linears stream bf16 copies of their weights through the skinny
-    kernel (fp32 arithmetic, half the bytes): the bf16 rollout mode of CPUs without native bf16.
-    No effect where the kernel is unavailable, under autograd, or for bf16 activations."""
+    """Within this block, fp32 no-grad linears of up to ``kernels.MAX_ROWS`` rows (decode and verification
+    steps) stream bf16 copies of their weights through the skinny kernel (fp32 arithmetic, half the
+    bytes): the bf16 rollout mode of CPUs without native bf16. Larger inputs (prefills) are compute-bound,
+    where bf16 bytes buy nothing, and keep the fp32 weights on oneDNN. No effect where the kernel is
+    unavailable, under autograd, or for bf16 activations."""
     tok = _BF16_WEIGHTS.set(bool(on))
     try:
         yield
@@ -186,8 +188,7 @@ class FastLinear(nn.Linear):
             x = self._prologue(x, norm, gated)
             y = F.linear(x, self.weight.to(x.dtype), None if self.bias is None else self.bias.to(x.dtype))
             return y if residual is None else residual + y
-        if x.dtype == torch.float32 and kernels.skinny() is not None and (
-                _BF16_WEIGHTS.get() or x.numel() <= kernels.MAX_ROWS * x.shape[-1]):
+        if x.dtype == torch.float32 and x.numel() <= kernels.MAX_ROWS * x.shape[-1] and kernels.skinny() is not None:
             packed, b = self._pack("skinny_bf16" if _BF16_WEIGHTS.get() else "skinny")
             g = None if norm is None else norm.weight.float()
             return kernels.skinny().linear(x, packed, self.out_features, b, residual, g,
