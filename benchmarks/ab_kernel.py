@@ -28,6 +28,7 @@ class EagerPrologue:
     """The kernel with its prologue done by the eager ops (the code before the fusion)."""
 
     pack = staticmethod(ext.pack)
+    rope_attention = staticmethod(ext.rope_attention)
 
     @staticmethod
     def linear(x, wp, n, bias=None, residual=None, norm=None, eps=1e-6, gated=False):
