@@ -82,7 +82,8 @@ def _bench_spec(s):
     b.add_argument("--batch-sizes", default="1,4,16,64")
     b.add_argument("--max-new-tokens", type=int, default=128)
     b.add_argument("--plan", default="static", help="static (fixed --n-verify/--k/--depth), adaptive "
-                   "(N = C_peak / live rows, K <= --k, depth <= --depth), or both: static,adaptive")
+                   "(N = C_peak / live rows, K <= --k, depth <= --depth), chain (--depth tokens sampled from the "
+                   "head, verified by rejection sampling), or several: static,adaptive,chain")
     b.add_argument("--c-peak", type=float, default=None,
                    help="adaptive plan's budget (default: this machine's `specroll profile`, quick-profiled if missing)")
     b.add_argument("--n-verify", type=int, default=16, help="tree nodes verified per row, root included")

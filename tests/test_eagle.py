@@ -8,6 +8,7 @@ goodness-of-fit on speculative samples. The same statistic must reject a deliber
 
 from __future__ import annotations
 
+import functools
 import math
 
 import pytest
@@ -16,7 +17,7 @@ from helpers import tiny_decoder
 
 from specroll.drafters.distill import DistillConfig, distill, head_loss, hidden_states, train_head
 from specroll.drafters.eagle import DraftHead, DraftVocab, EagleDrafter, Plan, head_for, load_head, save_head
-from specroll.drafters.verify import Verdict, match_walk
+from specroll.drafters.verify import Verdict, match_walk, rejection_chain
 from specroll.engine.engine import Engine
 from specroll.engine.sampling import SamplingParams, processed_logprobs, sample
 from specroll.models.decoder import Decoder
@@ -122,6 +123,32 @@ def test_tree_speculation_is_lossless(small, kind, pname):
     p = chi2_pvalue(counts, exact_probs(model, PROMPT, params, M_SMALL))
     assert p > 1e-3, f"{kind} draft at {pname}: chi-square p = {p:.2e}"
     assert drafter.totals[3] > 0 or kind == "adversarial"  # drafts were actually accepted
+
+
+@pytest.mark.parametrize("kind", ["random", "trained", "adversarial"])
+@pytest.mark.parametrize("pname", ["t1", "t07p09"])
+def test_sampled_chain_speculation_is_lossless(small, kind, pname):
+    """Chains drawn from the head and verified by rejection sampling follow plain sampling's distribution."""
+    model, trained = small
+    params = PARAMS[pname]
+    head = head_for(model, seed=5) if kind == "random" else trained
+    cls = AdversarialDrafter if kind == "adversarial" else EagleDrafter
+    drafter = cls(head, Plan(n_verify=4, k=1, depth=3), sampled=True)
+    counts = sample_counts(Engine(model), params, S, drafter)
+    p = chi2_pvalue(counts, exact_probs(model, PROMPT, params, M_SMALL))
+    assert p > 1e-3, f"{kind} sampled chain at {pname}: chi-square p = {p:.2e}"
+    assert drafter.totals[3] > 0  # drafts were accepted (a sampled adversarial draft still lands sometimes)
+
+
+@pytest.mark.parametrize("pname", ["t1", "t07p09"])
+def test_the_statistic_detects_resampling_from_p_at_the_cut(small, pname):
+    """SPEC-RL's cut rule (draw from p, not from the residual max(p - q, 0)) is biased, and the test sees it."""
+    model, _ = small
+    params = PARAMS[pname]
+    drafter = EagleDrafter(head_for(model, seed=5), Plan(n_verify=4, k=1, depth=3), sampled=True)
+    drafter.chain_rule = functools.partial(rejection_chain, residual=False)
+    counts = sample_counts(Engine(model), params, S, drafter)
+    assert chi2_pvalue(counts, exact_probs(model, PROMPT, params, M_SMALL)) < 1e-6
 
 
 def test_vanilla_sampler_passes_the_same_statistic(small):
@@ -321,6 +348,10 @@ def test_cli_draft_train_then_bench_spec(tmp_path, monkeypatch, capsys):
     for r in rows:
         assert {"batch", "plan", "vanilla_tok_s", "spec_tok_s", "speedup", "accept_length", "accept_rate"} <= set(r)
         assert r["plan"] == "static" and r["accept_length"] >= 1.0
+    assert main(common + ["--plan", "static,chain", "--batch-sizes", "2", "--out", str(out)]) == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert [(r["plan"], r["plan_max"]["k"]) for r in rows] == [("static", 2), ("chain", 1)]
+    assert rows[1]["accept_length"] >= 1.0
     assert main(common + ["--plan", "nope", "--out", str(out)]) == 2
     assert "known plans" in capsys.readouterr().err
     assert main(["bench", "spec", "--model", "tiny-llama", "--draft", str(tmp_path / "none"), "--out", str(out)]) == 2

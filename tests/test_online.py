@@ -218,6 +218,27 @@ def test_trainer_learns_the_head_online_checkpoints_and_resumes(tmp_path):
     assert out is not None and torch.equal(load_head(out).fc.weight, tr.drafter.head.fc.weight.detach())
 
 
+def test_trainer_with_a_sampled_chain_drafter():
+    """draft.chain=true reaches the trainer's drafter: chains are sampled and rejection-verified, and
+    acceptance is reported."""
+    from specroll.rl.trainer import Trainer
+
+    decode, make_cfg, prompts, target_fraction, tiny_model = trainer_parts()
+    cfg = make_cfg("draft.head=random", "draft.vocab=0", "draft.plan=static", "draft.chain=true",
+                   "draft.n_verify=4", "draft.k=1", "draft.depth=3")
+    ps = prompts()
+    model = tiny_model(0)
+    d = build_spec_drafter(cfg, model, ps.ids, log=None)
+    assert d.sampled
+    calls = []
+    rule = d.chain_rule
+    d.chain_rule = lambda *a: calls.append(1) or rule(*a)
+    m = Trainer(cfg, model, ps, None, target_fraction, decode, eos_ids=[0], drafter=d).train_step()
+    assert calls and m["spec/accept_length"] >= 1.0
+    with pytest.raises(ValueError, match="draft.chain"):
+        make_cfg("draft.chain=3")
+
+
 def test_frozen_head_reports_acceptance_and_does_not_change():
     from specroll.rl.trainer import Trainer
 

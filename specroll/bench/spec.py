@@ -7,7 +7,8 @@ systems interleaved so machine noise hits both. ``--force-length`` ignores stop 
 row of both systems emits exactly ``max_new_tokens`` (equal work; natural lengths differ per sample). ``accept_length`` = tokens emitted per verification
 step (bonus included), ``accept_rate`` = accepted draft nodes / drafted nodes.
 
-Plans: ``static`` (fixed ``--n-verify/--k/--depth``). ``PLANS`` maps a name to a factory
+Plans: ``static`` (fixed ``--n-verify/--k/--depth``), ``adaptive`` (C_peak / B_active), ``chain`` (a chain
+of ``--depth`` tokens sampled from the head, rejection-sampled). ``PLANS`` maps a name to a factory
 ``(args) -> (plan_fn(B_active) -> Plan, max_plan)``; the concurrency-aware budget registers here.
 """
 
@@ -38,7 +39,14 @@ def _adaptive(args):
     return planner, planner.max_plan
 
 
-PLANS = {"static": _static, "adaptive": _adaptive}
+def _chain(args):
+    """A chain of --depth tokens sampled from the head, verified by rejection sampling (``sampled=True``)."""
+    plan = Plan(args.depth + 1, 1, args.depth)
+    return (lambda b: plan), plan
+
+
+PLANS = {"static": _static, "adaptive": _adaptive, "chain": _chain}
+SAMPLED = {"chain"}  # plans whose drafter samples its chain (EagleDrafter(sampled=True))
 
 
 def bench_prompts(tokenizer, n: int, seed: int) -> list[list[int]]:
@@ -64,7 +72,7 @@ def bench_batch(engine: Engine, head, prompts, params: SamplingParams, plan_name
         p = SamplingParams(**{**params.__dict__, "seed": (params.seed or 0) + r})
         dt, outs = _timed(engine.generate, prompts, p)
         van_t, van_n = van_t + dt, van_n + sum(len(o.completion_ids) for o in outs)
-        drafter = EagleDrafter(head, plan_fn=plan_fn, max_plan=max_plan)
+        drafter = EagleDrafter(head, plan_fn=plan_fn, max_plan=max_plan, sampled=plan_name in SAMPLED)
         dt, outs = _timed(engine.generate, prompts, p, drafter=drafter)
         spec_t, spec_n = spec_t + dt, spec_n + sum(len(o.completion_ids) for o in outs)
         totals += drafter.totals

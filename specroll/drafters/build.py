@@ -35,6 +35,7 @@ class DraftConfig:
     n_verify: int = 16  # static plan: tree nodes per row (root included)
     k: int = 4  # static plan: top-k expansion
     depth: int = 5  # static plan: draft levels
+    chain: bool = False  # draft a chain sampled from the head (k = 1), verified by rejection sampling
     online: bool = False  # train the head during GRPO on the pairs the rollouts already computed
     lr: float = 3e-4  # AdamW learning rate of the online updates
     update_steps: int = 4  # AdamW steps per online update
@@ -65,6 +66,8 @@ class DraftConfig:
             v = getattr(self, k)
             if not (isinstance(v, (int, float)) and math.isfinite(v) and v >= 0):
                 raise ValueError(f"draft.{k} must be a number >= 0, got {v!r}")
+        if not isinstance(self.chain, bool):
+            raise ValueError(f"draft.chain must be true or false, got {self.chain!r}")
         if not (isinstance(self.bf16, bool) or self.bf16 == "auto"):
             raise ValueError(f"draft.bf16 must be true, false or auto, got {self.bf16!r}")
         if self.w_feat == 0 and self.w_ce == 0:
@@ -132,7 +135,8 @@ def build_eagle(cfg, model, prompt_ids=None, eos_ids=(), log=print):
     if head is None:
         return None
     plan, plan_fn, max_plan = make_plan(cfg, model, log)
-    return OnlineDrafter(head, dc, policy=model, plan=plan, plan_fn=plan_fn, max_plan=max_plan, seed=cfg.train.seed)
+    return OnlineDrafter(head, dc, policy=model, plan=plan, plan_fn=plan_fn, max_plan=max_plan, seed=cfg.train.seed,
+                         sampled=dc.chain)
 
 
 def build_spec_drafter(cfg, model, prompt_ids=None, eos_ids=(), log=print):

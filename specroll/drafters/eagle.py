@@ -46,7 +46,7 @@ from torch import nn
 
 from ..engine.budget import Plan
 from ..engine.cache import KVCache
-from ..engine.sampling import sample
+from ..engine.sampling import SamplingParams, processed_logprobs, sample, sample_from_logprobs
 from ..models.decoder import (
     Block,
     Decoder,
@@ -57,7 +57,7 @@ from ..models.decoder import (
     rope_inv_freq,
     rope_tables,
 )
-from .verify import sampler_match
+from .verify import rejection_chain, sampler_match
 
 HEAD_WEIGHTS = "draft_head.safetensors"
 HEAD_CONFIG = "draft_head.json"
@@ -182,6 +182,10 @@ class DraftTree:
     mask: torch.Tensor
     valid: torch.Tensor
     max_depth: int
+    # a chain sampled from the head (``EagleDrafter(sampled=True)``): q_logp[:, j] (B, L, V_draft) is the
+    # distribution node j + 1's token was drawn from, over ``q_vocab`` (the head's draft-vocab token ids)
+    q_logp: torch.Tensor | None = None
+    q_vocab: torch.Tensor | None = None
 
     @classmethod
     def build(cls, tokens, parents, depth, valid=None) -> DraftTree:
@@ -221,13 +225,21 @@ class EagleDrafter:
 
     ``plan``: static Plan; ``plan_fn(B_active) -> Plan`` overrides it per step (``max_plan`` then bounds
     every plan it may return, for cache sizing). ``rule(tree, logits, params, gen) -> Verdict``.
+
+    ``sampled``: when sampling (not greedy), draft a chain of ``min(depth, n_verify - 1)`` tokens drawn
+    from the head's distribution (with the rollout's temperature / top-k / top-p) instead of a top-K tree,
+    and verify it by rejection sampling (``verify.rejection_chain``). Both are lossless; at T = 1 a
+    sampled token survives with probability min(1, p/q) instead of p(top-K), which keeps more tokens
+    when the head's distribution is close to the policy's.
     """
 
     wants_prompt_hidden = True  # the engine's prefill hands over the prompt hidden states (no second pass)
 
     def __init__(self, head: DraftHead, plan: Plan = DEFAULT_PLAN, plan_fn=None, max_plan: Plan | None = None,
-                 rule=sampler_match, on_pairs=None, trace: bool = False):
+                 rule=sampler_match, on_pairs=None, trace: bool = False, sampled: bool = False):
         self.head = head.eval()
+        self.sampled = sampled
+        self.chain_rule = rejection_chain  # the rule for sampled chains
         self.plan_fn = plan_fn or (lambda b: plan)
         self.max_plan = max_plan or plan
         self.rule = rule
@@ -325,13 +337,37 @@ class EagleDrafter:
         dc.advance(self.chain_n)
         return f[ar, last], t_in[ar, last]
 
-    def draft(self, root_pos: torch.Tensor, plan: Plan) -> DraftTree:
+    def draft(self, root_pos: torch.Tensor, plan: Plan, params: SamplingParams | None = None,
+              gen: torch.Generator | None = None) -> DraftTree:
         f_root, root_tok = self._advance_chain()
         B = root_tok.numel()
         if plan.n_verify <= 1 or plan.depth < 1:
             z = torch.zeros(B, 1, dtype=torch.long)
             return DraftTree.build(root_tok[:, None], z, z)
+        if self.sampled and params is not None and not params.greedy:
+            return self._sample_chain(f_root, root_tok, root_pos, min(plan.depth, plan.n_verify - 1), params, gen)
         return self._grow(f_root, root_tok, root_pos, plan)
+
+    def _sample_chain(self, f_root, root_tok, root_pos, L: int, params: SamplingParams, gen) -> DraftTree:
+        """A chain of L tokens, each drawn from the head's processed distribution given the previous ones."""
+        ids = self.head.vocab_ids
+        B = f_root.shape[0]
+        base = self.dc.lens[:B].clone()
+        f, toks, qs = f_root, [], []
+        for d in range(L):
+            if d:  # feed the previous draft token; it sits at slot base + d - 1 and sees the chain so far
+                slots = base[:, None] + (d - 1)
+                vis = torch.ones(B, 1, d, dtype=torch.bool)
+                f = self.head(f[:, None], self.policy.embed(toks[-1][:, None]),
+                              (root_pos + d)[:, None], self.dc, self._tree_mask(base, vis, slots), slots)[:, 0]
+            lq = processed_logprobs(self.draft_logp(f), params)  # (B, V_draft)
+            toks.append(ids[sample_from_logprobs(lq, gen)])
+            qs.append(lq)
+        tokens = torch.cat([root_tok[:, None], torch.stack(toks, 1)], 1)
+        ar = torch.arange(L + 1)
+        tree = DraftTree.build(tokens, (ar - 1).clamp(min=0).expand(B, L + 1), ar.expand(B, L + 1))
+        tree.q_logp, tree.q_vocab = torch.stack(qs, 1), ids
+        return tree
 
     def _tree_mask(self, base, vis, slots):
         """(B, K, S) visibility for frontier queries: committed slots plus ``vis`` (B, K, W) over the
@@ -401,12 +437,12 @@ class EagleDrafter:
         if plan.n_verify <= 1:
             return self._plain_step(st, stop, stats)
         root_pos = cache.lens[:B].clone()
-        tree = self.draft(root_pos, plan)
+        tree = self.draft(root_pos, plan, st.params, st.gen)
         N = tree.tokens.shape[1]
         slots = cache.chain_slots(N)
         h = engine.forward(cache, tree.tokens, root_pos[:, None] + tree.depth, slots, cache.mask(N, tree.mask))
         logits = self.policy.logits(h)  # (B, N, V)
-        v = self.rule(tree, logits, st.params, st.gen)
+        v = (self.chain_rule if tree.q_logp is not None else self.rule)(tree, logits, st.params, st.gen)
         toks, plp, slp, count = v.tokens, v.policy_lp, v.sample_lp, v.n_accept + 1
         if self.prefix is not None:  # the first root, sampled from the prefill logits
             t0, p0, s0 = self.prefix

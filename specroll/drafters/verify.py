@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..engine.sampling import SamplingParams, sample
+from ..engine.sampling import SamplingParams, processed_logprobs, sample, sample_from_logprobs, token_logprobs
 
 
 @dataclass
@@ -67,3 +67,48 @@ def sampler_match(tree, logits: torch.Tensor, params: SamplingParams, gen: torch
     samp, plp, slp = sample(logits, params, gen)  # (B, N) one policy sample per node
     path, n_acc = match_walk(tree.tokens, tree.parents, tree.valid, samp, tree.max_depth)
     return Verdict(path, n_acc, samp.gather(1, path), plp.gather(1, path), slp.gather(1, path))
+
+
+def rejection_chain(tree, logits: torch.Tensor, params: SamplingParams, gen: torch.Generator | None,
+                    residual: bool = True) -> Verdict:
+    """Speculative sampling over a chain whose tokens were drawn from known distributions (the lossless
+    rule for ``EagleDrafter(sampled=True)``). ``tree``: a chain ``DraftTree`` with ``q_logp`` (B, L, V_d) over
+    ``q_vocab``; ``logits``: (B, L + 1, V) policy logits at every node.
+
+    Node j + 1's token x was drawn from q = exp(q_logp[:, j]); it is accepted with probability
+    min(1, p(x) / q(x)) under the policy's processed distribution p at node j (temperature, top-k, top-p).
+    At the first rejection the emitted token is drawn from the residual max(p - q, 0), renormalized; if
+    every node is accepted, from p at the last node. Each emitted token is then distributed exactly as
+    p given the emitted prefix (Leviathan et al. 2023, Chen et al. 2023), for any q.
+
+    ``residual=False`` draws from p itself at the cut (SPEC-RL's rule): biased, kept for the tests that
+    show the distribution test can tell.
+    """
+    B, N = tree.tokens.shape
+    L = N - 1
+    logp = processed_logprobs(logits, params)  # (B, N, V)
+    x = tree.tokens[:, 1:]
+    lp_x = logp[:, :L].gather(2, x[..., None]).squeeze(-1)  # (B, L) policy log p of each draft at its parent
+    inv = torch.full((logits.shape[-1],), -1, dtype=torch.long)  # token id -> column of q_logp
+    inv[tree.q_vocab] = torch.arange(tree.q_vocab.numel())
+    lq_x = tree.q_logp.gather(2, inv[x][..., None]).squeeze(-1)  # (B, L) log q of each draft (drawn from q: > 0)
+    u = torch.rand(B, L, generator=gen)
+    ok = (torch.log(u) < lp_x - lq_x) & tree.valid[:, 1:]
+    n_acc = ok.long().cumprod(1).sum(1)  # accepted drafts before the first rejection
+    ar = torch.arange(B)
+    p_cut = logp[ar, n_acc].exp()  # (B, V): the policy at the cut node
+    q_cut = torch.zeros_like(p_cut)
+    rejected = n_acc < L
+    q_cut[:, tree.q_vocab] = tree.q_logp[ar, n_acc.clamp(max=L - 1)].exp() * (rejected[:, None] & residual)
+    r = (p_cut - q_cut).clamp(min=0)
+    z = r.sum(-1, keepdim=True)
+    r = torch.where(z > 0, r / z.clamp(min=1e-30), p_cut)  # z = 0 only if p == q: then any draw from p
+    final = sample_from_logprobs(r.log(), gen)
+    toks = torch.cat([x, final[:, None]], 1)
+    toks[ar, n_acc] = final
+    path = torch.minimum(torch.arange(N)[None], n_acc[:, None])  # (B, N): nodes 0..n_acc, then repeats
+    toks = torch.where(torch.arange(N)[None] <= n_acc[:, None], toks, final[:, None])
+    at = logits.gather(1, path[..., None].expand(-1, -1, logits.shape[-1]))  # logits at each emitted token's parent
+    policy_lp = token_logprobs(at, toks)
+    sample_lp = logp.gather(1, path[..., None].expand(-1, -1, logp.shape[-1])).gather(2, toks[..., None]).squeeze(-1)
+    return Verdict(path, n_acc, toks, policy_lp, sample_lp)
