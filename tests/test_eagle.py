@@ -113,31 +113,21 @@ S = 2000
 
 @pytest.mark.parametrize("kind", ["random", "trained", "adversarial"])
 @pytest.mark.parametrize("pname", ["t1", "t07p09"])
-def test_tree_speculation_is_lossless(small, kind, pname):
+@pytest.mark.parametrize("mode", ["tree", "chain"])
+def test_speculation_is_lossless(small, kind, pname, mode):
+    """Top-K trees verified by sampler-match, and chains drawn from the head verified by rejection sampling,
+    both follow plain sampling's distribution, whatever the head."""
     model, trained = small
     params = PARAMS[pname]
     head = head_for(model, seed=5) if kind == "random" else trained
     cls = AdversarialDrafter if kind == "adversarial" else EagleDrafter
-    drafter = cls(head, Plan(n_verify=7, k=3, depth=3))
+    plan = Plan(n_verify=7, k=3, depth=3) if mode == "tree" else Plan(n_verify=4, k=1, depth=3)
+    drafter = cls(head, plan, sampled=mode == "chain")
     counts = sample_counts(Engine(model), params, S, drafter)
     p = chi2_pvalue(counts, exact_probs(model, PROMPT, params, M_SMALL))
-    assert p > 1e-3, f"{kind} draft at {pname}: chi-square p = {p:.2e}"
-    assert drafter.totals[3] > 0 or kind == "adversarial"  # drafts were actually accepted
-
-
-@pytest.mark.parametrize("kind", ["random", "trained", "adversarial"])
-@pytest.mark.parametrize("pname", ["t1", "t07p09"])
-def test_sampled_chain_speculation_is_lossless(small, kind, pname):
-    """Chains drawn from the head and verified by rejection sampling follow plain sampling's distribution."""
-    model, trained = small
-    params = PARAMS[pname]
-    head = head_for(model, seed=5) if kind == "random" else trained
-    cls = AdversarialDrafter if kind == "adversarial" else EagleDrafter
-    drafter = cls(head, Plan(n_verify=4, k=1, depth=3), sampled=True)
-    counts = sample_counts(Engine(model), params, S, drafter)
-    p = chi2_pvalue(counts, exact_probs(model, PROMPT, params, M_SMALL))
-    assert p > 1e-3, f"{kind} sampled chain at {pname}: chi-square p = {p:.2e}"
-    assert drafter.totals[3] > 0  # drafts were accepted (a sampled adversarial draft still lands sometimes)
+    assert p > 1e-3, f"{kind} draft, {mode}, at {pname}: chi-square p = {p:.2e}"
+    # drafts were actually accepted (a top-K adversarial tree may never land; a sampled one sometimes does)
+    assert drafter.totals[3] > 0 or (kind == "adversarial" and mode == "tree")
 
 
 @pytest.mark.parametrize("pname", ["t1", "t07p09"])
