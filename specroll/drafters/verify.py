@@ -13,6 +13,12 @@ Departure from EAGLE: EAGLE's tree acceptance uses ``random.random()`` and a per
 (rejection sampling over siblings), which keeps more tokens at T > 0 but needs the draft's
 probabilities; sampler-match needs only the draft's tokens and is trivially exact, including top-p.
 Sibling tokens are expected to be distinct; if they are not, the first matching child wins.
+
+With deterministic (top-K) children sampler-match is already the best lossless rule: a child survives
+with probability p(child), the most any rule can give a token the draft did not sample. A draft that
+*samples* its tokens from a distribution q can do better: ``rejection_chain`` (speculative sampling
+over a chain) keeps a token with probability min(1, p/q), i.e. sum_x min(p(x), q(x)) per position,
+which approaches 1 as the head's q approaches the policy's p, even where p is spread out (T = 1).
 """
 
 from __future__ import annotations
