@@ -110,10 +110,9 @@ def rejection_chain(tree, logits: torch.Tensor, params: SamplingParams, gen: tor
     z = r.sum(-1, keepdim=True)
     r = torch.where(z > 0, r / z.clamp(min=1e-30), p_cut)  # z = 0 only if p == q: then any draw from p
     final = sample_from_logprobs(r.log(), gen)
-    toks = torch.cat([x, final[:, None]], 1)
-    toks[ar, n_acc] = final
-    path = torch.minimum(torch.arange(N)[None], n_acc[:, None])  # (B, N): nodes 0..n_acc, then repeats
-    toks = torch.where(torch.arange(N)[None] <= n_acc[:, None], toks, final[:, None])
+    j = torch.arange(N)[None]
+    path = torch.minimum(j, n_acc[:, None])  # (B, N): nodes 0..n_acc, then repeats
+    toks = torch.where(j < n_acc[:, None], torch.cat([x, x[:, -1:]], 1), final[:, None])  # drafts, then final
     at = logits.gather(1, path[..., None].expand(-1, -1, logits.shape[-1]))  # logits at each emitted token's parent
     policy_lp = token_logprobs(at, toks)
     sample_lp = logp.gather(1, path[..., None].expand(-1, -1, logp.shape[-1])).gather(2, toks[..., None]).squeeze(-1)

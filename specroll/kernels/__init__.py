@@ -1,10 +1,11 @@
 """Hand-written CPU kernels, compiled once per machine on first use.
 
-``skinny()`` returns the skinny fp32 GEMM of ``skinny.cpp`` (decode-sized linears, 1-32 rows; see the
-file for why), or None where it cannot run: not an x86 CPU with AVX2 + FMA, no C++ compiler, or
-``SPECROLL_KERNELS=0``. Callers fall back to oneDNN, so a missing compiler costs speed, not function.
+``skinny()`` returns the compiled module: the skinny GEMM of ``skinny.cpp`` (decode-sized linears, 1-32
+rows, fp32 or bf16 weights) and the decode attention of ``attention.cpp`` (see the files for why), or
+None where it cannot run: not an x86 CPU with AVX2 + FMA, no C++ compiler, or ``SPECROLL_KERNELS=0``.
+Callers fall back to oneDNN and SDPA, so a missing compiler costs speed, not function.
 
-The build (``torch.utils.cpp_extension``, about 30 s of CPU) lands in ``$SPECROLL_HOME/kernels`` and
+The build (``torch.utils.cpp_extension``, about 45 s of CPU) lands in ``$SPECROLL_HOME/kernels`` and
 is reused by later processes; a changed source or compiler flag triggers a rebuild.
 """
 
@@ -47,11 +48,11 @@ def skinny():
         from torch.utils.cpp_extension import load
 
         if not any(_build_dir().glob("*.so")):
-            print("specroll: compiling the skinny GEMM kernel for this machine (once, ~30 s) ...", file=sys.stderr,
+            print("specroll: compiling the CPU kernels for this machine (once, ~45 s) ...", file=sys.stderr,
                   flush=True)
         return load("specroll_skinny", [str(p) for p in SRCS], build_directory=str(_build_dir()),
                     extra_cflags=["-O3", "-mavx2", "-mfma", "-fopenmp"], extra_ldflags=["-fopenmp"], verbose=False)
     except Exception as e:  # no compiler / headers / ninja: oneDNN still works
-        warnings.warn(f"specroll: the skinny GEMM kernel could not be built ({type(e).__name__}: {str(e)[:200]}); "
-                      "using oneDNN for every linear (set SPECROLL_KERNELS=0 to silence)", stacklevel=2)
+        warnings.warn(f"specroll: the CPU kernels could not be built ({type(e).__name__}: {str(e)[:200]}); "
+                      "using oneDNN and SDPA instead (set SPECROLL_KERNELS=0 to silence)", stacklevel=2)
         return None

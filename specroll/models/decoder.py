@@ -304,9 +304,17 @@ class Block(nn.Module):
         qkv = self.qkv(x, norm=self.attn_norm)  # (B, T, (nh + 2 nkv) hd)
         if fused_step(qkv, layer_kv, nh // nkv * T) and not cfg.qk_norm:
             a = kernels.skinny().rope_attention(qkv, cos, sin, layer_kv.k, layer_kv.v, layer_kv.slots, mask, nh, nkv,
-                                                layer_kv.span, hd ** -0.5)
-            x = self.o(a, residual=x)
-            return self.down(self.gate_up(x, norm=self.mlp_norm), residual=x, gated=True)
+                                                layer_kv.span, hd ** -0.5)  # (B, T, nh hd)
+        else:
+            a = self._attention(qkv, cos, sin, layer_kv, mask)
+        x = self.o(a, residual=x)
+        return self.down(self.gate_up(x, norm=self.mlp_norm), residual=x, gated=True)
+
+    def _attention(self, qkv, cos, sin, layer_kv, mask):
+        """The eager path: RoPE, the K/V write (``layer_kv``), attention; (B, T, nh hd)."""
+        cfg = self.cfg
+        B, T, _ = qkv.shape
+        hd, nh, nkv = cfg.head_dim, cfg.num_heads, cfg.num_kv_heads
         v = qkv[..., (nh + nkv) * hd :].view(B, T, nkv, hd)
         if cfg.qk_norm:
             q = rotate(self.q_norm(qkv[..., : nh * hd].view(B, T, nh, hd)), cos, sin)
@@ -322,9 +330,7 @@ class Block(nn.Module):
         g = nh // nkv
         qf = q.view(B, T, nkv, g, hd).permute(0, 2, 3, 1, 4).reshape(B, nkv, g * T, hd)
         a = attend(qf, K.to(qf.dtype), V.to(qf.dtype), mask)  # (B, KV, G*T, hd)
-        a = a.view(B, nkv, g, T, hd).permute(0, 3, 1, 2, 4).reshape(B, T, nh * hd)
-        x = self.o(a, residual=x)
-        return self.down(self.gate_up(x, norm=self.mlp_norm), residual=x, gated=True)
+        return a.view(B, nkv, g, T, hd).permute(0, 3, 1, 2, 4).reshape(B, T, nh * hd)
 
 
 class Decoder(nn.Module):
