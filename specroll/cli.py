@@ -114,6 +114,9 @@ def _draft(sub):
     t.add_argument("--batch", type=int, default=8, help="sequences per optimizer step")
     t.add_argument("--lr", type=float, default=1e-3)
     t.add_argument("--noise", type=float, default=0.0, help="uniform input-feature noise (relative to RMS)")
+    t.add_argument("--w-feat", type=float, default=2.0, help="weight of the SmoothL1 feature loss (FastGRPO: 2.0)")
+    t.add_argument("--w-ce", type=float, default=0.1,
+                   help="weight of the soft cross-entropy to the policy's distribution (FastGRPO: 0.1)")
     t.add_argument("--draft-vocab", type=int, default=4096, help="reduced draft vocabulary (0 = full)")
     t.add_argument("--time-budget", type=float, default=None, help="stop training after this many seconds")
     t.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"],

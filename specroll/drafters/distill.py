@@ -45,6 +45,8 @@ class DistillConfig:
     def __post_init__(self):
         if self.steps < 0 or self.batch < 1 or self.lr <= 0:
             raise ValueError(f"distill needs steps >= 0, batch >= 1, lr > 0; got {self}")
+        if self.w_feat < 0 or self.w_ce < 0 or self.w_feat + self.w_ce == 0:
+            raise ValueError(f"distill needs loss weights w_feat, w_ce >= 0, not both 0; got {self}")
 
 
 def generate_sequences(engine: Engine, prompts: list[list[int]], params: SamplingParams, n: int,
@@ -210,7 +212,8 @@ def cli(args) -> int:
     policy, tok = hub.load(args.model, torch.float32)
     prompts = _prompts(args, tok)
     eos = hub.eos_ids(tok, hub.resolve(args.model, quiet=True))
-    cfg = DistillConfig(steps=args.steps, lr=args.lr, batch=args.batch, seed=args.seed, noise=args.noise)
+    cfg = DistillConfig(steps=args.steps, lr=args.lr, batch=args.batch, seed=args.seed, noise=args.noise,
+                        w_feat=args.w_feat, w_ce=args.w_ce)
 
     def log(info):
         print(f"step {info['step']:5d}  loss {info['loss']:.4f}  feat {info['feat']:.4f}  ce {info['ce']:.3f}  "

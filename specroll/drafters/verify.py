@@ -27,7 +27,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..engine.sampling import SamplingParams, processed_logprobs, sample, sample_from_logprobs, token_logprobs
+from ..engine.sampling import SamplingParams, processed_logprobs, sample, sample_from_probs
 
 
 @dataclass
@@ -92,28 +92,50 @@ def rejection_chain(tree, logits: torch.Tensor, params: SamplingParams, gen: tor
     """
     B, N = tree.tokens.shape
     L = N - 1
-    logp = processed_logprobs(logits, params)  # (B, N, V)
     x = tree.tokens[:, 1:]
-    lp_x = logp[:, :L].gather(2, x[..., None]).squeeze(-1)  # (B, L) policy log p of each draft at its parent
+    bi, ar = torch.arange(B)[:, None], torch.arange(B)
+    if params.greedy or params.top_k or params.top_p < 1.0:
+        logp = processed_logprobs(logits, params)  # (B, N, V)
+
+        def lp_at(rows, nodes, toks):
+            return logp[rows, nodes, toks]
+
+        def lp_row(nodes):
+            return logp[ar, nodes]
+    else:  # temperature only: log p = z - logsumexp(z), without materialising the (B, N, V) log-softmax
+        scaled = logits.float() if params.temperature == 1.0 else logits.float() / params.temperature
+        lse = torch.logsumexp(scaled, dim=-1)  # (B, N)
+
+        def lp_at(rows, nodes, toks):
+            return scaled[rows, nodes, toks] - lse[rows, nodes]
+
+        def lp_row(nodes):
+            return scaled[ar, nodes] - lse[ar, nodes, None]
+    lp_x = lp_at(bi, torch.arange(L)[None], x)  # (B, L) policy log p of each draft at its parent
     inv = torch.full((logits.shape[-1],), -1, dtype=torch.long)  # token id -> column of q_logp
     inv[tree.q_vocab] = torch.arange(tree.q_vocab.numel())
-    lq_x = tree.q_logp.gather(2, inv[x][..., None]).squeeze(-1)  # (B, L) log q of each draft (drawn from q: > 0)
+    lq_x = tree.q_logp[bi, torch.arange(L)[None], inv[x]]  # (B, L) log q of each draft (drawn from q: > 0)
     u = torch.rand(B, L, generator=gen)
     ok = (torch.log(u) < lp_x - lq_x) & tree.valid[:, 1:]
     n_acc = ok.long().cumprod(1).sum(1)  # accepted drafts before the first rejection
-    ar = torch.arange(B)
-    p_cut = logp[ar, n_acc].exp()  # (B, V): the policy at the cut node
-    q_cut = torch.zeros_like(p_cut)
+    p_cut = lp_row(n_acc).exp()  # (B, V): the policy at the cut node
     rejected = n_acc < L
-    q_cut[:, tree.q_vocab] = tree.q_logp[ar, n_acc.clamp(max=L - 1)].exp() * (rejected[:, None] & residual)
-    r = (p_cut - q_cut).clamp(min=0)
-    z = r.sum(-1, keepdim=True)
-    r = torch.where(z > 0, r / z.clamp(min=1e-30), p_cut)  # z = 0 only if p == q: then any draw from p
-    final = sample_from_logprobs(r.log(), gen)
+    if residual and bool(rejected.any()):
+        q_cut = torch.zeros_like(p_cut)
+        q_cut[:, tree.q_vocab] = tree.q_logp[ar, n_acc.clamp(max=L - 1)].exp() * rejected[:, None]
+        r = (p_cut - q_cut).clamp_(min=0)
+        z = r.sum(-1, keepdim=True)
+        r = torch.where(z > 0, r, p_cut)  # z = 0 only if p == q: then any draw from p
+    else:
+        r = p_cut
+    final = sample_from_probs(r, gen)  # inverse CDF of the unnormalised weights
     j = torch.arange(N)[None]
     path = torch.minimum(j, n_acc[:, None])  # (B, N): nodes 0..n_acc, then repeats
     toks = torch.where(j < n_acc[:, None], torch.cat([x, x[:, -1:]], 1), final[:, None])  # drafts, then final
-    at = logits.gather(1, path[..., None].expand(-1, -1, logits.shape[-1]))  # logits at each emitted token's parent
-    policy_lp = token_logprobs(at, toks)
-    sample_lp = logp.gather(1, path[..., None].expand(-1, -1, logp.shape[-1])).gather(2, toks[..., None]).squeeze(-1)
+    sample_lp = lp_at(bi, path, toks)  # under the processed distribution at each emitted token's parent
+    if params.temperature == 1.0 and not params.top_k and params.top_p == 1.0:
+        policy_lp = sample_lp
+    else:  # the policy's own (T = 1, unfiltered) log-prob
+        lg = logits.float()
+        policy_lp = lg[bi, path, toks] - torch.logsumexp(lg, dim=-1)[bi, path]
     return Verdict(path, n_acc, toks, policy_lp, sample_lp)

@@ -85,11 +85,16 @@ def processed_logprobs(logits: torch.Tensor, params: SamplingParams) -> torch.Te
 
 def sample_from_logprobs(logp: torch.Tensor, gen: torch.Generator | None) -> torch.Tensor:
     """Exact draw from ``exp(logp)`` along the last axis by inverse CDF; (..., V) -> (...) long."""
-    probs = logp.exp()
+    return sample_from_probs(logp.exp(), gen)
+
+
+def sample_from_probs(probs: torch.Tensor, gen: torch.Generator | None) -> torch.Tensor:
+    """Exact draw from the (unnormalised, non-negative) weights ``probs`` along the last axis by inverse
+    CDF; (..., V) -> (...) long."""
     cdf = torch.cumsum(probs, dim=-1)
     u = torch.rand(cdf.shape[:-1] + (1,), generator=gen, dtype=cdf.dtype) * cdf[..., -1:]
     idx = torch.searchsorted(cdf, u, right=True).squeeze(-1)
-    return idx.clamp_(max=logp.shape[-1] - 1)
+    return idx.clamp_(max=probs.shape[-1] - 1)
 
 
 def sample(
