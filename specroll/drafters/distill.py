@@ -50,14 +50,20 @@ class DistillConfig:
 
 
 def generate_sequences(engine: Engine, prompts: list[list[int]], params: SamplingParams, n: int,
-                       chunk: int = 64) -> list[torch.Tensor]:
-    """prompt + completion token ids of ``n`` samples per prompt (``chunk`` prompts per engine call)."""
-    out = []
+                       chunk: int = 64, note=None) -> list[torch.Tensor]:
+    """prompt + completion token ids of ``n`` samples per prompt (``chunk`` prompts per engine call);
+    ``note(str)`` hears progress after every chunk."""
+    out, t0, n_tok = [], time.perf_counter(), 0
     for s in range(0, len(prompts), chunk):
         part = prompts[s: s + chunk]
         p = SamplingParams(**{**asdict(params), "seed": (params.seed or 0) + s})
         for r in engine.generate(part, p, n=n):
             out.append(torch.cat([r.prompt_ids, r.completion_ids]))
+            n_tok += len(r.completion_ids)
+        if note is not None:
+            dt = time.perf_counter() - t0
+            note(f"generated {min(s + chunk, len(prompts))}/{len(prompts)} prompts x {n}: {n_tok} tokens "
+                 f"in {dt:.0f}s ({n_tok / max(dt, 1e-9):.0f} tok/s)")
     return out
 
 
@@ -167,16 +173,19 @@ def train_head(head: DraftHead, policy: Decoder, seqs: list[torch.Tensor], hid: 
 def distill(policy: Decoder, prompts: list[list[int]], *, eos_ids=(), n: int = 4, max_new_tokens: int = 128,
             temperature: float = 1.0, dtype: torch.dtype = torch.bfloat16, draft_vocab: int = 4096,
             cfg: DistillConfig | None = None, log=None, time_budget: float | None = None,
-            init: DraftHead | None = None):
-    """Generate, collect hidden states, train a head (fresh, or continue ``init``). Returns (head, info)."""
+            init: DraftHead | None = None, note=None):
+    """Generate, collect hidden states, train a head (fresh, or continue ``init``). Returns (head, info).
+    ``log(info)`` hears training steps, ``note(str)`` the generation and hidden-state progress."""
     cfg = cfg or DistillConfig()
     t0 = time.perf_counter()
     engine = Engine(policy, eos_ids=eos_ids, dtype=dtype)
     params = SamplingParams(temperature=temperature, max_new_tokens=max_new_tokens, seed=cfg.seed)
-    seqs = generate_sequences(engine, prompts, params, n)
+    seqs = generate_sequences(engine, prompts, params, n, note=note)
     t_gen = time.perf_counter() - t0
     hid = hidden_states(policy, seqs, dtype)
     t_hid = time.perf_counter() - t0 - t_gen
+    if note is not None:
+        note(f"hidden states of {len(seqs)} sequences in {t_hid:.0f}s; training")
     if init is not None:
         head = init
     else:
@@ -222,7 +231,8 @@ def cli(args) -> int:
     init = load_head(args.init, policy) if args.init else None
     head, info = distill(policy, prompts, eos_ids=eos, n=args.n, max_new_tokens=args.max_new_tokens,
                          temperature=args.temperature, dtype=getattr(torch, args.dtype), draft_vocab=args.draft_vocab,
-                         cfg=cfg, log=log, time_budget=args.time_budget, init=init)
+                         cfg=cfg, log=log, time_budget=args.time_budget, init=init,
+                         note=lambda msg: print(msg, flush=True))
     meta = {"model": args.model, "prompts": len(prompts), **info, "config": asdict(cfg)}
     out = save_head(head, args.out, meta)
     print(json.dumps({k: v for k, v in info.items() if k != "final"}, indent=None))
