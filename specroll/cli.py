@@ -117,6 +117,13 @@ def _draft(sub):
     t.add_argument("--w-feat", type=float, default=2.0, help="weight of the SmoothL1 feature loss (FastGRPO: 2.0)")
     t.add_argument("--w-ce", type=float, default=0.1,
                    help="weight of the soft cross-entropy to the policy's distribution (FastGRPO: 0.1)")
+    t.add_argument("--w-tv", type=float, default=0.0,
+                   help="weight of 1 - sum min(p, q), the rejection probability of a sampled draft token")
+    t.add_argument("--eval-frac", type=float, default=0.05,
+                   help="share of the sequences held out and scored (accept = sum min(p, q)) every 100 steps")
+    t.add_argument("--data-cache", default=None,
+                   help="safetensors file for the generated sequences and hidden states: reused when it exists "
+                        "and matches the model, prompts and generation settings, written otherwise")
     t.add_argument("--draft-vocab", type=int, default=4096, help="reduced draft vocabulary (0 = full)")
     t.add_argument("--time-budget", type=float, default=None, help="stop training after this many seconds")
     t.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"],

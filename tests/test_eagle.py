@@ -291,6 +291,95 @@ def test_distillation_lowers_the_loss(mid):
     assert last < 0.85 * first, (first, last)
 
 
+def test_held_out_accept_is_the_overlap_of_policy_and_head(mid):
+    """``HeldOut.evaluate`` against a per-position reference: sum_x min(p(x), q(x)) with p the policy's full
+    T = 1 softmax and q the head's softmax over its draft vocabulary, teacher-forced."""
+    from specroll.drafters.distill import HeldOut
+
+    model, head = mid
+    seqs = [torch.tensor(p + naive_greedy(model, p, 6)) for p in PROMPTS[:3]]
+    hid = hidden_states(model, seqs)
+    lm = DraftVocab(model, head.vocab_ids)
+    got = HeldOut(model, lm, seqs, hid).evaluate(head, lm, model.embed)
+    acc, top1, n = 0.0, 0.0, 0
+    with torch.no_grad():
+        for ids, H in zip(seqs, hid):
+            T = len(ids) - 1
+            feat = head(H[None, :-1], model.embed(ids[None, 1:]).float(), torch.arange(1, T + 1)[None])[0]
+            for t in range(T):
+                p = torch.softmax(model.logits(H[t + 1]).double(), -1)
+                q = torch.zeros_like(p)
+                q[head.vocab_ids] = torch.softmax(lm(feat[t]).double(), -1)
+                acc += float(torch.minimum(p, q).sum())
+                top1 += float(q.argmax() == head.vocab_ids[p[head.vocab_ids].argmax()])  # within the draft vocab
+                n += 1
+    assert got["eval_accept"] == pytest.approx(acc / n, abs=1e-5)
+    assert got["eval_top1"] == pytest.approx(top1 / n, abs=1e-6)
+    assert 0.0 < got["eval_accept"] < 1.0
+
+
+def test_tv_loss_alone_raises_held_out_acceptance(mid):
+    """w_tv = 1 alone (no feature or CE term) trains the head toward sum min(p, q) on fixed data; the held-out
+    split is scored at the end and the training split excludes it."""
+    model, _ = mid
+    seqs = [torch.tensor(p + naive_greedy(model, p, 12)) for p in PROMPTS] * 4
+    hid = hidden_states(model, seqs)
+    head = head_for(model, seed=2)
+    cfg = DistillConfig(steps=40, lr=3e-3, batch=4, w_feat=0.0, w_ce=0.0, w_tv=1.0, eval_frac=0.25, eval_every=20)
+    hist = train_head(head, model, seqs, hid, cfg)
+    evals = [h["eval_accept"] for h in hist if "eval_accept" in h]
+    assert [h["step"] for h in hist if "eval_accept" in h] == [19, 39]
+    first = sum(h["tv"] for h in hist[:5]) / 5
+    last = sum(h["tv"] for h in hist[-5:]) / 5
+    assert last < 0.85 * first, (first, last)
+    assert evals[-1] > 0.3 and all(0 < e < 1 for e in evals)
+    with pytest.raises(ValueError, match="not all 0"):
+        DistillConfig(w_feat=0.0, w_ce=0.0)
+    with pytest.raises(ValueError, match="eval_frac"):
+        DistillConfig(eval_frac=1.0)
+
+
+def test_time_budget_anneals_the_learning_rate(mid, monkeypatch):
+    """A run cut by its time budget decays the learning rate with elapsed time, not only with steps."""
+    import specroll.drafters.distill as D
+
+    model, _ = mid
+    seqs = [torch.tensor(p + naive_greedy(model, p, 4)) for p in PROMPTS]
+    hid = hidden_states(model, seqs)
+    clock = iter(range(0, 10_000, 10))  # every perf_counter call advances 10 "seconds"
+    monkeypatch.setattr(D.time, "perf_counter", lambda: float(next(clock)))
+    lrs = []
+    orig = torch.optim.AdamW.step
+
+    def spy(self, *a, **k):
+        lrs.append(self.param_groups[0]["lr"])
+        return orig(self, *a, **k)
+
+    monkeypatch.setattr(torch.optim.AdamW, "step", spy)
+    hist = train_head(head_for(model, seed=2), model, seqs, hid, DistillConfig(steps=10_000, lr=1e-2, batch=2),
+                      time_budget=400.0)
+    assert len(hist) == 40  # 10 s a step: the budget ends the run, not the step count
+    assert lrs[-1] < 0.1 * max(lrs)
+
+
+def test_data_cache_roundtrip_and_mismatch(tmp_path):
+    from specroll.drafters.distill import load_sequences, save_sequences
+
+    seqs = [torch.tensor([1, 2, 3]), torch.tensor([4, 5])]
+    hid = [torch.randn(3, 8), torch.randn(2, 8)]
+    key = {"model": "m", "n": 2}
+    path = save_sequences(tmp_path / "d.safetensors", seqs, hid, key)
+    s2, h2 = load_sequences(path, key)
+    assert all(torch.equal(a, b) for a, b in zip(s2, seqs)) and all(torch.equal(a, b) for a, b in zip(h2, hid))
+    with pytest.raises(ValueError, match="n differ"):
+        load_sequences(path, {"model": "m", "n": 3})
+    bad = tmp_path / "bad.safetensors"
+    bad.write_bytes(b"not a safetensors file")
+    with pytest.raises(ValueError, match="delete it"):
+        load_sequences(bad, key)
+    assert not list(tmp_path.glob("*.tmp"))
+
+
 def test_draft_vocab_maps_indices_to_token_ids():
     model = tiny(V_MID, seed=0)
     ids = torch.tensor([3, 10, 40])

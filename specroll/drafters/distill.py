@@ -38,15 +38,20 @@ class DistillConfig:
     batch: int = 8  # sequences per optimizer step
     w_feat: float = 2.0
     w_ce: float = 0.1
+    w_tv: float = 0.0  # weight of 1 - sum_x min(p, q): one sampled draft token's rejection probability
     noise: float = 0.0
     weight_decay: float = 0.0
     seed: int = 0
+    eval_frac: float = 0.0  # held-out share of the sequences, scored by ``evaluate`` every ``eval_every`` steps
+    eval_every: int = 100
 
     def __post_init__(self):
         if self.steps < 0 or self.batch < 1 or self.lr <= 0:
             raise ValueError(f"distill needs steps >= 0, batch >= 1, lr > 0; got {self}")
-        if self.w_feat < 0 or self.w_ce < 0 or self.w_feat + self.w_ce == 0:
-            raise ValueError(f"distill needs loss weights w_feat, w_ce >= 0, not both 0; got {self}")
+        if min(self.w_feat, self.w_ce, self.w_tv) < 0 or self.w_feat + self.w_ce + self.w_tv == 0:
+            raise ValueError(f"distill needs loss weights w_feat, w_ce, w_tv >= 0, not all 0; got {self}")
+        if not 0 <= self.eval_frac < 1 or self.eval_every < 1:
+            raise ValueError(f"distill needs 0 <= eval_frac < 1 and eval_every >= 1; got {self}")
 
 
 def generate_sequences(engine: Engine, prompts: list[list[int]], params: SamplingParams, n: int,
@@ -134,22 +139,64 @@ def head_loss(head: DraftHead, lm: DraftVocab, embed, ids, H, valid, cfg: Distil
     l_feat = (F.smooth_l1_loss(feat, target, reduction="none").mean(-1) * m).sum() / m.sum()
     logq = torch.log_softmax(lm(feat), dim=-1)
     l_ce = (-(teacher * logq).sum(-1) * m).sum() / m.sum()
+    loss = cfg.w_feat * l_feat + cfg.w_ce * l_ce
+    info = {"feat": float(l_feat.detach()), "ce": float(l_ce.detach())}
+    if cfg.w_tv > 0:
+        l_tv = ((1 - torch.minimum(teacher, logq.exp()).sum(-1)) * m).sum() / m.sum()
+        loss = loss + cfg.w_tv * l_tv
+        info["tv"] = float(l_tv.detach())
     with torch.no_grad():
-        top1 = ((logq.argmax(-1) == teacher.argmax(-1)).float() * m).sum() / m.sum()
-    return cfg.w_feat * l_feat + cfg.w_ce * l_ce, {"feat": float(l_feat.detach()), "ce": float(l_ce.detach()),
-                                                   "top1": float(top1)}
+        info["top1"] = float(((logq.argmax(-1) == teacher.argmax(-1)).float() * m).sum() / m.sum())
+    return loss, info
+
+
+class HeldOut:
+    """Held-out sequences with the policy's T = 1 distribution at every position, restricted to the draft
+    vocabulary but normalised over the full one (computed once). ``evaluate`` scores a head on them:
+    ``accept`` = mean sum_x min(p(x), q(x)), the probability that one token sampled from the head's q is
+    kept by rejection sampling (teacher-forced, i.e. the first draft of a step); ``top1`` = argmax match."""
+
+    def __init__(self, policy: Decoder, lm: DraftVocab, seqs, hid, chunk: int = 512):
+        self.batch = _batch(seqs, hid, list(range(len(seqs))))
+        ids, H, valid = self.batch
+        target = H[:, 1:][valid[:, 1:]]  # (P, D) hidden state whose logits give p at each pair
+        ps = []
+        with torch.no_grad():
+            for i in range(0, target.shape[0], chunk):
+                full = policy.logits(target[i: i + chunk]).float()
+                ps.append((full[:, lm.ids] - torch.logsumexp(full, -1, keepdim=True)).exp())
+        self.p = torch.cat(ps) if ps else torch.zeros(0, lm.ids.numel())
+
+    @torch.no_grad()
+    def evaluate(self, head: DraftHead, lm: DraftVocab, embed) -> dict:
+        ids, H, valid = self.batch
+        T = ids.shape[1] - 1
+        pos = torch.arange(1, T + 1).expand(ids.shape[0], T)
+        feat = head(H[:, :-1], embed(ids[:, 1:]).float(), pos)[valid[:, 1:]]
+        q = torch.softmax(lm(feat), dim=-1)
+        return {"eval_accept": float(torch.minimum(self.p, q).sum(-1).mean()),
+                "eval_top1": float((q.argmax(-1) == self.p.argmax(-1)).float().mean())}
 
 
 def train_head(head: DraftHead, policy: Decoder, seqs: list[torch.Tensor], hid: list[torch.Tensor],
                cfg: DistillConfig, log=None, time_budget: float | None = None) -> list[dict]:
-    """AdamW on the head (policy frozen). Returns the per-step metrics."""
+    """AdamW on the head (policy frozen). Returns the per-step metrics. The learning rate warms up over 20
+    steps, then decays linearly with progress: the larger of steps done / ``cfg.steps`` and time spent /
+    ``time_budget``, so a run cut by its time budget still anneals. With ``cfg.eval_frac`` a held-out share
+    of the sequences is scored (``HeldOut``) every ``cfg.eval_every`` steps and at the end."""
     gen = torch.Generator().manual_seed(cfg.seed)
     lm = DraftVocab(policy, head.vocab_ids)
+    held = None
+    n_held = int(len(seqs) * cfg.eval_frac)
+    if n_held and len(seqs) - n_held >= 1:
+        perm = torch.randperm(len(seqs), generator=gen).tolist()
+        held = HeldOut(policy, lm, [seqs[i] for i in perm[:n_held]], [hid[i] for i in perm[:n_held]])
+        seqs, hid = [seqs[i] for i in perm[n_held:]], [hid[i] for i in perm[n_held:]]
     head.train()
     opt = torch.optim.AdamW([p for p in head.parameters() if p.requires_grad], lr=cfg.lr,
                             weight_decay=cfg.weight_decay)
-    sched = torch.optim.lr_scheduler.LambdaLR(
-        opt, lambda s: min(1.0, (s + 1) / 20) * max(0.05, 1 - s / max(cfg.steps, 1)))
+    progress = [0.0]
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 20) * max(0.05, 1 - progress[0]))
     hist, t0 = [], time.perf_counter()
     for step in range(cfg.steps):
         idx = torch.randint(len(seqs), (min(cfg.batch, len(seqs)),), generator=gen).tolist()
@@ -159,12 +206,19 @@ def train_head(head: DraftHead, policy: Decoder, seqs: list[torch.Tensor], hid: 
         loss.backward()
         torch.nn.utils.clip_grad_norm_(head.parameters(), 1.0)
         opt.step()
+        elapsed = time.perf_counter() - t0
+        progress[0] = max((step + 1) / max(cfg.steps, 1), elapsed / time_budget if time_budget else 0.0)
         sched.step()
-        info.update(step=step, loss=float(loss.detach()), elapsed=time.perf_counter() - t0)
+        last = step == cfg.steps - 1 or progress[0] >= 1.0
+        if held is not None and (last or (step + 1) % cfg.eval_every == 0):
+            head.eval()
+            info.update(held.evaluate(head, lm, policy.embed))
+            head.train()
+        info.update(step=step, loss=float(loss.detach()), elapsed=elapsed)
         hist.append(info)
-        if log is not None and (step % 20 == 0 or step == cfg.steps - 1):
+        if log is not None and (step % 20 == 0 or last or "eval_accept" in info):
             log(info)
-        if time_budget is not None and info["elapsed"] > time_budget:
+        if last:
             break
     head.eval()
     return hist
@@ -173,19 +227,34 @@ def train_head(head: DraftHead, policy: Decoder, seqs: list[torch.Tensor], hid: 
 def distill(policy: Decoder, prompts: list[list[int]], *, eos_ids=(), n: int = 4, max_new_tokens: int = 128,
             temperature: float = 1.0, dtype: torch.dtype = torch.bfloat16, draft_vocab: int = 4096,
             cfg: DistillConfig | None = None, log=None, time_budget: float | None = None,
-            init: DraftHead | None = None, note=None):
+            init: DraftHead | None = None, note=None, data_cache: str | Path | None = None, setup: dict | None = None):
     """Generate, collect hidden states, train a head (fresh, or continue ``init``). Returns (head, info).
-    ``log(info)`` hears training steps, ``note(str)`` the generation and hidden-state progress."""
+    ``log(info)`` hears training steps, ``note(str)`` the generation and hidden-state progress.
+    ``data_cache``: a safetensors file for the sequences and hidden states -- loaded when it exists and
+    was made by the same setup (``setup``, e.g. the model's name, plus the generation settings and the
+    prompts), written otherwise, so runs that only change the training settings skip the generation."""
     cfg = cfg or DistillConfig()
     t0 = time.perf_counter()
-    engine = Engine(policy, eos_ids=eos_ids, dtype=dtype)
-    params = SamplingParams(temperature=temperature, max_new_tokens=max_new_tokens, seed=cfg.seed)
-    seqs = generate_sequences(engine, prompts, params, n, note=note)
-    t_gen = time.perf_counter() - t0
-    hid = hidden_states(policy, seqs, dtype)
-    t_hid = time.perf_counter() - t0 - t_gen
-    if note is not None:
-        note(f"hidden states of {len(seqs)} sequences in {t_hid:.0f}s; training")
+    key = {**(setup or {}), "n": n, "max_new_tokens": max_new_tokens, "temperature": temperature,
+           "dtype": str(dtype), "seed": cfg.seed, "prompts": _digest(prompts)}
+    cached = load_sequences(data_cache, key) if data_cache is not None and Path(data_cache).exists() else None
+    if cached is not None:
+        seqs, hid = cached
+        t_gen = t_hid = 0.0
+        if note is not None:
+            note(f"loaded {len(seqs)} sequences and hidden states from {data_cache}; training")
+    else:
+        engine = Engine(policy, eos_ids=eos_ids, dtype=dtype)
+        params = SamplingParams(temperature=temperature, max_new_tokens=max_new_tokens, seed=cfg.seed)
+        seqs = generate_sequences(engine, prompts, params, n, note=note)
+        t_gen = time.perf_counter() - t0
+        hid = hidden_states(policy, seqs, dtype)
+        t_hid = time.perf_counter() - t0 - t_gen
+        if data_cache is not None:
+            save_sequences(data_cache, seqs, hid, key)
+        if note is not None:
+            note(f"hidden states of {len(seqs)} sequences in {t_hid:.0f}s"
+                 + (f" (saved to {data_cache})" if data_cache is not None else "") + "; training")
     if init is not None:
         head = init
     else:
@@ -196,6 +265,54 @@ def distill(policy: Decoder, prompts: list[list[int]], *, eos_ids=(), n: int = 4
             "train_s": hist[-1]["elapsed"] if hist else 0.0, "steps": len(hist),
             "final": hist[-1] if hist else {}, "draft_vocab": head.draft_vocab}
     return head, info
+
+
+# --- the data cache ----------------------------------------------------------------------------------
+
+def _digest(prompts: list[list[int]]) -> str:
+    import hashlib
+
+    return hashlib.sha256(json.dumps([list(map(int, p)) for p in prompts]).encode()).hexdigest()[:16]
+
+
+def save_sequences(path: str | Path, seqs: list[torch.Tensor], hid: list[torch.Tensor], key: dict) -> Path:
+    """Sequences and their hidden states as one safetensors file (flat, with lengths), written atomically."""
+    import os
+
+    from safetensors.torch import save_file
+
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    save_file({"ids": torch.cat(seqs), "hidden": torch.cat(hid).float().contiguous(),
+               "lengths": torch.tensor([len(x) for x in seqs])}, str(tmp),
+              metadata={"format": DATA_FORMAT, "setup": json.dumps(key, sort_keys=True)})
+    os.replace(tmp, path)
+    return path
+
+
+def load_sequences(path: str | Path, key: dict) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """Inverse of ``save_sequences``; a file from another setup (``key``) or format is a clear error."""
+    from safetensors import SafetensorError, safe_open
+
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            meta = f.metadata() or {}
+            if meta.get("format") != DATA_FORMAT:
+                raise ValueError(f"{path} is not a specroll distillation data cache; pass another path")
+            stored = json.loads(meta.get("setup", "{}"))
+            if stored != json.loads(json.dumps(key, sort_keys=True)):
+                diff = sorted(k for k in set(stored) | set(key) if stored.get(k) != key.get(k))
+                raise ValueError(f"{path} was generated with other settings ({', '.join(diff)} differ); "
+                                 "delete it or pass another data cache path")
+            ids, hidden, lens = f.get_tensor("ids"), f.get_tensor("hidden"), f.get_tensor("lengths")
+    except SafetensorError as e:
+        raise ValueError(f"{path} is not a readable safetensors file ({e}); delete it to regenerate") from None
+    sizes = lens.tolist()
+    return list(ids.split(sizes)), list(hidden.split(sizes))
+
+
+DATA_FORMAT = "specroll-distill-data/1"
 
 
 # --- CLI -----------------------------------------------------------------------------------------
@@ -222,17 +339,20 @@ def cli(args) -> int:
     prompts = _prompts(args, tok)
     eos = hub.eos_ids(tok, hub.resolve(args.model, quiet=True))
     cfg = DistillConfig(steps=args.steps, lr=args.lr, batch=args.batch, seed=args.seed, noise=args.noise,
-                        w_feat=args.w_feat, w_ce=args.w_ce)
+                        w_feat=args.w_feat, w_ce=args.w_ce, w_tv=args.w_tv, eval_frac=args.eval_frac)
 
     def log(info):
+        ev = (f"  held-out accept {info['eval_accept']:.3f} top1 {info['eval_top1']:.3f}"
+              if "eval_accept" in info else "")
         print(f"step {info['step']:5d}  loss {info['loss']:.4f}  feat {info['feat']:.4f}  ce {info['ce']:.3f}  "
-              f"top1 {info['top1']:.3f}  {info['elapsed']:.0f}s", flush=True)
+              f"top1 {info['top1']:.3f}{ev}  {info['elapsed']:.0f}s", flush=True)
 
     init = load_head(args.init, policy) if args.init else None
     head, info = distill(policy, prompts, eos_ids=eos, n=args.n, max_new_tokens=args.max_new_tokens,
                          temperature=args.temperature, dtype=getattr(torch, args.dtype), draft_vocab=args.draft_vocab,
                          cfg=cfg, log=log, time_budget=args.time_budget, init=init,
-                         note=lambda msg: print(msg, flush=True))
+                         note=lambda msg: print(msg, flush=True), data_cache=args.data_cache,
+                         setup={"model": args.model, "data": args.data})
     meta = {"model": args.model, "prompts": len(prompts), **info, "config": asdict(cfg)}
     out = save_head(head, args.out, meta)
     print(json.dumps({k: v for k, v in info.items() if k != "final"}, indent=None))
