@@ -130,6 +130,28 @@ def test_speculation_is_lossless(small, kind, pname, mode):
     assert drafter.totals[3] > 0 or (kind == "adversarial" and mode == "tree")
 
 
+def test_bf16_head_chains_are_lossless(small):
+    """``bf16_head``: the head drafts with bf16 weight panels (few rows per call, so the skinny kernel runs);
+    its q changes but the chain stays exactly distributed. Small batches, many calls."""
+    from specroll import kernels
+
+    if kernels.skinny() is None:
+        pytest.skip("the skinny kernel is not available here")
+    model, trained = small
+    params = PARAMS["t1"]
+    drafter = EagleDrafter(trained, Plan(n_verify=4, k=1, depth=3), sampled=True, bf16_head=True)
+    engine, V, counts = Engine(model), model.cfg.vocab_size, torch.zeros(V_SMALL**M_SMALL, dtype=torch.long)
+    for i in range(S // 8):
+        outs = engine.generate([PROMPT], SamplingParams(**{**params.__dict__, "seed": 100 + i}), n=8, drafter=drafter)
+        idx = torch.stack([(o.completion_ids * V ** torch.arange(M_SMALL)).sum() for o in outs])
+        counts += torch.bincount(idx, minlength=V**M_SMALL)
+    assert "skinny_bf16" in trained.fc._packed and "skinny_bf16" in trained.block.qkv._packed
+    assert "skinny_bf16" not in model.layers[0].qkv._packed  # the policy keeps its fp32 weights
+    p = chi2_pvalue(counts, exact_probs(model, PROMPT, params, M_SMALL))
+    assert p > 1e-3, f"bf16 head chains: chi-square p = {p:.2e}"
+    assert drafter.totals[3] > 0
+
+
 @pytest.mark.parametrize("pname", ["t1", "t07p09"])
 def test_the_statistic_detects_resampling_from_p_at_the_cut(small, pname):
     """SPEC-RL's cut rule (draw from p, not from the residual max(p - q, 0)) is biased, and the test sees it."""

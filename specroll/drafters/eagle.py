@@ -53,6 +53,7 @@ from ..models.decoder import (
     DecoderConfig,
     FastLinear,
     RMSNorm,
+    bf16_weights,
     fold_mask,
     rope_inv_freq,
     rope_tables,
@@ -231,14 +232,20 @@ class EagleDrafter:
     and verify it by rejection sampling (``verify.rejection_chain``). Both are lossless; at T = 1 a
     sampled token survives with probability min(1, p/q) instead of p(top-K), which keeps more tokens
     when the head's distribution is close to the policy's.
+
+    ``bf16_head``: the head's drafting steps (a few rows each) stream bf16 copies of the head's and draft
+    vocabulary's weights through the skinny kernel (``decoder.bf16_weights``; fp32 arithmetic). The draft
+    distribution changes slightly; verification stays exact, since it uses the q the head produced.
     """
 
     wants_prompt_hidden = True  # the engine's prefill hands over the prompt hidden states (no second pass)
 
     def __init__(self, head: DraftHead, plan: Plan = DEFAULT_PLAN, plan_fn=None, max_plan: Plan | None = None,
-                 rule=sampler_match, on_pairs=None, trace: bool = False, sampled: bool = False):
+                 rule=sampler_match, on_pairs=None, trace: bool = False, sampled: bool = False,
+                 bf16_head: bool = False):
         self.head = head.eval()
         self.sampled = sampled
+        self.bf16_head = bf16_head
         self.chain_rule = rejection_chain  # the rule for sampled chains
         self.plan_fn = plan_fn or (lambda b: plan)
         self.max_plan = max_plan or plan
@@ -437,7 +444,8 @@ class EagleDrafter:
         if plan.n_verify <= 1:
             return self._plain_step(st, stop, stats)
         root_pos = cache.lens[:B].clone()
-        tree = self.draft(root_pos, plan, st.params, st.gen)
+        with bf16_weights(self.bf16_head):
+            tree = self.draft(root_pos, plan, st.params, st.gen)
         N = tree.tokens.shape[1]
         slots = cache.chain_slots(N)
         h = engine.forward(cache, tree.tokens, root_pos[:, None] + tree.depth, slots, cache.mask(N, tree.mask))
