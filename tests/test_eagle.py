@@ -16,7 +16,16 @@ import torch
 from helpers import tiny_decoder
 
 from specroll.drafters.distill import DistillConfig, distill, head_loss, hidden_states, train_head
-from specroll.drafters.eagle import DraftHead, DraftVocab, EagleDrafter, Plan, head_for, load_head, save_head
+from specroll.drafters.eagle import (
+    DraftHead,
+    DraftTree,
+    DraftVocab,
+    EagleDrafter,
+    Plan,
+    head_for,
+    load_head,
+    save_head,
+)
 from specroll.drafters.verify import Verdict, match_walk, rejection_chain
 from specroll.engine.engine import Engine
 from specroll.engine.sampling import SamplingParams, processed_logprobs, sample
@@ -128,6 +137,27 @@ def test_speculation_is_lossless(small, kind, pname, mode):
     assert p > 1e-3, f"{kind} draft, {mode}, at {pname}: chi-square p = {p:.2e}"
     # drafts were actually accepted (a top-K adversarial tree may never land; a sampled one sometimes does)
     assert drafter.totals[3] > 0 or (kind == "adversarial" and mode == "tree")
+
+
+@pytest.mark.parametrize("params", [SamplingParams(temperature=1.0), SamplingParams(temperature=0.7),
+                                    SamplingParams(temperature=0.7, top_p=0.9)])
+def test_rejection_chain_logprobs_match_a_full_log_softmax(params):
+    """rejection_chain's indexed log-probs (temperature-only fast path and the filtered path) against the
+    naive full-vocabulary log-softmax at every emitted token's parent."""
+    torch.manual_seed(0)
+    B, L, V = 5, 4, 50
+    logits = torch.randn(B, L + 1, V) * 3
+    ids = torch.arange(0, V, 2)
+    q = torch.log_softmax(torch.randn(B, L, ids.numel()), -1)
+    toks = torch.cat([torch.zeros(B, 1, dtype=torch.long), ids[torch.randint(ids.numel(), (B, L))]], 1)
+    ar = torch.arange(L + 1)
+    tree = DraftTree.build(toks, (ar - 1).clamp(min=0).expand(B, L + 1), ar.expand(B, L + 1))
+    tree.q_logp, tree.q_vocab = q, ids
+    v = rejection_chain(tree, logits, params, torch.Generator().manual_seed(1))
+    at = logits[torch.arange(B)[:, None], v.path]  # (B, N, V) logits at each emitted token's parent
+    naive_s = processed_logprobs(at, params).gather(2, v.tokens[..., None]).squeeze(-1)
+    naive_p = torch.log_softmax(at, -1).gather(2, v.tokens[..., None]).squeeze(-1)
+    assert torch.allclose(v.sample_lp, naive_s, atol=1e-5) and torch.allclose(v.policy_lp, naive_p, atol=1e-5)
 
 
 def test_bf16_head_chains_are_lossless(small):

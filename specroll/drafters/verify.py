@@ -120,7 +120,7 @@ def rejection_chain(tree, logits: torch.Tensor, params: SamplingParams, gen: tor
     n_acc = ok.long().cumprod(1).sum(1)  # accepted drafts before the first rejection
     p_cut = lp_row(n_acc).exp()  # (B, V): the policy at the cut node
     rejected = n_acc < L
-    if residual and bool(rejected.any()):
+    if residual:
         q_cut = torch.zeros_like(p_cut)
         q_cut[:, tree.q_vocab] = tree.q_logp[ar, n_acc.clamp(max=L - 1)].exp() * rejected[:, None]
         r = (p_cut - q_cut).clamp_(min=0)
@@ -133,7 +133,7 @@ def rejection_chain(tree, logits: torch.Tensor, params: SamplingParams, gen: tor
     path = torch.minimum(j, n_acc[:, None])  # (B, N): nodes 0..n_acc, then repeats
     toks = torch.where(j < n_acc[:, None], torch.cat([x, x[:, -1:]], 1), final[:, None])  # drafts, then final
     sample_lp = lp_at(bi, path, toks)  # under the processed distribution at each emitted token's parent
-    if params.temperature == 1.0 and not params.top_k and params.top_p == 1.0:
+    if params.unfiltered:
         policy_lp = sample_lp
     else:  # the policy's own (T = 1, unfiltered) log-prob
         lg = logits.float()

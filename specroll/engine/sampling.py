@@ -49,6 +49,11 @@ class SamplingParams:
     def greedy(self) -> bool:
         return self.temperature == 0
 
+    @property
+    def unfiltered(self) -> bool:
+        """Sampling from the policy itself (T = 1, no top-k / top-p): sample and policy log-probs agree."""
+        return self.temperature == 1.0 and not self.top_k and self.top_p == 1.0
+
     def generator(self, device: torch.device | str = "cpu") -> torch.Generator:
         g = torch.Generator(device=device)
         if self.seed is None:
@@ -112,8 +117,7 @@ def sample(
         logp = processed_logprobs(logits, params)
         tokens = sample_from_logprobs(logp, gen)
         sample_lp = logp.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
-    unfiltered = params.temperature == 1.0 and not params.top_k and params.top_p == 1.0
-    policy_lp = sample_lp if unfiltered else token_logprobs(logits, tokens)
+    policy_lp = sample_lp if params.unfiltered else token_logprobs(logits, tokens)
     return tokens, policy_lp, sample_lp
 
 
