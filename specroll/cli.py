@@ -92,6 +92,8 @@ def _bench_spec(s):
     b.add_argument("--temperature", type=float, default=1.0)
     b.add_argument("--top-p", type=float, default=1.0)
     b.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"])
+    b.add_argument("--head-weights", default="fp32", help="weights the draft head drafts with: fp32, bf16 "
+                   "(bf16 weight panels, fp32 arithmetic; lossless either way), or both: fp32,bf16")
     b.add_argument("--repeats", type=int, default=1, help="timed repetitions per system and batch (summed)")
     b.add_argument("--force-length", action="store_true", help="ignore stop tokens: every row emits max-new-tokens")
     b.add_argument("--seed", type=int, default=0)

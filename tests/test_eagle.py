@@ -316,6 +316,40 @@ def test_cached_head_matches_cache_free_pass(mid):
     torch.testing.assert_close(torch.cat(parts, 1), full, atol=1e-5, rtol=0)
 
 
+@torch.no_grad()
+def test_sampled_chain_drafts_match_a_cache_free_head_pass(mid, monkeypatch):
+    """Reference for the chain drafter's cached head steps: the first step's draft distributions
+    q_logp[:, d] of two ragged prompts equal a cache-free head pass over the prompt pairs, the root pair
+    and the chain so far (each drafted token paired with the head's own previous feature)."""
+    model, head = mid
+    prompts = [PROMPTS[1], PROMPTS[0]]
+    trees = []
+    orig = EagleDrafter._sample_chain
+
+    def spy(self, *a, **k):
+        trees.append(orig(self, *a, **k))
+        return trees[-1]
+
+    monkeypatch.setattr(EagleDrafter, "_sample_chain", spy)
+    L = 4
+    drafter = EagleDrafter(head, Plan(L + 1, 1, L), sampled=True)
+    Engine(model, eos_ids=[]).generate(prompts, SamplingParams(temperature=1.0, max_new_tokens=12, seed=3),
+                                       drafter=drafter)
+    tree, lm = trees[0], DraftVocab(model, head.vocab_ids)
+    for b, prompt in enumerate(prompts):
+        P = len(prompt)
+        ids = torch.tensor(prompt + [int(tree.tokens[b, 0])])  # the prompt, then the root
+        hid = model(ids[None, :P], torch.arange(P)[None])[0]  # policy hidden states h_0 .. h_{P-1}
+        toks = ids[1:]  # h_i is paired with token i + 1
+        for d in range(L):
+            T = hid.shape[0]
+            f = head(hid[None], model.embed(toks[None]), torch.arange(1, T + 1)[None])[0, -1]
+            ref = torch.log_softmax(lm(f[None]), -1)[0]
+            torch.testing.assert_close(tree.q_logp[b, d], ref, atol=2e-4, rtol=0)
+            hid = torch.cat([hid, f[None]])
+            toks = torch.cat([toks, tree.tokens[b, d + 1: d + 2]])
+
+
 def test_save_load_roundtrip_and_mismatch(tmp_path, mid):
     model, head = mid
     save_head(head, tmp_path / "h", {"note": "test"})
@@ -488,6 +522,11 @@ def test_cli_draft_train_then_bench_spec(tmp_path, monkeypatch, capsys):
     rows = json.loads(out.read_text())["rows"]
     assert [(r["plan"], r["plan_max"]["k"]) for r in rows] == [("static", 2), ("chain", 1)]
     assert rows[1]["accept_length"] >= 1.0
+    assert main(common + ["--plan", "chain", "--batch-sizes", "1", "--head-weights", "fp32,bf16", "--out", str(out)]) == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert [(r["plan"], r["head_weights"]) for r in rows] == [("chain", "fp32"), ("chain", "bf16")]
+    assert main(common + ["--head-weights", "fp16", "--out", str(out)]) == 2
+    assert "choose from fp32, bf16" in capsys.readouterr().err
     assert main(common + ["--plan", "nope", "--out", str(out)]) == 2
     assert "known plans" in capsys.readouterr().err
     assert main(["bench", "spec", "--model", "tiny-llama", "--draft", str(tmp_path / "none"), "--out", str(out)]) == 2

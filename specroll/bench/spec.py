@@ -47,6 +47,7 @@ def _chain(args):
 
 PLANS = {"static": _static, "adaptive": _adaptive, "chain": _chain}
 SAMPLED = {"chain"}  # plans whose drafter samples its chain (EagleDrafter(sampled=True))
+HEAD_WEIGHTS = ("fp32", "bf16")  # --head-weights: EagleDrafter(bf16_head=...)
 
 
 def bench_prompts(tokenizer, n: int, seed: int) -> list[list[int]]:
@@ -64,7 +65,7 @@ def _timed(fn, *args, **kw):
 
 
 def bench_batch(engine: Engine, head, prompts, params: SamplingParams, plan_name: str, plan_fn, max_plan,
-                repeats: int) -> dict:
+                repeats: int, head_weights: str = "fp32") -> dict:
     van_t = spec_t = 0.0
     van_n = spec_n = 0
     totals = torch.zeros(4, dtype=torch.long)
@@ -72,7 +73,8 @@ def bench_batch(engine: Engine, head, prompts, params: SamplingParams, plan_name
         p = SamplingParams(**{**params.__dict__, "seed": (params.seed or 0) + r})
         dt, outs = _timed(engine.generate, prompts, p)
         van_t, van_n = van_t + dt, van_n + sum(len(o.completion_ids) for o in outs)
-        drafter = EagleDrafter(head, plan_fn=plan_fn, max_plan=max_plan, sampled=plan_name in SAMPLED)
+        drafter = EagleDrafter(head, plan_fn=plan_fn, max_plan=max_plan, sampled=plan_name in SAMPLED,
+                               bf16_head=head_weights == "bf16")
         dt, outs = _timed(engine.generate, prompts, p, drafter=drafter)
         spec_t, spec_n = spec_t + dt, spec_n + sum(len(o.completion_ids) for o in outs)
         totals += drafter.totals
@@ -81,7 +83,7 @@ def bench_batch(engine: Engine, head, prompts, params: SamplingParams, plan_name
     return {"batch": len(prompts), "plan": plan_name, "vanilla_tok_s": v, "spec_tok_s": s, "speedup": s / v,
             "accept_length": emitted / max(steps, 1), "accept_rate": accepted / max(drafted, 1),
             "vanilla_tokens": van_n, "spec_tokens": spec_n, "vanilla_s": van_t, "spec_s": spec_t,
-            "plan_max": max_plan.__dict__}
+            "head_weights": head_weights, "plan_max": max_plan.__dict__}
 
 
 def run_bench(args) -> dict:
@@ -93,6 +95,10 @@ def run_bench(args) -> dict:
     for p in plans:
         if p not in PLANS:
             raise CliError(f"--plan {p!r} is not available here; known plans: {sorted(PLANS)}")
+    head_weights = [w.strip() for w in args.head_weights.split(",") if w.strip()]
+    for w in head_weights:
+        if w not in HEAD_WEIGHTS:
+            raise CliError(f"--head-weights {w!r}: choose from {', '.join(HEAD_WEIGHTS)}")
     dtype = DTYPES[args.dtype]
     model, tok = hub.load(args.model, torch.float32)
     head = load_head(args.draft, model)
@@ -107,9 +113,10 @@ def run_bench(args) -> dict:
     rows = []
     for name in plans:
         plan_fn, max_plan = PLANS[name](args)
-        for B in batches:
-            row = bench_batch(engine, head, prompts[:B], params, name, plan_fn, max_plan, args.repeats)
-            print(f"batch {B:3d} {name:8s} vanilla {row['vanilla_tok_s']:7.1f} tok/s  spec {row['spec_tok_s']:7.1f} "
+        for B, hw in ((B, hw) for B in batches for hw in head_weights):
+            row = bench_batch(engine, head, prompts[:B], params, name, plan_fn, max_plan, args.repeats, hw)
+            tag = f" head {hw}" if len(head_weights) > 1 else ""
+            print(f"batch {B:3d} {name:8s}{tag} vanilla {row['vanilla_tok_s']:7.1f} tok/s  spec {row['spec_tok_s']:7.1f} "
                   f"tok/s  x{row['speedup']:.2f}  accept_length {row['accept_length']:.2f}", flush=True)
             rows.append(row)
     return {"rows": rows, "model": args.model, "draft": str(args.draft), "dtype": args.dtype,

@@ -362,11 +362,11 @@ class EagleDrafter:
         base = self.dc.lens[:B].clone()
         f, toks, qs = f_root, [], []
         for d in range(L):
-            if d:  # feed the previous draft token; it sits at slot base + d - 1 and sees the chain so far
+            if d:  # feed the previous draft token; it sits at slot base + d - 1 and sees every slot up to it
                 slots = base[:, None] + (d - 1)
-                vis = torch.ones(B, 1, d, dtype=torch.bool)
+                mask = torch.arange(int(slots.max()) + 1)[None, None, :] <= slots[:, :, None]
                 f = self.head(f[:, None], self.policy.embed(toks[-1][:, None]),
-                              (root_pos + d)[:, None], self.dc, self._tree_mask(base, vis, slots), slots)[:, 0]
+                              (root_pos + d)[:, None], self.dc, mask, slots)[:, 0]
             lq = processed_logprobs(self.draft_logp(f), params)  # (B, V_draft)
             toks.append(ids[sample_from_logprobs(lq, gen)])
             qs.append(lq)
