@@ -316,6 +316,37 @@ def test_cached_head_matches_cache_free_pass(mid):
     torch.testing.assert_close(torch.cat(parts, 1), full, atol=1e-5, rtol=0)
 
 
+def test_head_drafts_in_the_rollouts_precision_unless_bf16_head(mid, monkeypatch):
+    """``bf16_head=False`` leaves the head's drafting in the rollout's precision: fp32 panels under an fp32
+    engine, bf16 panels under the bf16-weight engine (CPUs without native bf16); True forces bf16."""
+    from specroll.models import decoder
+
+    model, head = mid
+    seen = []
+    orig = EagleDrafter.draft
+
+    def spy(self, *a, **k):
+        seen.append(decoder._BF16_WEIGHTS.get())
+        return orig(self, *a, **k)
+
+    monkeypatch.setattr(EagleDrafter, "draft", spy)
+    params = SamplingParams(temperature=1.0, max_new_tokens=6, seed=0)
+
+    def drafts_bf16(engine, bf16_head):
+        seen.clear()
+        engine.generate([PROMPTS[0]], params, drafter=EagleDrafter(head, Plan(3, 1, 2), sampled=True,
+                                                                   bf16_head=bf16_head))
+        assert seen and len(set(seen)) == 1
+        return seen[0]
+
+    fp32 = Engine(model, eos_ids=[])
+    assert drafts_bf16(fp32, False) is False and drafts_bf16(fp32, True) is True
+    bf16 = Engine(model, eos_ids=[], dtype=torch.bfloat16)
+    if not bf16.bf16_weights:
+        pytest.skip("this machine runs bf16 rollouts natively (or has no skinny kernel)")
+    assert drafts_bf16(bf16, False) is True
+
+
 @torch.no_grad()
 def test_sampled_chain_drafts_match_a_cache_free_head_pass(mid, monkeypatch):
     """Reference for the chain drafter's cached head steps: the first step's draft distributions

@@ -37,6 +37,7 @@ order (a prefix drafter reports its pairs through ``start_chain(..., rows=)``).
 from __future__ import annotations
 
 import json
+from contextlib import nullcontext
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
@@ -236,6 +237,7 @@ class EagleDrafter:
     ``bf16_head``: the head's drafting steps (a few rows each) stream bf16 copies of the head's and draft
     vocabulary's weights through the skinny kernel (``decoder.bf16_weights``; fp32 arithmetic). The draft
     distribution changes slightly; verification stays exact, since it uses the q the head produced.
+    Off, the head drafts in the rollout's own precision (bf16 panels too when the engine runs bf16 weights).
     """
 
     wants_prompt_hidden = True  # the engine's prefill hands over the prompt hidden states (no second pass)
@@ -444,7 +446,7 @@ class EagleDrafter:
         if plan.n_verify <= 1:
             return self._plain_step(st, stop, stats)
         root_pos = cache.lens[:B].clone()
-        with bf16_weights(self.bf16_head):
+        with bf16_weights(True) if self.bf16_head else nullcontext():  # else the rollout's own precision
             tree = self.draft(root_pos, plan, st.params, st.gen)
         N = tree.tokens.shape[1]
         slots = cache.chain_slots(N)
