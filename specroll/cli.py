@@ -123,6 +123,9 @@ def _draft(sub):
                    help="weight of 1 - sum min(p, q), the rejection probability of a sampled draft token")
     t.add_argument("--eval-frac", type=float, default=0.05,
                    help="share of the sequences held out and scored (accept = sum min(p, q)) every 100 steps")
+    t.add_argument("--prompt-loss", action="store_true",
+                   help="also train on prompt positions (default: completion positions only, where the head drafts; "
+                        "the held-out score counts completion positions either way)")
     t.add_argument("--data-cache", default=None,
                    help="safetensors file for the generated sequences and hidden states: reused when it exists "
                         "and matches the model, prompts and generation settings, written otherwise")

@@ -9,6 +9,7 @@ goodness-of-fit on speculative samples. The same statistic must reject a deliber
 from __future__ import annotations
 
 import functools
+import json
 import math
 
 import pytest
@@ -408,31 +409,68 @@ def test_distillation_lowers_the_loss(mid):
     assert last < 0.85 * first, (first, last)
 
 
-def test_held_out_accept_is_the_overlap_of_policy_and_head(mid):
+@pytest.mark.parametrize("with_prompts", [False, True], ids=["all", "completion"])
+def test_held_out_accept_is_the_overlap_of_policy_and_head(mid, with_prompts):
     """``HeldOut.evaluate`` against a per-position reference: sum_x min(p(x), q(x)) with p the policy's full
-    T = 1 softmax and q the head's softmax over its draft vocabulary, teacher-forced."""
+    T = 1 softmax and q the head's softmax over its draft vocabulary, teacher-forced. With prompt lengths
+    only the features that predict completion tokens count."""
     from specroll.drafters.distill import HeldOut
 
     model, head = mid
     seqs = [torch.tensor(p + naive_greedy(model, p, 6)) for p in PROMPTS[:3]]
+    starts = [len(p) for p in PROMPTS[:3]] if with_prompts else None
     hid = hidden_states(model, seqs)
     lm = DraftVocab(model, head.vocab_ids)
-    got = HeldOut(model, lm, seqs, hid).evaluate(head, lm, model.embed)
+    got = HeldOut(model, lm, seqs, hid, starts).evaluate(head, lm, model.embed)
     acc, top1, n = 0.0, 0.0, 0
     with torch.no_grad():
-        for ids, H in zip(seqs, hid):
+        for i, (ids, H) in enumerate(zip(seqs, hid)):
             T = len(ids) - 1
             feat = head(H[None, :-1], model.embed(ids[None, 1:]).float(), torch.arange(1, T + 1)[None])[0]
             for t in range(T):
+                if starts is not None and t + 1 < starts[i]:  # feat[t] predicts token t + 2
+                    continue
                 p = torch.softmax(model.logits(H[t + 1]).double(), -1)
                 q = torch.zeros_like(p)
                 q[head.vocab_ids] = torch.softmax(lm(feat[t]).double(), -1)
                 acc += float(torch.minimum(p, q).sum())
                 top1 += float(q.argmax() == head.vocab_ids[p[head.vocab_ids].argmax()])  # within the draft vocab
                 n += 1
+    assert n == (18 if with_prompts else 26)
     assert got["eval_accept"] == pytest.approx(acc / n, abs=1e-5)
     assert got["eval_top1"] == pytest.approx(top1 / n, abs=1e-6)
     assert 0.0 < got["eval_accept"] < 1.0
+
+
+def test_loss_scores_only_completion_targets(mid):
+    """``head_loss`` on a ragged batch from ``_batch(..., starts)`` equals the mean of per-position losses,
+    computed one sequence at a time, over the targets at or after each prompt length."""
+    from specroll.drafters.distill import _batch
+
+    model, head = mid
+    seqs = [torch.tensor(p + naive_greedy(model, p, 5)) for p in PROMPTS[:2]]
+    starts = [len(p) for p in PROMPTS[:2]]
+    hid = hidden_states(model, seqs)
+    lm = DraftVocab(model, head.vocab_ids)
+    cfg = DistillConfig(w_feat=2.0, w_ce=0.3, w_tv=0.5)
+    ids, H, scored = _batch(seqs, hid, [0, 1], starts)
+    assert scored.sum() == sum(len(s) - p for s, p in zip(seqs, starts))
+    with torch.no_grad():
+        got, _ = head_loss(head, lm, model.embed, ids, H, scored, cfg)
+        per = []
+        for x, h, P in zip(seqs, hid, starts):
+            T = len(x) - 1
+            feat = head(h[None, :-1], model.embed(x[None, 1:]).float(), torch.arange(1, T + 1)[None])[0]
+            for t in range(P, len(x)):  # target h[t] is the feature at pair t - 1
+                f = feat[t - 1]
+                p = torch.softmax(lm(h[t]), -1)
+                logq = torch.log_softmax(lm(f), -1)
+                per.append(2.0 * torch.nn.functional.smooth_l1_loss(f, h[t]) - 0.3 * (p * logq).sum()
+                           + 0.5 * (1 - torch.minimum(p, logq.exp()).sum()))
+        want = torch.stack(per).mean()
+        everything, _ = head_loss(head, lm, model.embed, ids, H, _batch(seqs, hid, [0, 1])[2], cfg)
+    assert float(got) == pytest.approx(float(want), rel=1e-5)
+    assert abs(float(everything) - float(want)) > 1e-4  # the prompt positions would change it
 
 
 def test_tv_loss_alone_raises_held_out_acceptance(mid):
@@ -480,14 +518,17 @@ def test_time_budget_anneals_the_learning_rate(mid, monkeypatch):
 
 
 def test_data_cache_roundtrip_and_mismatch(tmp_path):
+    from safetensors.torch import save_file
+
     from specroll.drafters.distill import load_sequences, save_sequences
 
     seqs = [torch.tensor([1, 2, 3]), torch.tensor([4, 5])]
     hid = [torch.randn(3, 8), torch.randn(2, 8)]
     key = {"model": "m", "n": 2}
-    path = save_sequences(tmp_path / "d.safetensors", seqs, hid, key)
-    s2, h2 = load_sequences(path, key)
+    path = save_sequences(tmp_path / "d.safetensors", seqs, hid, key, [2, 1])
+    s2, h2, p2 = load_sequences(path, key)
     assert all(torch.equal(a, b) for a, b in zip(s2, seqs)) and all(torch.equal(a, b) for a, b in zip(h2, hid))
+    assert p2 == [2, 1]
     with pytest.raises(ValueError, match="n differ"):
         load_sequences(path, {"model": "m", "n": 3})
     bad = tmp_path / "bad.safetensors"
@@ -495,6 +536,15 @@ def test_data_cache_roundtrip_and_mismatch(tmp_path):
     with pytest.raises(ValueError, match="delete it"):
         load_sequences(bad, key)
     assert not list(tmp_path.glob("*.tmp"))
+    # a first-format cache (no prompt lengths) is read with the prompts it was made from, n per prompt
+    old = tmp_path / "old.safetensors"
+    save_file({"ids": torch.cat(seqs), "hidden": torch.cat(hid), "lengths": torch.tensor([3, 2])}, str(old),
+              metadata={"format": "specroll-distill-data/1", "setup": json.dumps(key, sort_keys=True)})
+    assert load_sequences(old, key, [[1, 2], [4]], n=1)[2] == [2, 1]
+    with pytest.raises(ValueError, match="older data cache"):
+        load_sequences(old, key, [[1, 3], [4]], n=1)  # the first sequence does not start with its prompt
+    with pytest.raises(ValueError, match="older data cache"):
+        load_sequences(old, key)
 
 
 def test_draft_vocab_maps_indices_to_token_ids():

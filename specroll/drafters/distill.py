@@ -7,6 +7,11 @@ Pipeline (``distill``):
    ``w_feat * SmoothL1(feature, h_{t+1}) + w_ce * softCE(draft logits, policy distribution)``
    with FastGRPO's weights 2.0 and 0.1 by default.
 
+Only completion positions are scored (``DistillConfig.prompt_loss`` False, the default): the head
+drafts completion tokens only, and the prompt -- a near-deterministic chat template plus the question --
+would otherwise take a large share of the loss and inflate the held-out score. The prompt pairs stay in
+the head's context (its attention sees them), as they do in the rollout.
+
 Departures: the soft targets are the policy's distribution renormalised over the head's draft
 vocabulary (the most frequent tokens of the generated data), so no full-vocabulary softmax is
 materialised; EAGLE's input-feature noise is optional (``noise``, uniform, relative to the hidden
@@ -44,6 +49,7 @@ class DistillConfig:
     seed: int = 0
     eval_frac: float = 0.0  # held-out share of the sequences, scored by ``evaluate`` every ``eval_every`` steps
     eval_every: int = 100
+    prompt_loss: bool = False  # also train on prompt positions (the held-out score never counts them)
 
     def __post_init__(self):
         if self.steps < 0 or self.batch < 1 or self.lr <= 0:
@@ -55,21 +61,22 @@ class DistillConfig:
 
 
 def generate_sequences(engine: Engine, prompts: list[list[int]], params: SamplingParams, n: int,
-                       chunk: int = 64, note=None) -> list[torch.Tensor]:
-    """prompt + completion token ids of ``n`` samples per prompt (``chunk`` prompts per engine call);
-    ``note(str)`` hears progress after every chunk."""
-    out, t0, n_tok = [], time.perf_counter(), 0
+                       chunk: int = 64, note=None) -> tuple[list[torch.Tensor], list[int]]:
+    """prompt + completion token ids of ``n`` samples per prompt (``chunk`` prompts per engine call), and
+    each sequence's prompt length; ``note(str)`` hears progress after every chunk."""
+    out, plen, t0, n_tok = [], [], time.perf_counter(), 0
     for s in range(0, len(prompts), chunk):
         part = prompts[s: s + chunk]
         p = SamplingParams(**{**asdict(params), "seed": (params.seed or 0) + s})
         for r in engine.generate(part, p, n=n):
             out.append(torch.cat([r.prompt_ids, r.completion_ids]))
+            plen.append(len(r.prompt_ids))
             n_tok += len(r.completion_ids)
         if note is not None:
             dt = time.perf_counter() - t0
             note(f"generated {min(s + chunk, len(prompts))}/{len(prompts)} prompts x {n}: {n_tok} tokens "
                  f"in {dt:.0f}s ({n_tok / max(dt, 1e-9):.0f} tok/s)")
-    return out
+    return out, plen
 
 
 @torch.no_grad()
@@ -110,16 +117,21 @@ def frequent_vocab(seqs: list[torch.Tensor], vocab_size: int, n: int, always=())
     return score.topk(n).indices.sort().values
 
 
-def _batch(seqs, hid, idx):
+def _batch(seqs, hid, idx, starts=None):
+    """Padded (ids, H, scored) of sequences ``idx``; ``scored[r, t]``: H[r, t] is a training target, i.e.
+    t lies inside the sequence and at or after ``starts[i]`` (its prompt length; None = every position).
+    A target at t is the feature whose logits predict token t + 1, so with starts = prompt lengths only
+    completion tokens are ever predicted -- the ones the head drafts."""
     T = max(len(seqs[i]) for i in idx)
     D = hid[0].shape[1]
     ids = torch.zeros(len(idx), T, dtype=torch.long)
     H = torch.zeros(len(idx), T, D)
-    valid = torch.zeros(len(idx), T, dtype=torch.bool)
+    scored = torch.zeros(len(idx), T, dtype=torch.bool)
     for r, i in enumerate(idx):
         n = len(seqs[i])
-        ids[r, :n], H[r, :n], valid[r, :n] = seqs[i], hid[i], True
-    return ids, H, valid
+        ids[r, :n], H[r, :n] = seqs[i], hid[i]
+        scored[r, (int(starts[i]) if starts is not None else 0): n] = True
+    return ids, H, scored
 
 
 def head_loss(head: DraftHead, lm: DraftVocab, embed, ids, H, valid, cfg: DistillConfig, gen=None):
@@ -154,10 +166,11 @@ class HeldOut:
     """Held-out sequences with the policy's T = 1 distribution at every position, restricted to the draft
     vocabulary but normalised over the full one (computed once). ``evaluate`` scores a head on them:
     ``accept`` = mean sum_x min(p(x), q(x)), the probability that one token sampled from the head's q is
-    kept by rejection sampling (teacher-forced, i.e. the first draft of a step); ``top1`` = argmax match."""
+    kept by rejection sampling (teacher-forced, i.e. the first draft of a step); ``top1`` = argmax match.
+    With ``starts`` (prompt lengths) only completion positions are scored."""
 
-    def __init__(self, policy: Decoder, lm: DraftVocab, seqs, hid, chunk: int = 512):
-        self.batch = _batch(seqs, hid, list(range(len(seqs))))
+    def __init__(self, policy: Decoder, lm: DraftVocab, seqs, hid, starts=None, chunk: int = 512):
+        self.batch = _batch(seqs, hid, list(range(len(seqs))), starts)
         ids, H, valid = self.batch
         target = H[:, 1:][valid[:, 1:]]  # (P, D) hidden state whose logits give p at each pair
         ps = []
@@ -179,19 +192,28 @@ class HeldOut:
 
 
 def train_head(head: DraftHead, policy: Decoder, seqs: list[torch.Tensor], hid: list[torch.Tensor],
-               cfg: DistillConfig, log=None, time_budget: float | None = None) -> list[dict]:
+               cfg: DistillConfig, log=None, time_budget: float | None = None,
+               prompt_lens: list[int] | None = None) -> list[dict]:
     """AdamW on the head (policy frozen). Returns the per-step metrics. The learning rate warms up over 20
     steps, then decays linearly with progress: the larger of steps done / ``cfg.steps`` and time spent /
     ``time_budget``, so a run cut by its time budget still anneals. With ``cfg.eval_frac`` a held-out share
-    of the sequences is scored (``HeldOut``) every ``cfg.eval_every`` steps and at the end."""
+    of the sequences is scored (``HeldOut``) every ``cfg.eval_every`` steps and at the end.
+    ``prompt_lens``: each sequence's prompt length; the loss skips prompt positions unless
+    ``cfg.prompt_loss``, the held-out score always does (None = no prompt: every position counts)."""
     gen = torch.Generator().manual_seed(cfg.seed)
     lm = DraftVocab(policy, head.vocab_ids)
     held = None
+    starts = list(prompt_lens) if prompt_lens is not None else [0] * len(seqs)
+    if len(starts) != len(seqs):
+        raise ValueError(f"train_head got {len(seqs)} sequences but {len(starts)} prompt lengths")
     n_held = int(len(seqs) * cfg.eval_frac)
     if n_held and len(seqs) - n_held >= 1:
         perm = torch.randperm(len(seqs), generator=gen).tolist()
-        held = HeldOut(policy, lm, [seqs[i] for i in perm[:n_held]], [hid[i] for i in perm[:n_held]])
-        seqs, hid = [seqs[i] for i in perm[n_held:]], [hid[i] for i in perm[n_held:]]
+        held = HeldOut(policy, lm, [seqs[i] for i in perm[:n_held]], [hid[i] for i in perm[:n_held]],
+                       [starts[i] for i in perm[:n_held]])
+        seqs, hid, starts = ([x[i] for i in perm[n_held:]] for x in (seqs, hid, starts))
+    if cfg.prompt_loss:
+        starts = [0] * len(seqs)
     head.train()
     opt = torch.optim.AdamW([p for p in head.parameters() if p.requires_grad], lr=cfg.lr,
                             weight_decay=cfg.weight_decay)
@@ -200,7 +222,7 @@ def train_head(head: DraftHead, policy: Decoder, seqs: list[torch.Tensor], hid: 
     hist, t0 = [], time.perf_counter()
     for step in range(cfg.steps):
         idx = torch.randint(len(seqs), (min(cfg.batch, len(seqs)),), generator=gen).tolist()
-        ids, H, valid = _batch(seqs, hid, idx)
+        ids, H, valid = _batch(seqs, hid, idx, starts)
         loss, info = head_loss(head, lm, policy.embed, ids, H, valid, cfg, gen)
         opt.zero_grad(set_to_none=True)
         loss.backward()
@@ -237,21 +259,22 @@ def distill(policy: Decoder, prompts: list[list[int]], *, eos_ids=(), n: int = 4
     t0 = time.perf_counter()
     key = {**(setup or {}), "n": n, "max_new_tokens": max_new_tokens, "temperature": temperature,
            "dtype": str(dtype), "seed": cfg.seed, "prompts": _digest(prompts)}
-    cached = load_sequences(data_cache, key) if data_cache is not None and Path(data_cache).exists() else None
+    cached = (load_sequences(data_cache, key, prompts, n) if data_cache is not None and Path(data_cache).exists()
+              else None)
     if cached is not None:
-        seqs, hid = cached
+        seqs, hid, plen = cached
         t_gen = t_hid = 0.0
         if note is not None:
             note(f"loaded {len(seqs)} sequences and hidden states from {data_cache}; training")
     else:
         engine = Engine(policy, eos_ids=eos_ids, dtype=dtype)
         params = SamplingParams(temperature=temperature, max_new_tokens=max_new_tokens, seed=cfg.seed)
-        seqs = generate_sequences(engine, prompts, params, n, note=note)
+        seqs, plen = generate_sequences(engine, prompts, params, n, note=note)
         t_gen = time.perf_counter() - t0
         hid = hidden_states(policy, seqs, dtype)
         t_hid = time.perf_counter() - t0 - t_gen
         if data_cache is not None:
-            save_sequences(data_cache, seqs, hid, key)
+            save_sequences(data_cache, seqs, hid, key, plen)
         if note is not None:
             note(f"hidden states of {len(seqs)} sequences in {t_hid:.0f}s"
                  + (f" (saved to {data_cache})" if data_cache is not None else "") + "; training")
@@ -260,7 +283,7 @@ def distill(policy: Decoder, prompts: list[list[int]], *, eos_ids=(), n: int = 4
     else:
         ids = frequent_vocab(seqs, policy.cfg.vocab_size, draft_vocab, always=eos_ids)
         head = head_for(policy, ids, seed=cfg.seed)
-    hist = train_head(head, policy, seqs, hid, cfg, log, time_budget)
+    hist = train_head(head, policy, seqs, hid, cfg, log, time_budget, prompt_lens=plen)
     info = {"sequences": len(seqs), "tokens": int(sum(len(s) for s in seqs)), "gen_s": t_gen, "hidden_s": t_hid,
             "train_s": hist[-1]["elapsed"] if hist else 0.0, "steps": len(hist),
             "final": hist[-1] if hist else {}, "draft_vocab": head.draft_vocab}
@@ -275,8 +298,10 @@ def _digest(prompts: list[list[int]]) -> str:
     return hashlib.sha256(json.dumps([list(map(int, p)) for p in prompts]).encode()).hexdigest()[:16]
 
 
-def save_sequences(path: str | Path, seqs: list[torch.Tensor], hid: list[torch.Tensor], key: dict) -> Path:
-    """Sequences and their hidden states as one safetensors file (flat, with lengths), written atomically."""
+def save_sequences(path: str | Path, seqs: list[torch.Tensor], hid: list[torch.Tensor], key: dict,
+                   prompt_lens: list[int]) -> Path:
+    """Sequences, their prompt lengths and hidden states as one safetensors file (flat, with lengths),
+    written atomically."""
     import os
 
     from safetensors.torch import save_file
@@ -285,20 +310,25 @@ def save_sequences(path: str | Path, seqs: list[torch.Tensor], hid: list[torch.T
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(path.name + ".tmp")
     save_file({"ids": torch.cat(seqs), "hidden": torch.cat(hid).float().contiguous(),
-               "lengths": torch.tensor([len(x) for x in seqs])}, str(tmp),
+               "lengths": torch.tensor([len(x) for x in seqs]),
+               "prompt_lengths": torch.tensor([int(p) for p in prompt_lens], dtype=torch.long)}, str(tmp),
               metadata={"format": DATA_FORMAT, "setup": json.dumps(key, sort_keys=True)})
     os.replace(tmp, path)
     return path
 
 
-def load_sequences(path: str | Path, key: dict) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-    """Inverse of ``save_sequences``; a file from another setup (``key``) or format is a clear error."""
+def load_sequences(path: str | Path, key: dict, prompts: list[list[int]] | None = None, n: int = 1
+                   ) -> tuple[list[torch.Tensor], list[torch.Tensor], list[int]]:
+    """Inverse of ``save_sequences``; a file from another setup (``key``) or format is a clear error.
+    A cache of the first format (no prompt lengths) is read when ``prompts`` (the ones it was made
+    from, ``n`` sequences each, in order) give them: every sequence must start with its prompt."""
     from safetensors import SafetensorError, safe_open
 
     try:
         with safe_open(str(path), framework="pt") as f:
             meta = f.metadata() or {}
-            if meta.get("format") != DATA_FORMAT:
+            fmt = meta.get("format")
+            if fmt not in (DATA_FORMAT, _DATA_FORMAT_1):
                 raise ValueError(f"{path} is not a specroll distillation data cache; pass another path")
             stored = json.loads(meta.get("setup", "{}"))
             if stored != json.loads(json.dumps(key, sort_keys=True)):
@@ -306,13 +336,23 @@ def load_sequences(path: str | Path, key: dict) -> tuple[list[torch.Tensor], lis
                 raise ValueError(f"{path} was generated with other settings ({', '.join(diff)} differ); "
                                  "delete it or pass another data cache path")
             ids, hidden, lens = f.get_tensor("ids"), f.get_tensor("hidden"), f.get_tensor("lengths")
+            plen = f.get_tensor("prompt_lengths").tolist() if fmt == DATA_FORMAT else None
     except SafetensorError as e:
         raise ValueError(f"{path} is not a readable safetensors file ({e}); delete it to regenerate") from None
     sizes = lens.tolist()
-    return list(ids.split(sizes)), list(hidden.split(sizes))
+    seqs = list(ids.split(sizes))
+    if plen is None:
+        if prompts is None or len(prompts) * n != len(seqs) or any(
+                not torch.equal(s[: len(prompts[i // n])], torch.as_tensor(prompts[i // n], dtype=s.dtype))
+                for i, s in enumerate(seqs)):
+            raise ValueError(f"{path} is an older data cache without prompt lengths that do not follow from the "
+                             "prompts; delete it to regenerate")
+        plen = [len(prompts[i // n]) for i in range(len(seqs))]
+    return seqs, list(hidden.split(sizes)), plen
 
 
-DATA_FORMAT = "specroll-distill-data/1"
+DATA_FORMAT = "specroll-distill-data/2"
+_DATA_FORMAT_1 = "specroll-distill-data/1"  # no prompt lengths: read with the prompts
 
 
 # --- CLI -----------------------------------------------------------------------------------------
@@ -339,7 +379,8 @@ def cli(args) -> int:
     prompts = _prompts(args, tok)
     eos = hub.eos_ids(tok, hub.resolve(args.model, quiet=True))
     cfg = DistillConfig(steps=args.steps, lr=args.lr, batch=args.batch, seed=args.seed, noise=args.noise,
-                        w_feat=args.w_feat, w_ce=args.w_ce, w_tv=args.w_tv, eval_frac=args.eval_frac)
+                        w_feat=args.w_feat, w_ce=args.w_ce, w_tv=args.w_tv, eval_frac=args.eval_frac,
+                        prompt_loss=args.prompt_loss)
 
     def log(info):
         ev = (f"  held-out accept {info['eval_accept']:.3f} top1 {info['eval_top1']:.3f}"
