@@ -92,6 +92,9 @@ def _bench_spec(s):
     b.add_argument("--temperature", type=float, default=1.0)
     b.add_argument("--top-p", type=float, default=1.0)
     b.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"])
+    b.add_argument("--chain-stop", default="0",
+                   help="sampled chains stop once every row's product of draft probabilities is below this "
+                        "(comma list for side-by-side rows; 0 = full depth)")
     b.add_argument("--head-weights", default="fp32", help="weights the draft head drafts with: fp32, bf16 "
                    "(bf16 weight panels, fp32 arithmetic; lossless either way), or both: fp32,bf16")
     b.add_argument("--repeats", type=int, default=1, help="timed repetitions per system and batch (summed)")

@@ -140,6 +140,29 @@ def test_speculation_is_lossless(small, kind, pname, mode):
     assert drafter.totals[3] > 0 or (kind == "adversarial" and mode == "tree")
 
 
+@pytest.mark.parametrize("kind", ["random", "trained"])
+@pytest.mark.parametrize("pname", ["t1", "t07p09"])
+def test_chains_cut_short_by_the_heads_doubt_are_lossless(small, kind, pname):
+    """``chain_stop``: the chain's length follows the head's own probabilities (short where it doubts),
+    and the completions still follow plain sampling's distribution."""
+    model, trained = small
+    params = PARAMS[pname]
+    head = head_for(model, seed=5) if kind == "random" else trained
+    drafter = EagleDrafter(head, Plan(n_verify=4, k=1, depth=3), sampled=True, chain_stop=0.5)
+    engine, V, counts = Engine(model), model.cfg.vocab_size, torch.zeros(V_SMALL**M_SMALL, dtype=torch.long)
+    for i in range(S // 4):  # 4 rows per call: a chain stops when all of them doubt
+        outs = engine.generate([PROMPT], SamplingParams(**{**params.__dict__, "seed": 500 + i}), n=4, drafter=drafter)
+        counts += torch.bincount(torch.stack([(o.completion_ids * V ** torch.arange(M_SMALL)).sum() for o in outs]),
+                                 minlength=V**M_SMALL)
+    p = chi2_pvalue(counts, exact_probs(model, PROMPT, params, M_SMALL))
+    assert p > 1e-3, f"{kind} draft, chain_stop, at {pname}: chi-square p = {p:.2e}"
+    steps, _, drafted, accepted = (int(x) for x in drafter.totals)
+    assert steps < drafted < 3 * steps  # some chains stopped before depth 3, some went on
+    assert accepted > 0
+    with pytest.raises(ValueError, match="chain_stop"):
+        EagleDrafter(head, chain_stop=1.0)
+
+
 @pytest.mark.parametrize("params", [SamplingParams(temperature=1.0), SamplingParams(temperature=0.7),
                                     SamplingParams(temperature=0.7, top_p=0.9)])
 def test_rejection_chain_logprobs_match_a_full_log_softmax(params):
@@ -608,6 +631,10 @@ def test_cli_draft_train_then_bench_spec(tmp_path, monkeypatch, capsys):
     assert [(r["plan"], r["head_weights"]) for r in rows] == [("chain", "fp32"), ("chain", "bf16")]
     assert main(common + ["--head-weights", "fp16", "--out", str(out)]) == 2
     assert "choose from fp32, bf16" in capsys.readouterr().err
+    assert main(common + ["--plan", "chain", "--batch-sizes", "1", "--chain-stop", "0,0.3", "--out", str(out)]) == 0
+    assert [r["chain_stop"] for r in json.loads(out.read_text())["rows"]] == [0.0, 0.3]
+    assert main(common + ["--chain-stop", "1.5", "--out", str(out)]) == 2
+    assert "--chain-stop '1.5'" in capsys.readouterr().err
     assert main(common + ["--plan", "nope", "--out", str(out)]) == 2
     assert "known plans" in capsys.readouterr().err
     assert main(["bench", "spec", "--model", "tiny-llama", "--draft", str(tmp_path / "none"), "--out", str(out)]) == 2

@@ -65,7 +65,7 @@ def _timed(fn, *args, **kw):
 
 
 def bench_batch(engine: Engine, head, prompts, params: SamplingParams, plan_name: str, plan_fn, max_plan,
-                repeats: int, head_weights: str = "fp32") -> dict:
+                repeats: int, head_weights: str = "fp32", chain_stop: float = 0.0) -> dict:
     van_t = spec_t = 0.0
     van_n = spec_n = 0
     totals = torch.zeros(4, dtype=torch.long)
@@ -74,7 +74,7 @@ def bench_batch(engine: Engine, head, prompts, params: SamplingParams, plan_name
         dt, outs = _timed(engine.generate, prompts, p)
         van_t, van_n = van_t + dt, van_n + sum(len(o.completion_ids) for o in outs)
         drafter = EagleDrafter(head, plan_fn=plan_fn, max_plan=max_plan, sampled=plan_name in SAMPLED,
-                               bf16_head=head_weights == "bf16")
+                               bf16_head=head_weights == "bf16", chain_stop=chain_stop)
         dt, outs = _timed(engine.generate, prompts, p, drafter=drafter)
         spec_t, spec_n = spec_t + dt, spec_n + sum(len(o.completion_ids) for o in outs)
         totals += drafter.totals
@@ -83,7 +83,7 @@ def bench_batch(engine: Engine, head, prompts, params: SamplingParams, plan_name
     return {"batch": len(prompts), "plan": plan_name, "vanilla_tok_s": v, "spec_tok_s": s, "speedup": s / v,
             "accept_length": emitted / max(steps, 1), "accept_rate": accepted / max(drafted, 1),
             "vanilla_tokens": van_n, "spec_tokens": spec_n, "vanilla_s": van_t, "spec_s": spec_t,
-            "head_weights": head_weights, "plan_max": max_plan.__dict__}
+            "head_weights": head_weights, "chain_stop": chain_stop, "plan_max": max_plan.__dict__}
 
 
 def run_bench(args) -> dict:
@@ -99,6 +99,12 @@ def run_bench(args) -> dict:
     for w in head_weights:
         if w not in HEAD_WEIGHTS:
             raise CliError(f"--head-weights {w!r}: choose from {', '.join(HEAD_WEIGHTS)}")
+    try:
+        stops = [float(x) for x in args.chain_stop.split(",") if x.strip()]
+    except ValueError:
+        stops = [-1.0]
+    if not stops or any(not 0 <= x < 1 for x in stops):
+        raise CliError(f"--chain-stop {args.chain_stop!r}: comma-separated numbers in [0, 1), e.g. 0,0.1")
     dtype = DTYPES[args.dtype]
     model, tok = hub.load(args.model, torch.float32)
     head = load_head(args.draft, model)
@@ -113,9 +119,9 @@ def run_bench(args) -> dict:
     rows = []
     for name in plans:
         plan_fn, max_plan = PLANS[name](args)
-        for B, hw in ((B, hw) for B in batches for hw in head_weights):
-            row = bench_batch(engine, head, prompts[:B], params, name, plan_fn, max_plan, args.repeats, hw)
-            tag = f" head {hw}" if len(head_weights) > 1 else ""
+        for B, hw, cs in ((B, hw, cs) for B in batches for hw in head_weights for cs in stops):
+            row = bench_batch(engine, head, prompts[:B], params, name, plan_fn, max_plan, args.repeats, hw, cs)
+            tag = (f" head {hw}" if len(head_weights) > 1 else "") + (f" stop {cs:g}" if len(stops) > 1 else "")
             print(f"batch {B:3d} {name:8s}{tag} vanilla {row['vanilla_tok_s']:7.1f} tok/s  spec {row['spec_tok_s']:7.1f} "
                   f"tok/s  x{row['speedup']:.2f}  accept_length {row['accept_length']:.2f}", flush=True)
             rows.append(row)

@@ -238,14 +238,22 @@ class EagleDrafter:
     vocabulary's weights through the skinny kernel (``decoder.bf16_weights``; fp32 arithmetic). The draft
     distribution changes slightly; verification stays exact, since it uses the q the head produced.
     Off, the head drafts in the rollout's own precision (bf16 panels too when the engine runs bf16 weights).
+
+    ``chain_stop``: a sampled chain stops growing once, in every row, the product of the head's
+    probabilities of its drafted tokens falls below this (0 = always the full depth). Each further
+    draft costs a head call, and one the head itself doubts is rarely kept. Lossless either way: the
+    length is chosen from the draft's own probabilities, and rejection sampling verifies any length.
     """
 
     wants_prompt_hidden = True  # the engine's prefill hands over the prompt hidden states (no second pass)
 
     def __init__(self, head: DraftHead, plan: Plan = DEFAULT_PLAN, plan_fn=None, max_plan: Plan | None = None,
                  rule=sampler_match, on_pairs=None, trace: bool = False, sampled: bool = False,
-                 bf16_head: bool = False):
+                 bf16_head: bool = False, chain_stop: float = 0.0):
+        if not 0.0 <= chain_stop < 1.0:
+            raise ValueError(f"chain_stop must be in [0, 1), got {chain_stop}")
         self.head = head.eval()
+        self.chain_stop = chain_stop
         self.sampled = sampled
         self.bf16_head = bf16_head
         self.chain_rule = rejection_chain  # the rule for sampled chains
@@ -363,6 +371,7 @@ class EagleDrafter:
         B = f_root.shape[0]
         base = self.dc.lens[:B].clone()
         f, toks, qs = f_root, [], []
+        conf = torch.ones(B)
         for d in range(L):
             if d:  # feed the previous draft token; it sits at slot base + d - 1 and sees every slot up to it
                 slots = base[:, None] + (d - 1)
@@ -370,8 +379,14 @@ class EagleDrafter:
                 f = self.head(f[:, None], self.policy.embed(toks[-1][:, None]),
                               (root_pos + d)[:, None], self.dc, mask, slots)[:, 0]
             lq = processed_logprobs(self.draft_logp(f), params)  # (B, V_draft)
-            toks.append(ids[sample_from_logprobs(lq, gen)])
+            ix = sample_from_logprobs(lq, gen)
+            toks.append(ids[ix])
             qs.append(lq)
+            if self.chain_stop > 0:
+                conf = conf * lq.gather(1, ix[:, None])[:, 0].float().exp()
+                if bool((conf < self.chain_stop).all()):
+                    break
+        L = len(toks)
         tokens = torch.cat([root_tok[:, None], torch.stack(toks, 1)], 1)
         ar = torch.arange(L + 1)
         tree = DraftTree.build(tokens, (ar - 1).clamp(min=0).expand(B, L + 1), ar.expand(B, L + 1))
