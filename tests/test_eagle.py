@@ -598,6 +598,29 @@ def test_draft_vocab_training_path_keeps_the_policy_frozen(reduced):
         torch.testing.assert_close(lm(f), out.detach(), atol=1e-5, rtol=1e-5)
 
 
+def test_bench_batch_takes_fresh_prompts_every_repeat(small):
+    """Every repeat measures vanilla and speculation on the same prompts and seed, and repeat r takes the
+    batch of prompts after repeat r - 1's (cycling), so a batch-1 row is not one prompt's figure."""
+    from specroll.bench.spec import bench_batch
+
+    model, head = small
+    engine, seen = Engine(model), []
+    orig = engine.generate
+
+    def spy(prompts, params, n=1, drafter=None):
+        seen.append(([list(p) for p in prompts], params.seed, drafter is not None))
+        return orig(prompts, params, n=n, drafter=drafter)
+
+    engine.generate = spy
+    pool = [[1, 5, 2], [3, 3, 7], [2, 6], [4]]
+    plan = Plan(n_verify=3, k=1, depth=2)
+    row = bench_batch(engine, head, pool, SamplingParams(max_new_tokens=2, seed=3), "chain", lambda b: plan, plan,
+                      repeats=3, batch=2)
+    assert row["batch"] == 2
+    assert [s[:2] for s in seen[::2]] == [(pool[0:2], 3), (pool[2:4], 4), (pool[0:2], 5)]
+    assert [s[:2] for s in seen[1::2]] == [s[:2] for s in seen[::2]] and [s[2] for s in seen] == [False, True] * 3
+
+
 # --- CLI ---------------------------------------------------------------------------------------------
 
 def test_cli_draft_train_then_bench_spec(tmp_path, monkeypatch, capsys):

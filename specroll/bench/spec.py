@@ -65,22 +65,27 @@ def _timed(fn, *args, **kw):
 
 
 def bench_batch(engine: Engine, head, prompts, params: SamplingParams, plan_name: str, plan_fn, max_plan,
-                repeats: int, head_weights: str = "fp32", chain_stop: float = 0.0) -> dict:
+                repeats: int, head_weights: str = "fp32", chain_stop: float = 0.0, batch: int | None = None) -> dict:
+    """Vanilla and speculative generation interleaved, ``repeats`` times with seeds seed..seed+repeats-1.
+    Repeat r takes the ``batch`` prompts from r * batch on (cycling through ``prompts``; ``batch`` None =
+    all of them every time), so small batches are not measured on one prompt only."""
+    B = batch or len(prompts)
     van_t = spec_t = 0.0
     van_n = spec_n = 0
     totals = torch.zeros(4, dtype=torch.long)
     for r in range(repeats):
+        prompts_r = [prompts[(r * B + i) % len(prompts)] for i in range(B)]
         p = SamplingParams(**{**params.__dict__, "seed": (params.seed or 0) + r})
-        dt, outs = _timed(engine.generate, prompts, p)
+        dt, outs = _timed(engine.generate, prompts_r, p)
         van_t, van_n = van_t + dt, van_n + sum(len(o.completion_ids) for o in outs)
         drafter = EagleDrafter(head, plan_fn=plan_fn, max_plan=max_plan, sampled=plan_name in SAMPLED,
                                bf16_head=head_weights == "bf16", chain_stop=chain_stop)
-        dt, outs = _timed(engine.generate, prompts, p, drafter=drafter)
+        dt, outs = _timed(engine.generate, prompts_r, p, drafter=drafter)
         spec_t, spec_n = spec_t + dt, spec_n + sum(len(o.completion_ids) for o in outs)
         totals += drafter.totals
     steps, emitted, drafted, accepted = (int(x) for x in totals)
     v, s = van_n / van_t, spec_n / spec_t
-    return {"batch": len(prompts), "plan": plan_name, "vanilla_tok_s": v, "spec_tok_s": s, "speedup": s / v,
+    return {"batch": B, "plan": plan_name, "vanilla_tok_s": v, "spec_tok_s": s, "speedup": s / v,
             "accept_length": emitted / max(steps, 1), "accept_rate": accepted / max(drafted, 1),
             "vanilla_tokens": van_n, "spec_tokens": spec_n, "vanilla_s": van_t, "spec_s": spec_t,
             "head_weights": head_weights, "chain_stop": chain_stop, "plan_max": max_plan.__dict__}
@@ -112,7 +117,7 @@ def run_bench(args) -> dict:
     engine = Engine(model, eos_ids=eos, dtype=dtype)
     params = SamplingParams(temperature=args.temperature, top_p=args.top_p, max_new_tokens=args.max_new_tokens,
                             seed=args.seed, min_new_tokens=args.max_new_tokens if args.force_length else 0)
-    prompts = bench_prompts(tok, max(batches), args.seed)
+    prompts = bench_prompts(tok, max(batches) * args.repeats, args.seed)  # distinct prompts for every repeat
     warm = SamplingParams(max_new_tokens=8, seed=args.seed)
     engine.generate(prompts[:2], warm)
     engine.generate(prompts[:2], warm, drafter=EagleDrafter(head, Plan(args.n_verify, args.k, args.depth)))
@@ -120,14 +125,14 @@ def run_bench(args) -> dict:
     for name in plans:
         plan_fn, max_plan = PLANS[name](args)
         for B, hw, cs in ((B, hw, cs) for B in batches for hw in head_weights for cs in stops):
-            row = bench_batch(engine, head, prompts[:B], params, name, plan_fn, max_plan, args.repeats, hw, cs)
+            row = bench_batch(engine, head, prompts, params, name, plan_fn, max_plan, args.repeats, hw, cs, batch=B)
             tag = (f" head {hw}" if len(head_weights) > 1 else "") + (f" stop {cs:g}" if len(stops) > 1 else "")
             print(f"batch {B:3d} {name:8s}{tag} vanilla {row['vanilla_tok_s']:7.1f} tok/s  spec {row['spec_tok_s']:7.1f} "
                   f"tok/s  x{row['speedup']:.2f}  accept_length {row['accept_length']:.2f}", flush=True)
             rows.append(row)
     return {"rows": rows, "model": args.model, "draft": str(args.draft), "dtype": args.dtype,
             "max_new_tokens": args.max_new_tokens, "force_length": args.force_length, "temperature": args.temperature, "top_p": args.top_p,
-            "repeats": args.repeats, "machine": machine_info()}
+            "repeats": args.repeats, "distinct_prompts": len(prompts), "machine": machine_info()}
 
 
 def plot_speedup_vs_batch(rows: list[dict], png) -> Path:
