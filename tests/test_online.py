@@ -237,6 +237,12 @@ def test_trainer_with_a_sampled_chain_drafter():
     assert calls and m["spec/accept_length"] >= 1.0
     with pytest.raises(ValueError, match="draft.chain"):
         make_cfg("draft.chain=3")
+    assert d.chain_stop == 0.0
+    assert build_spec_drafter(make_cfg("draft.head=random", "draft.vocab=0", "draft.plan=static", "draft.chain=true",
+                                       "draft.chain_stop=0.15"), model, ps.ids, log=None).chain_stop == 0.15
+    for bad in ("1", "-0.1", "true"):
+        with pytest.raises(ValueError, match="draft.chain_stop"):
+            make_cfg(f"draft.chain_stop={bad}")
 
 
 def test_frozen_head_reports_acceptance_and_does_not_change():

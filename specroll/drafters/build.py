@@ -36,6 +36,7 @@ class DraftConfig:
     k: int = 4  # static plan: top-k expansion
     depth: int = 5  # static plan: draft levels
     chain: bool = False  # draft a chain sampled from the head (k = 1), verified by rejection sampling
+    chain_stop: float = 0.0  # a chain stops once every row's product of draft probabilities is below this
     online: bool = False  # train the head during GRPO on the pairs the rollouts already computed
     lr: float = 3e-4  # AdamW learning rate of the online updates
     update_steps: int = 4  # AdamW steps per online update
@@ -68,6 +69,9 @@ class DraftConfig:
                 raise ValueError(f"draft.{k} must be a number >= 0, got {v!r}")
         if not isinstance(self.chain, bool):
             raise ValueError(f"draft.chain must be true or false, got {self.chain!r}")
+        if isinstance(self.chain_stop, bool) or not (isinstance(self.chain_stop, (int, float))
+                                                     and 0 <= self.chain_stop < 1):
+            raise ValueError(f"draft.chain_stop must be a number in [0, 1), got {self.chain_stop!r}")
         if not (isinstance(self.bf16, bool) or self.bf16 == "auto"):
             raise ValueError(f"draft.bf16 must be true, false or auto, got {self.bf16!r}")
         if self.w_feat == 0 and self.w_ce == 0:
@@ -136,7 +140,7 @@ def build_eagle(cfg, model, prompt_ids=None, eos_ids=(), log=print):
         return None
     plan, plan_fn, max_plan = make_plan(cfg, model, log)
     return OnlineDrafter(head, dc, policy=model, plan=plan, plan_fn=plan_fn, max_plan=max_plan, seed=cfg.train.seed,
-                         sampled=dc.chain)
+                         sampled=dc.chain, chain_stop=float(dc.chain_stop))
 
 
 def build_spec_drafter(cfg, model, prompt_ids=None, eos_ids=(), log=print):
