@@ -237,9 +237,9 @@ def test_trainer_with_a_sampled_chain_drafter():
     assert calls and m["spec/accept_length"] >= 1.0
     with pytest.raises(ValueError, match="draft.chain"):
         make_cfg("draft.chain=3")
-    assert d.chain_stop == 0.0
+    assert d.chain_stop == 0.15  # the default
     assert build_spec_drafter(make_cfg("draft.head=random", "draft.vocab=0", "draft.plan=static", "draft.chain=true",
-                                       "draft.chain_stop=0.15"), model, ps.ids, log=None).chain_stop == 0.15
+                                       "draft.chain_stop=0"), model, ps.ids, log=None).chain_stop == 0.0
     for bad in ("1", "-0.1", "true"):
         with pytest.raises(ValueError, match="draft.chain_stop"):
             make_cfg(f"draft.chain_stop={bad}")

@@ -36,7 +36,7 @@ class DraftConfig:
     k: int = 4  # static plan: top-k expansion
     depth: int = 5  # static plan: draft levels
     chain: bool = False  # draft a chain sampled from the head (k = 1), verified by rejection sampling
-    chain_stop: float = 0.0  # a chain stops once every row's product of draft probabilities is below this
+    chain_stop: float = 0.15  # a chain stops once every row's product of draft probabilities is below this
     online: bool = False  # train the head during GRPO on the pairs the rollouts already computed
     lr: float = 3e-4  # AdamW learning rate of the online updates
     update_steps: int = 4  # AdamW steps per online update
