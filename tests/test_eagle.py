@@ -564,9 +564,9 @@ def test_data_cache_roundtrip_and_mismatch(tmp_path):
     save_file({"ids": torch.cat(seqs), "hidden": torch.cat(hid), "lengths": torch.tensor([3, 2])}, str(old),
               metadata={"format": "specroll-distill-data/1", "setup": json.dumps(key, sort_keys=True)})
     assert load_sequences(old, key, [[1, 2], [4]], n=1)[2] == [2, 1]
-    with pytest.raises(ValueError, match="older data cache"):
+    with pytest.raises(ValueError, match="older format"):
         load_sequences(old, key, [[1, 3], [4]], n=1)  # the first sequence does not start with its prompt
-    with pytest.raises(ValueError, match="older data cache"):
+    with pytest.raises(ValueError, match="older format"):
         load_sequences(old, key)
 
 

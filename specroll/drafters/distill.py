@@ -345,8 +345,8 @@ def load_sequences(path: str | Path, key: dict, prompts: list[list[int]] | None 
         if prompts is None or len(prompts) * n != len(seqs) or any(
                 not torch.equal(s[: len(prompts[i // n])], torch.as_tensor(prompts[i // n], dtype=s.dtype))
                 for i, s in enumerate(seqs)):
-            raise ValueError(f"{path} is an older data cache without prompt lengths that do not follow from the "
-                             "prompts; delete it to regenerate")
+            raise ValueError(f"{path} is a data cache of an older format (no prompt lengths) whose sequences do "
+                             "not start with these prompts; delete it to regenerate")
         plen = [len(prompts[i // n]) for i in range(len(seqs))]
     return seqs, list(hidden.split(sizes)), plen
 
