@@ -517,6 +517,31 @@ def test_tv_loss_alone_raises_held_out_acceptance(mid):
         DistillConfig(eval_frac=1.0)
 
 
+def test_held_out_split_takes_whole_prompts(mid, monkeypatch):
+    """With ``groups`` (prompt index per sequence) no held-out sequence shares its prompt with a training one;
+    without, the split is per sequence (the earlier behaviour)."""
+    import specroll.drafters.distill as D
+
+    gen = torch.Generator().manual_seed(0)
+    groups = [i // 4 for i in range(40)]
+    held, train = D._split(40, groups, 6, gen)
+    assert len(held) == 8 and sorted(held + train) == list(range(40))
+    assert not {groups[i] for i in held} & {groups[i] for i in train}
+    held, train = D._split(40, None, 6, torch.Generator().manual_seed(0))
+    assert len(held) == 6 and sorted(held + train) == list(range(40))
+    with pytest.raises(ValueError, match="groups"):
+        D._split(40, groups[:-1], 6, gen)
+    model, _ = mid
+    seqs = [torch.tensor(p + naive_greedy(model, p, 4)) for p in PROMPTS] * 2  # each prompt twice
+    hid = hidden_states(model, seqs)
+    seen = []
+    monkeypatch.setattr(D, "HeldOut", lambda policy, lm, s, h, st: seen.append([x.tolist() for x in s]) or
+                        type("H", (), {"evaluate": lambda self, *a: {"eval_accept": 0.5, "eval_top1": 0.5}})())
+    train_head(head_for(model, seed=2), model, seqs, hid, DistillConfig(steps=2, batch=2, eval_frac=0.25),
+               groups=[i % 4 for i in range(8)])
+    assert len(seen[0]) == 2 and seen[0][0] == seen[0][1]  # one prompt, both of its completions
+
+
 def test_time_budget_anneals_the_learning_rate(mid, monkeypatch):
     """A run cut by its time budget decays the learning rate with elapsed time, not only with steps."""
     import specroll.drafters.distill as D
