@@ -494,6 +494,14 @@ def test_loss_scores_only_completion_targets(mid):
         everything, _ = head_loss(head, lm, model.embed, ids, H, _batch(seqs, hid, [0, 1])[2], cfg)
     assert float(got) == pytest.approx(float(want), rel=1e-5)
     assert abs(float(everything) - float(want)) > 1e-4  # the prompt positions would change it
+    # prompts with empty completions: nothing to score, a zero loss (not NaN) and zero gradients
+    ids, H, none = _batch(seqs, hid, [0, 1], [len(x) for x in seqs])
+    assert not none.any()
+    head.zero_grad(set_to_none=True)
+    loss, _ = head_loss(head, lm, model.embed, ids, H, none, cfg)
+    loss.backward()
+    assert float(loss.detach()) == 0.0 and all(p.grad is None or not p.grad.any() for p in head.parameters())
+    head.zero_grad(set_to_none=True)
 
 
 def test_tv_loss_alone_raises_held_out_acceptance(mid):

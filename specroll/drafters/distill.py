@@ -138,6 +138,7 @@ def head_loss(head: DraftHead, lm: DraftVocab, embed, ids, H, valid, cfg: Distil
     """Teacher-forced loss on a padded batch: pairs (H[:, t], ids[:, t+1]) -> H[:, t+1]."""
     x_h, x_t, target = H[:, :-1], ids[:, 1:], H[:, 1:]
     m = valid[:, 1:].float()
+    den = m.sum().clamp(min=1.0)  # a batch with no scored target (empty completions) gives 0, not NaN
     if cfg.noise > 0:
         rms = x_h.pow(2).mean(-1, keepdim=True).sqrt()
         u = torch.rand(x_h.shape, generator=gen) * 2 - 1
@@ -148,17 +149,17 @@ def head_loss(head: DraftHead, lm: DraftVocab, embed, ids, H, valid, cfg: Distil
         emb = embed(x_t).float()
         teacher = torch.softmax(lm(target), dim=-1)
     feat = head(x_h, emb, pos)
-    l_feat = (F.smooth_l1_loss(feat, target, reduction="none").mean(-1) * m).sum() / m.sum()
+    l_feat = (F.smooth_l1_loss(feat, target, reduction="none").mean(-1) * m).sum() / den
     logq = torch.log_softmax(lm(feat), dim=-1)
-    l_ce = (-(teacher * logq).sum(-1) * m).sum() / m.sum()
+    l_ce = (-(teacher * logq).sum(-1) * m).sum() / den
     loss = cfg.w_feat * l_feat + cfg.w_ce * l_ce
     info = {"feat": float(l_feat.detach()), "ce": float(l_ce.detach())}
     if cfg.w_tv > 0:
-        l_tv = ((1 - torch.minimum(teacher, logq.exp()).sum(-1)) * m).sum() / m.sum()
+        l_tv = ((1 - torch.minimum(teacher, logq.exp()).sum(-1)) * m).sum() / den
         loss = loss + cfg.w_tv * l_tv
         info["tv"] = float(l_tv.detach())
     with torch.no_grad():
-        info["top1"] = float(((logq.argmax(-1) == teacher.argmax(-1)).float() * m).sum() / m.sum())
+        info["top1"] = float(((logq.argmax(-1) == teacher.argmax(-1)).float() * m).sum() / den)
     return loss, info
 
 
