@@ -92,6 +92,19 @@ def parse_int_list(s: str, name: str) -> list[int]:
     return out
 
 
+def parse_float_list(s: str, name: str, ok, what: str) -> list[float]:
+    """Comma-separated numbers, each passing ``ok``; else one CLI error naming ``name`` and ``what`` they must be."""
+    try:
+        out = [float(x) for x in s.split(",") if x.strip()]
+    except ValueError:
+        out = []
+    if not out or not all(ok(x) for x in out):
+        from ..cli import CliError
+
+        raise CliError(f"{name} must be a comma-separated list of {what}, got {s!r}")
+    return out
+
+
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 DTYPE_NAME = {v: k for k, v in DTYPES.items()}
 

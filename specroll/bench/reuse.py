@@ -24,21 +24,13 @@ import time
 
 import torch
 
-from .common import machine_info, write_json
+from .common import machine_info, parse_float_list, write_json
 
 ROW_KEYS = ("tokens_generated", "rollout_s", "reward_mean", "reuse_ratio", "skip_ratio")
 
 
 def _floats(s: str, name: str) -> list[float]:
-    from ..cli import CliError
-
-    try:
-        out = [float(x) for x in s.split(",") if x.strip()]
-    except ValueError:
-        out = []
-    if not out or any(math.isnan(x) or x <= 0 for x in out):
-        raise CliError(f"{name} must be a comma-separated list of numbers > 0 (inf allowed), got {s!r}")
-    return out
+    return parse_float_list(s, name, lambda x: x > 0, "numbers > 0 (inf allowed)")  # NaN fails x > 0
 
 
 def _modes(s: str) -> list[str]:

@@ -22,7 +22,7 @@ import torch
 from ..drafters.eagle import EagleDrafter, Plan, load_head
 from ..engine.engine import Engine
 from ..engine.sampling import SamplingParams
-from .common import DTYPES, machine_info, parse_int_list, write_json
+from .common import DTYPES, machine_info, parse_float_list, parse_int_list, write_json
 
 
 def _static(args):
@@ -104,12 +104,7 @@ def run_bench(args) -> dict:
     for w in head_weights:
         if w not in HEAD_WEIGHTS:
             raise CliError(f"--head-weights {w!r}: choose from {', '.join(HEAD_WEIGHTS)}")
-    try:
-        stops = [float(x) for x in args.chain_stop.split(",") if x.strip()]
-    except ValueError:
-        stops = [-1.0]
-    if not stops or any(not 0 <= x < 1 for x in stops):
-        raise CliError(f"--chain-stop {args.chain_stop!r}: comma-separated numbers in [0, 1), e.g. 0,0.1")
+    stops = parse_float_list(args.chain_stop, "--chain-stop", lambda x: 0 <= x < 1, "numbers in [0, 1), e.g. 0,0.15")
     dtype = DTYPES[args.dtype]
     model, tok = hub.load(args.model, torch.float32)
     head = load_head(args.draft, model)

@@ -134,10 +134,11 @@ def _batch(seqs, hid, idx, starts=None):
     return ids, H, scored
 
 
-def head_loss(head: DraftHead, lm: DraftVocab, embed, ids, H, valid, cfg: DistillConfig, gen=None):
-    """Teacher-forced loss on a padded batch: pairs (H[:, t], ids[:, t+1]) -> H[:, t+1]."""
+def head_loss(head: DraftHead, lm: DraftVocab, embed, ids, H, scored, cfg: DistillConfig, gen=None):
+    """Teacher-forced loss on a padded batch: pairs (H[:, t], ids[:, t+1]) -> H[:, t+1], averaged over the
+    targets ``scored`` marks (``_batch``)."""
     x_h, x_t, target = H[:, :-1], ids[:, 1:], H[:, 1:]
-    m = valid[:, 1:].float()
+    m = scored[:, 1:].float()
     den = m.sum().clamp(min=1.0)  # a batch with no scored target (empty completions) gives 0, not NaN
     if cfg.noise > 0:
         rms = x_h.pow(2).mean(-1, keepdim=True).sqrt()
