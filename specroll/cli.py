@@ -129,6 +129,10 @@ def _draft(sub):
     t.add_argument("--prompt-loss", action="store_true",
                    help="also train on prompt positions (default: completion positions only, where the head drafts; "
                         "the held-out score counts completion positions either way)")
+    t.add_argument("--unroll", type=int, default=1,
+                   help="chain depths trained per position: 1 = teacher-forced; K > 1 also trains depths 2..K on "
+                        "the head's own drafted features, as a sampled chain feeds them (held-out scored per depth)")
+    t.add_argument("--unroll-decay", type=float, default=0.8, help="loss weight of depth j: decay ** (j - 1)")
     t.add_argument("--data-cache", default=None,
                    help="safetensors file for the generated sequences and hidden states: reused when it exists "
                         "and matches the model, prompts and generation settings, written otherwise")

@@ -504,6 +504,86 @@ def test_loss_scores_only_completion_targets(mid):
     head.zero_grad(set_to_none=True)
 
 
+@torch.no_grad()
+def naive_chain_feature(head, model, ids, H, t, j):
+    """The head's feature at pair t in a chain started from the true pair t - j + 1, the slow way: one causal
+    pass over the true pairs 0..t-j+1, then j - 1 more, each with one more pair whose hidden state is the
+    previous pass's last feature (what a sampled chain feeds its next head call)."""
+    emb = model.embed(ids[None, 1:]).float()  # pair u = (hidden state at u, token u + 1)
+    xs = list(H[: t - j + 2])
+    for _ in range(j):
+        L = len(xs)
+        f = head(torch.stack(xs)[None], emb[:, :L], torch.arange(1, L + 1)[None])[0, -1]
+        xs.append(f)
+    return f
+
+
+def test_unrolled_features_match_chains_drafted_one_call_at_a_time(mid):
+    """``unrolled_features`` (all positions and depths in ``depth`` passes, on a padded ragged batch) against
+    ``naive_chain_feature``; depth 1 is the plain teacher-forced pass."""
+    from specroll.drafters.distill import _batch, unrolled_features
+
+    model, head = mid
+    seqs = [torch.tensor(p + naive_greedy(model, p, n)) for p, n in zip(PROMPTS[:2], (7, 3))]
+    hid = hidden_states(model, seqs)
+    ids, H, _ = _batch(seqs, hid, [0, 1])
+    T = ids.shape[1] - 1
+    pos = torch.arange(1, T + 1).expand(2, T)
+    with torch.no_grad():
+        feats = unrolled_features(head, H[:, :-1], model.embed(ids[:, 1:]).float(), pos, 3)
+        torch.testing.assert_close(feats[0], head(H[:, :-1], model.embed(ids[:, 1:]).float(), pos))
+    checked = 0
+    for b, (x, h) in enumerate(zip(seqs, hid)):
+        for j in (1, 2, 3):
+            for t in range(j - 1, len(x) - 1):
+                torch.testing.assert_close(feats[j - 1][b, t], naive_chain_feature(head, model, x, h, t, j),
+                                           atol=2e-5, rtol=1e-4)
+                checked += 1
+    assert checked == 3 * (len(seqs[0]) + len(seqs[1]) - 2) - 2 * 3
+    assert (feats[2][0] - feats[0][0]).abs().max() > 1e-3  # drafted inputs do change the features
+
+
+def test_unrolled_loss_and_held_out_depths_match_per_position_references(mid):
+    """With ``unroll`` 2 the loss is (l_1 + decay * l_2) / (1 + decay), l_j the mean per-position loss over the
+    targets whose chain starts at a completion position (``chain_scored``); ``HeldOut`` with depth 3 scores
+    ``eval_accept_d2`` / ``_d3`` over the same targets."""
+    from specroll.drafters.distill import HeldOut, _batch, chain_scored
+
+    model, head = mid
+    seqs = [torch.tensor(p + naive_greedy(model, p, 6)) for p in PROMPTS[:2]]
+    starts = [len(p) for p in PROMPTS[:2]]
+    hid = hidden_states(model, seqs)
+    lm = DraftVocab(model, head.vocab_ids)
+    cfg = DistillConfig(w_feat=2.0, w_ce=0.3, w_tv=0.5, unroll=2, unroll_decay=0.5)
+    ids, H, scored = _batch(seqs, hid, [0, 1], starts)
+    m = scored[:, 1:]
+    assert chain_scored(m, 2).sum() == m.sum() - 2  # each sequence loses its first completion target
+    with torch.no_grad():
+        got, info = head_loss(head, lm, model.embed, ids, H, scored, cfg)
+        held = HeldOut(model, lm, seqs, hid, starts).evaluate(head, lm, model.embed, depth=3)
+    per = {1: [], 2: [], 3: []}
+    acc = {1: [], 2: [], 3: []}
+    for x, h, P in zip(seqs, hid, starts):
+        for j in (1, 2, 3):
+            for t in range(P - 1 + j - 1, len(x) - 1):  # chain starts at pair t - j + 1 >= P - 1
+                f = naive_chain_feature(head, model, x, h, t, j)
+                with torch.no_grad():
+                    p = torch.softmax(lm(h[t + 1]), -1)
+                    logq = torch.log_softmax(lm(f), -1)
+                    per[j].append(2.0 * torch.nn.functional.smooth_l1_loss(f, h[t + 1]) - 0.3 * (p * logq).sum()
+                                  + 0.5 * (1 - torch.minimum(p, logq.exp()).sum()))
+                    pf = torch.softmax(model.logits(h[t + 1]).double(), -1)[head.vocab_ids]
+                    acc[j].append(float(torch.minimum(pf, logq.exp().double()).sum()))
+    want = (torch.stack(per[1]).mean() + 0.5 * torch.stack(per[2]).mean()) / 1.5
+    assert float(got) == pytest.approx(float(want), rel=1e-5)
+    assert "top1_d2" in info
+    for j, key in ((1, "eval_accept"), (2, "eval_accept_d2"), (3, "eval_accept_d3")):
+        assert held[key] == pytest.approx(sum(acc[j]) / len(acc[j]), abs=1e-5), key
+    assert held["eval_accept_d3"] != pytest.approx(held["eval_accept"], abs=1e-4)
+    with pytest.raises(ValueError, match="unroll"):
+        DistillConfig(unroll=0)
+
+
 def test_tv_loss_alone_raises_held_out_acceptance(mid):
     """w_tv = 1 alone (no feature or CE term) trains the head toward sum min(p, q) on fixed data; the held-out
     split is scored at the end and the training split excludes it."""

@@ -12,6 +12,14 @@ drafts completion tokens only, and the prompt -- a near-deterministic chat templ
 would otherwise take a large share of the loss and inflate the held-out score. The prompt pairs stay in
 the head's context (its attention sees them), as they do in the rollout.
 
+Deeper chain positions (``DistillConfig.unroll`` K > 1): a sampled chain feeds the head its own feature at
+depth 2 and beyond, never the policy's, so teacher forcing alone trains only the first draft of a step.
+With K > 1 the head also runs depths 2..K over every position (``unrolled_features``: depth j's input at
+t is depth j-1's output at t - 1, and it attends to the true pairs before the chain plus its own drafted
+ones, exactly as its KV cache holds them in a rollout); each depth's loss targets the same true h_{t+1}
+and is weighted ``unroll_decay ** (j - 1)``. This is the idea of EAGLE-3's "training-time test" and
+HASS; the cost is K passes of the head per batch.
+
 Departures: the soft targets are the policy's distribution renormalised over the head's draft
 vocabulary (the most frequent tokens of the generated data), so no full-vocabulary softmax is
 materialised; EAGLE's input-feature noise is optional (``noise``, uniform, relative to the hidden
@@ -50,6 +58,8 @@ class DistillConfig:
     eval_frac: float = 0.0  # held-out share of the sequences, scored by ``evaluate`` every ``eval_every`` steps
     eval_every: int = 100
     prompt_loss: bool = False  # also train on prompt positions (the held-out score never counts them)
+    unroll: int = 1  # chain depths trained per position (1 = teacher-forced only; see ``unrolled_features``)
+    unroll_decay: float = 0.8  # weight of depth j's loss: unroll_decay ** (j - 1)
 
     def __post_init__(self):
         if self.steps < 0 or self.batch < 1 or self.lr <= 0:
@@ -58,6 +68,8 @@ class DistillConfig:
             raise ValueError(f"distill needs loss weights w_feat, w_ce, w_tv >= 0, not all 0; got {self}")
         if not 0 <= self.eval_frac < 1 or self.eval_every < 1:
             raise ValueError(f"distill needs 0 <= eval_frac < 1 and eval_every >= 1; got {self}")
+        if self.unroll < 1 or not 0 < self.unroll_decay <= 1:
+            raise ValueError(f"distill needs unroll >= 1 and 0 < unroll_decay <= 1; got {self}")
 
 
 def generate_sequences(engine: Engine, prompts: list[list[int]], params: SamplingParams, n: int,
@@ -134,12 +146,59 @@ def _batch(seqs, hid, idx, starts=None):
     return ids, H, scored
 
 
+class _Streams:
+    """A ``Block`` layer_kv for training-time unrolling: each call appends its stream's K/V (autograd kept)
+    after the earlier streams' and returns them all, (B, KV, j * T, hd)."""
+
+    def __init__(self):
+        self.k, self.v = [], []
+
+    def __call__(self, k, v):
+        self.k.append(k.transpose(1, 2))
+        self.v.append(v.transpose(1, 2))
+        return torch.cat(self.k, 2), torch.cat(self.v, 2)
+
+
+def unroll_mask(T: int, j: int) -> torch.Tensor:
+    """(1, T, j * T) visibility of unrolled depth j: query t sees the teacher-forced pairs up to t - j + 1
+    (stream 1) and, of each drafted stream i = 2..j, the one pair at t - j + i. Depth 1 is causal."""
+    d = torch.arange(T)[:, None] - torch.arange(T)[None, :]
+    return torch.cat([d >= j - 1] + [d == j - i for i in range(2, j + 1)], 1)[None]
+
+
+def unrolled_features(head: DraftHead, x_h, emb, pos, depth: int) -> list[torch.Tensor]:
+    """[F_1, ..., F_depth], each (B, T, D). F_1 is the teacher-forced feature (pair t = true hidden state
+    at t + token t + 1). F_j[:, t] is what the head computes at pair t in a drafted chain that started from
+    the true hidden state at t - j + 1: its input feature at t is F_{j-1}[:, t - 1] (its own prediction
+    of the hidden state at t) and it attends to true pairs up to t - j + 1 plus its own drafted pairs
+    after them (``unroll_mask``) -- the head's KV cache at its depth-j call in a rollout, given the
+    earlier drafts were accepted. Every depth targets the same true hidden state at t + 1."""
+    kv, T = _Streams(), x_h.shape[1]
+    feats, x = [], x_h
+    for j in range(1, depth + 1):
+        f = head(x, emb, pos, mask=unroll_mask(T, j), kv=kv)
+        feats.append(f)
+        x = torch.cat([x_h[:, :1], f[:, :-1]], 1)
+    return feats
+
+
+def chain_scored(m: torch.Tensor, j: int) -> torch.Tensor:
+    """Targets scored at depth j: pair t's target is scored and so is the chain's first (pair t - j + 1),
+    i.e. the chain starts where the head drafts (a completion position, with ``_batch`` starts)."""
+    if j == 1:
+        return m
+    out = torch.zeros_like(m)
+    if j - 1 < m.shape[1]:
+        out[:, j - 1:] = m[:, j - 1:] & m[:, : m.shape[1] - j + 1]
+    return out
+
+
 def head_loss(head: DraftHead, lm: DraftVocab, embed, ids, H, scored, cfg: DistillConfig, gen=None):
-    """Teacher-forced loss on a padded batch: pairs (H[:, t], ids[:, t+1]) -> H[:, t+1], averaged over the
-    targets ``scored`` marks (``_batch``)."""
+    """Loss on a padded batch: pairs (H[:, t], ids[:, t+1]) -> H[:, t+1], averaged over the targets
+    ``scored`` marks (``_batch``). Teacher-forced with ``cfg.unroll`` 1; with more, depths 2..unroll of
+    ``unrolled_features`` add their losses weighted ``cfg.unroll_decay ** (j - 1)`` (normalised)."""
     x_h, x_t, target = H[:, :-1], ids[:, 1:], H[:, 1:]
-    m = scored[:, 1:].float()
-    den = m.sum().clamp(min=1.0)  # a batch with no scored target (empty completions) gives 0, not NaN
+    m1 = scored[:, 1:]
     if cfg.noise > 0:
         rms = x_h.pow(2).mean(-1, keepdim=True).sqrt()
         u = torch.rand(x_h.shape, generator=gen) * 2 - 1
@@ -149,19 +208,29 @@ def head_loss(head: DraftHead, lm: DraftVocab, embed, ids, H, scored, cfg: Disti
     with torch.no_grad():
         emb = embed(x_t).float()
         teacher = torch.softmax(lm(target), dim=-1)
-    feat = head(x_h, emb, pos)
-    l_feat = (F.smooth_l1_loss(feat, target, reduction="none").mean(-1) * m).sum() / den
-    logq = torch.log_softmax(lm(feat), dim=-1)
-    l_ce = (-(teacher * logq).sum(-1) * m).sum() / den
-    loss = cfg.w_feat * l_feat + cfg.w_ce * l_ce
-    info = {"feat": float(l_feat.detach()), "ce": float(l_ce.detach())}
-    if cfg.w_tv > 0:
-        l_tv = ((1 - torch.minimum(teacher, logq.exp()).sum(-1)) * m).sum() / den
-        loss = loss + cfg.w_tv * l_tv
-        info["tv"] = float(l_tv.detach())
-    with torch.no_grad():
-        info["top1"] = float(((logq.argmax(-1) == teacher.argmax(-1)).float() * m).sum() / den)
-    return loss, info
+    feats = unrolled_features(head, x_h, emb, pos, cfg.unroll)
+    loss, wsum, info = 0.0, 0.0, {}
+    for j, feat in enumerate(feats, 1):
+        m = chain_scored(m1, j).float()
+        den = m.sum().clamp(min=1.0)  # a batch with no scored target (empty completions) gives 0, not NaN
+        l_feat = (F.smooth_l1_loss(feat, target, reduction="none").mean(-1) * m).sum() / den
+        logq = torch.log_softmax(lm(feat), dim=-1)
+        l_ce = (-(teacher * logq).sum(-1) * m).sum() / den
+        l_j = cfg.w_feat * l_feat + cfg.w_ce * l_ce
+        if cfg.w_tv > 0:
+            l_tv = ((1 - torch.minimum(teacher, logq.exp()).sum(-1)) * m).sum() / den
+            l_j = l_j + cfg.w_tv * l_tv
+        w = cfg.unroll_decay ** (j - 1)
+        loss, wsum = loss + w * l_j, wsum + w
+        with torch.no_grad():
+            top1 = float(((logq.argmax(-1) == teacher.argmax(-1)).float() * m).sum() / den)
+        if j == 1:
+            info = {"feat": float(l_feat.detach()), "ce": float(l_ce.detach()), "top1": top1}
+            if cfg.w_tv > 0:
+                info["tv"] = float(l_tv.detach())
+        else:
+            info[f"top1_d{j}"] = top1
+    return loss / wsum, info
 
 
 class HeldOut:
@@ -183,14 +252,23 @@ class HeldOut:
         self.p = torch.cat(ps) if ps else torch.zeros(0, lm.ids.numel())
 
     @torch.no_grad()
-    def evaluate(self, head: DraftHead, lm: DraftVocab, embed) -> dict:
+    def evaluate(self, head: DraftHead, lm: DraftVocab, embed, depth: int = 1) -> dict:
+        """With ``depth`` > 1 also ``eval_accept_dj``: the same score at chain depth j
+        (``unrolled_features``, over the targets ``chain_scored`` keeps)."""
         ids, H, valid = self.batch
         T = ids.shape[1] - 1
         pos = torch.arange(1, T + 1).expand(ids.shape[0], T)
-        feat = head(H[:, :-1], embed(ids[:, 1:]).float(), pos)[valid[:, 1:]]
-        q = torch.softmax(lm(feat), dim=-1)
-        return {"eval_accept": float(torch.minimum(self.p, q).sum(-1).mean()),
-                "eval_top1": float((q.argmax(-1) == self.p.argmax(-1)).float().mean())}
+        m1 = valid[:, 1:]
+        out = {}
+        for j, feat in enumerate(unrolled_features(head, H[:, :-1], embed(ids[:, 1:]).float(), pos, depth), 1):
+            keep = chain_scored(m1, j)[m1]  # which of the scored pairs (rows of self.p) count at depth j
+            q = torch.softmax(lm(feat[m1][keep]), dim=-1)
+            acc = float(torch.minimum(self.p[keep], q).sum(-1).mean()) if keep.any() else float("nan")
+            if j == 1:
+                out = {"eval_accept": acc, "eval_top1": float((q.argmax(-1) == self.p.argmax(-1)).float().mean())}
+            else:
+                out[f"eval_accept_d{j}"] = acc
+        return out
 
 
 def _split(n: int, groups, n_held: int, gen) -> tuple[list[int], list[int]]:
@@ -259,7 +337,7 @@ def train_head(head: DraftHead, policy: Decoder, seqs: list[torch.Tensor], hid: 
         last = step == cfg.steps - 1 or progress[0] >= 1.0
         if held is not None and (last or (step + 1) % cfg.eval_every == 0):
             head.eval()
-            info.update(held.evaluate(head, lm, policy.embed))
+            info.update(held.evaluate(head, lm, policy.embed, cfg.unroll))
             head.train()
         info.update(step=step, loss=float(loss.detach()), elapsed=elapsed)
         hist.append(info)
@@ -407,10 +485,11 @@ def cli(args) -> int:
     eos = hub.eos_ids(tok, hub.resolve(args.model, quiet=True))
     cfg = DistillConfig(steps=args.steps, lr=args.lr, batch=args.batch, seed=args.seed, noise=args.noise,
                         w_feat=args.w_feat, w_ce=args.w_ce, w_tv=args.w_tv, eval_frac=args.eval_frac,
-                        prompt_loss=args.prompt_loss)
+                        prompt_loss=args.prompt_loss, unroll=args.unroll, unroll_decay=args.unroll_decay)
 
     def log(info):
-        ev = (f"  held-out accept {info['eval_accept']:.3f} top1 {info['eval_top1']:.3f}"
+        deep = "".join(f" d{k[len('eval_accept_d'):]} {v:.3f}" for k, v in info.items() if k.startswith("eval_accept_d"))
+        ev = (f"  held-out accept {info['eval_accept']:.3f}{deep} top1 {info['eval_top1']:.3f}"
               if "eval_accept" in info else "")
         print(f"step {info['step']:5d}  loss {info['loss']:.4f}  feat {info['feat']:.4f}  ce {info['ce']:.3f}  "
               f"top1 {info['top1']:.3f}{ev}  {info['elapsed']:.0f}s", flush=True)

@@ -88,14 +88,15 @@ class DraftHead(nn.Module):
     def draft_vocab(self) -> int:
         return self.vocab_ids.numel()
 
-    def forward(self, hidden, emb, positions, cache: KVCache | None = None, mask=None, slots=None):
+    def forward(self, hidden, emb, positions, cache: KVCache | None = None, mask=None, slots=None, kv=None):
         """hidden, emb: (B, T, D); positions: (B, T) of the token in each pair. With ``cache`` the
         K/V are written at ``slots`` and ``mask`` (B, T, S) gives visibility; without, causal.
+        ``kv``: a ``Block`` layer_kv callable used in place of a cache (training-time unrolling,
+        ``distill.unrolled_features``), with ``mask`` over the keys it returns.
         Returns features (B, T, D) in ``hidden``'s dtype."""
         dtype = hidden.dtype
         x = self.fc(torch.cat([hidden, emb.to(dtype)], dim=-1))
         cos, sin = rope_tables(positions, self.inv_freq, dtype)
-        kv = None
         if cache is not None:
             cache.prepare(slots)
             kv = cache.writer(0, slots)
