@@ -136,6 +136,9 @@ def _draft(sub):
     t.add_argument("--data-cache", default=None,
                    help="safetensors file for the generated sequences and hidden states: reused when it exists "
                         "and matches the model, prompts and generation settings, written otherwise")
+    t.add_argument("--extra-data", default=None,
+                   help="comma-separated data caches of other prompts or seeds (same model and --dtype) whose "
+                        "sequences join the training data")
     t.add_argument("--draft-vocab", type=int, default=4096, help="reduced draft vocabulary (0 = full)")
     t.add_argument("--time-budget", type=float, default=None, help="stop training after this many seconds")
     t.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"],

@@ -683,6 +683,37 @@ def test_data_cache_roundtrip_and_mismatch(tmp_path):
         load_sequences(old, key)
 
 
+def test_extra_data_caches_join_the_training_data_by_prompt(tmp_path, mid, monkeypatch):
+    """``distill(extra_data=[...])`` appends other caches' sequences with their own prompt groups (n taken from
+    each file), so the held-out split still takes whole prompts; another model or dtype is a clear error."""
+    from specroll.drafters import distill as D
+
+    model, _ = mid
+    seqs = [torch.tensor(p + naive_greedy(model, p, 4)) for p in PROMPTS[:4]]
+    hid = hidden_states(model, seqs)
+    plen = [len(p) for p in PROMPTS[:4]]
+    setup = {"model": "m", "data": None}
+    key = {**setup, "n": 2, "max_new_tokens": 4, "temperature": 1.0, "dtype": str(torch.float32), "seed": 0,
+           "prompts": D._digest([PROMPTS[0], PROMPTS[2]])}
+    main = D.save_sequences(tmp_path / "a.safetensors", seqs[:2] + seqs[2:], hid, key, plen)  # 2 prompts x 2
+    more = D.save_sequences(tmp_path / "b.safetensors", seqs[:3], hid[:3], {**key, "n": 1, "seed": 5}, plen[:3])
+    seen = {}
+
+    def fake_train(head, policy, s, h, cfg, log, budget, prompt_lens, groups):
+        seen.update(n=len(s), groups=groups, plen=prompt_lens)
+        return []
+
+    monkeypatch.setattr(D, "train_head", fake_train)
+    D.distill(model, [PROMPTS[0], PROMPTS[2]], n=2, max_new_tokens=4, dtype=torch.float32, setup=setup,
+              data_cache=main, extra_data=[more], cfg=DistillConfig(steps=1))
+    assert seen == {"n": 7, "groups": [0, 0, 1, 1, 2, 3, 4], "plen": plen + plen[:3]}
+    other = D.save_sequences(tmp_path / "c.safetensors", seqs[:1], hid[:1], {**key, "model": "x"}, plen[:1])
+    with pytest.raises(ValueError, match="model differ"):
+        D.load_extra(other, key)
+    with pytest.raises(ValueError, match="does not exist"):
+        D.load_extra(tmp_path / "missing.safetensors", key)
+
+
 def test_draft_vocab_maps_indices_to_token_ids():
     model = tiny(V_MID, seed=0)
     ids = torch.tensor([3, 10, 40])

@@ -352,12 +352,15 @@ def train_head(head: DraftHead, policy: Decoder, seqs: list[torch.Tensor], hid: 
 def distill(policy: Decoder, prompts: list[list[int]], *, eos_ids=(), n: int = 4, max_new_tokens: int = 128,
             temperature: float = 1.0, dtype: torch.dtype = torch.bfloat16, draft_vocab: int = 4096,
             cfg: DistillConfig | None = None, log=None, time_budget: float | None = None,
-            init: DraftHead | None = None, note=None, data_cache: str | Path | None = None, setup: dict | None = None):
+            init: DraftHead | None = None, note=None, data_cache: str | Path | None = None, setup: dict | None = None,
+            extra_data=()):
     """Generate, collect hidden states, train a head (fresh, or continue ``init``). Returns (head, info).
     ``log(info)`` hears training steps, ``note(str)`` the generation and hidden-state progress.
     ``data_cache``: a safetensors file for the sequences and hidden states -- loaded when it exists and
     was made by the same setup (``setup``, e.g. the model's name, plus the generation settings and the
-    prompts), written otherwise, so runs that only change the training settings skip the generation."""
+    prompts), written otherwise, so runs that only change the training settings skip the generation.
+    ``extra_data``: more such files (other prompts or seeds) whose sequences join the training data; each
+    must come from the same model and rollout dtype (``load_extra``)."""
     cfg = cfg or DistillConfig()
     t0 = time.perf_counter()
     key = {**(setup or {}), "n": n, "max_new_tokens": max_new_tokens, "temperature": temperature,
@@ -381,14 +384,21 @@ def distill(policy: Decoder, prompts: list[list[int]], *, eos_ids=(), n: int = 4
         if note is not None:
             note(f"hidden states of {len(seqs)} sequences in {t_hid:.0f}s"
                  + (f" (saved to {data_cache})" if data_cache is not None else "") + "; training")
+    groups = [i // n for i in range(len(seqs))]
+    for path in extra_data:
+        more, more_hid, more_plen, m = load_extra(path, key)
+        base = groups[-1] + 1 if groups else 0
+        seqs, hid, plen = seqs + more, hid + more_hid, plen + more_plen
+        groups += [base + i // m for i in range(len(more))]
+        if note is not None:
+            note(f"added {len(more)} sequences from {path}")
     if init is not None:
         head = init
     else:
         ids = frequent_vocab(seqs, policy.cfg.vocab_size, draft_vocab, always=eos_ids)
         head = head_for(policy, ids, seed=cfg.seed)
     # sequences are prompt-major (n per prompt): held-out prompts keep all their completions out of training
-    hist = train_head(head, policy, seqs, hid, cfg, log, time_budget, prompt_lens=plen,
-                      groups=[i // n for i in range(len(seqs))])
+    hist = train_head(head, policy, seqs, hid, cfg, log, time_budget, prompt_lens=plen, groups=groups)
     info = {"sequences": len(seqs), "tokens": int(sum(len(s) for s in seqs)), "gen_s": t_gen, "hidden_s": t_hid,
             "train_s": hist[-1]["elapsed"] if hist else 0.0, "steps": len(hist),
             "final": hist[-1] if hist else {}, "draft_vocab": head.draft_vocab}
@@ -456,6 +466,28 @@ def load_sequences(path: str | Path, key: dict, prompts: list[list[int]] | None 
     return seqs, list(hidden.split(sizes)), plen
 
 
+def load_extra(path: str | Path, key: dict) -> tuple[list[torch.Tensor], list[torch.Tensor], list[int], int]:
+    """(sequences, hidden states, prompt lengths, samples per prompt) of a data cache made with other prompts or
+    generation settings; its model and dtype must be ``key``'s (the hidden states are that model's)."""
+    from safetensors import SafetensorError, safe_open
+
+    path = Path(path)
+    if not path.is_file():
+        raise ValueError(f"extra data cache {path} does not exist; make it with `specroll draft train --steps 0 "
+                         f"--data-cache {path}`")
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            meta = f.metadata() or {}
+    except SafetensorError as e:
+        raise ValueError(f"{path} is not a readable safetensors file ({e})") from None
+    if meta.get("format") != DATA_FORMAT:
+        raise ValueError(f"{path} is not a specroll distillation data cache of format {DATA_FORMAT}")
+    stored = json.loads(meta.get("setup", "{}"))
+    want = {**stored, **{k: key[k] for k in ("model", "dtype") if k in key}}
+    seqs, hid, plen = load_sequences(path, want)
+    return seqs, hid, plen, int(stored.get("n", 1))
+
+
 DATA_FORMAT = "specroll-distill-data/2"
 _DATA_FORMAT_1 = "specroll-distill-data/1"  # no prompt lengths: read with the prompts
 
@@ -499,7 +531,8 @@ def cli(args) -> int:
                          temperature=args.temperature, dtype=getattr(torch, args.dtype), draft_vocab=args.draft_vocab,
                          cfg=cfg, log=log, time_budget=args.time_budget, init=init,
                          note=lambda msg: print(msg, flush=True), data_cache=args.data_cache,
-                         setup={"model": args.model, "data": args.data})
+                         setup={"model": args.model, "data": args.data},
+                         extra_data=[x for x in (args.extra_data or "").split(",") if x])
     meta = {"model": args.model, "prompts": len(prompts), **info, "config": asdict(cfg)}
     out = save_head(head, args.out, meta)
     print(json.dumps({k: v for k, v in info.items() if k != "final"}, indent=None))
