@@ -72,7 +72,8 @@ def test_pairs_match_a_cache_free_pass_for_every_row(mid, dtype, atol, temperatu
     info = d.learner.finish(outs)
     seqs = d.learner.buffer[-1]
     assert info["draft/rows_dropped"] == 0 and len(seqs) == len(outs)
-    for o, (ids, H) in zip(outs, seqs):
+    for o, (ids, H, P) in zip(outs, seqs):
+        assert P == len(o.prompt_ids)
         full = torch.cat([o.prompt_ids, o.completion_ids])
         # every position but the last (its token is emitted, never fed) has its hidden state
         assert torch.equal(ids, full[: len(full) - 1])
@@ -111,6 +112,35 @@ def test_learner_lowers_its_loss_on_fixed_data(mid):
     assert d.learner.updates == 32
     assert not torch.equal(before["fc.weight"], fresh.fc.weight.detach())
     assert all(p.grad is None for p in model.parameters())  # the policy stays frozen
+
+
+def test_online_updates_score_completion_targets_only(mid, monkeypatch):
+    """As offline distillation: the loss sees the prompt pairs as context but scores only targets at or after
+    each row's prompt length; ``draft/pairs`` counts those."""
+    from specroll.drafters import online
+
+    model, head = mid
+    d = OnlineDrafter(clone_head(model, head), online_cfg(update_steps=1, batch=64), plan=Plan(6, 2, 3))
+    outs = Engine(model, eos_ids=[EOS]).generate(PROMPTS, SamplingParams(temperature=1.0, max_new_tokens=10, seed=4),
+                                                n=2, drafter=d)
+    info = d.learner.finish(outs)
+    pool = d.learner.buffer[-1]
+    assert info["draft/pairs"] == sum(len(ids) - P for ids, _, P in pool) > 0
+    seen = []
+    real = online.head_loss
+
+    def spy(head, lm, embed, ids, H, scored, cfg, gen=None):
+        seen.append((ids, scored))
+        return real(head, lm, embed, ids, H, scored, cfg, gen)
+
+    monkeypatch.setattr(online, "head_loss", spy)
+    d.learner.update(model)
+    (ids, scored), = seen
+    by_ids = {tuple(x.tolist()): P for x, _, P in pool}
+    for r in range(ids.shape[0]):
+        n = int(scored[r].nonzero().max()) + 1
+        P = by_ids[tuple(ids[r, :n].tolist())]
+        assert scored[r].nonzero().flatten().tolist() == list(range(P, n))
 
 
 def test_update_is_seen_by_the_next_rollout(mid, tmp_path):
@@ -333,7 +363,7 @@ def test_combined_mode_pairs_line_up_with_reused_prefixes(mid):
         comb.after_rollout(outs, epoch)
         m = comb.metrics()
         assert m["draft/rows_dropped"] == 0
-        for o, (ids, H) in zip(outs, d.learner.buffer[-1]):
+        for o, (ids, H, _) in zip(outs, d.learner.buffer[-1]):
             full = torch.cat([o.prompt_ids, o.completion_ids])
             assert torch.equal(ids, full[: len(full) - 1])
             torch.testing.assert_close(H.float(), reference_hidden(model, full)[: len(ids)], atol=1e-4, rtol=0)

@@ -10,7 +10,7 @@ What this module owns:
   offline distillation (``distill.head_loss``: ``w_feat`` SmoothL1 on the feature + ``w_ce`` soft
   cross-entropy against the policy's distribution over the draft vocabulary, the teacher read from
   the stored hidden states through the frozen lm_head). Every sequence is used, zero-reward groups
-  included. The AdamW state persists across updates.
+  included; as offline, only completion targets are scored (the prompt pairs stay in the head's context). The AdamW state persists across updates.
 - ``OnlineDrafter``: an ``EagleDrafter`` with the trainer's hooks: ``after_rollout`` (collect +
   update), ``metrics`` (``timing/draft_update``, ``draft/loss``, ``draft/top1``,
   ``spec/accept_length``, ``spec/accept_rate`` of the last rollout), ``state_dict`` /
@@ -21,8 +21,8 @@ What this module owns:
 Alignment: a row's hidden state at position i is only used while the tokens reported with the pairs
 equal the rollout's own prompt + completion; a row whose pairs do not line up (a prefix drafter that
 did not report its pairs) is dropped from training (``draft/rows_dropped``), never trained on shifted
-targets. The last completion token has no hidden state (it is never fed), so a row of length L
-gives L - 2 training pairs.
+targets. The last completion token has no hidden state (it is never fed), so a row of prompt length
+P and length L gives L - 1 - P scored pairs (``draft/pairs``).
 
 The head's inference path runs oneDNN-prepacked copies of its weights (``decoder.FastLinear``) keyed
 on the parameters' version counters; AdamW updates in place, so the next rollout drafts with the new
@@ -52,7 +52,7 @@ class OnlineLearner:
         self.params = [p for p in head.parameters() if p.requires_grad]
         self.opt = torch.optim.AdamW(self.params, lr=cfg.lr, weight_decay=0.0)
         self.gen = torch.Generator().manual_seed(seed)
-        self.buffer: deque[list[tuple[torch.Tensor, torch.Tensor]]] = deque(maxlen=cfg.buffer)
+        self.buffer: deque[list[tuple[torch.Tensor, torch.Tensor, int]]] = deque(maxlen=cfg.buffer)
         self.rollouts = 0  # rollouts collected
         self.updates = 0  # AdamW steps taken
         self.last: dict = {}
@@ -116,8 +116,8 @@ class OnlineLearner:
             if m < 2:
                 dropped += int(len(seq) > 2)
                 continue
-            seqs.append((seq[:m], h[:m]))
-            pairs += m - 1
+            seqs.append((seq[:m], h[:m], P))
+            pairs += max(m - max(P, 1), 0)
         self.start()
         if seqs:
             self.buffer.append(seqs)
@@ -138,7 +138,8 @@ class OnlineLearner:
         losses, top1 = [], []
         for _ in range(self.cfg.update_steps):
             idx = torch.randperm(len(pool), generator=self.gen)[: self.cfg.batch].tolist()
-            ids, H, valid = _batch([pool[i][0] for i in idx], [pool[i][1] for i in idx], list(range(len(idx))))
+            ids, H, valid = _batch([pool[i][0] for i in idx], [pool[i][1] for i in idx], list(range(len(idx))),
+                                   [pool[i][2] for i in idx])  # completion targets only, as offline
             with torch.autocast("cpu", dtype=torch.bfloat16, enabled=use_bf16(self.cfg.bf16)):
                 loss, info = head_loss(self.head, lm, policy.embed, ids, H, valid, self.loss_cfg)
             self.opt.zero_grad(set_to_none=True)
