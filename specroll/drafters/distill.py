@@ -60,6 +60,7 @@ class DistillConfig:
     prompt_loss: bool = False  # also train on prompt positions (the held-out score never counts them)
     unroll: int = 1  # chain depths trained per position (1 = teacher-forced only; see ``unrolled_features``)
     unroll_decay: float = 0.8  # weight of depth j's loss: unroll_decay ** (j - 1)
+    eval_depth: int = 3  # chain depths the held-out score reports (at least ``unroll``)
 
     def __post_init__(self):
         if self.steps < 0 or self.batch < 1 or self.lr <= 0:
@@ -68,8 +69,8 @@ class DistillConfig:
             raise ValueError(f"distill needs loss weights w_feat, w_ce, w_tv >= 0, not all 0; got {self}")
         if not 0 <= self.eval_frac < 1 or self.eval_every < 1:
             raise ValueError(f"distill needs 0 <= eval_frac < 1 and eval_every >= 1; got {self}")
-        if self.unroll < 1 or not 0 < self.unroll_decay <= 1:
-            raise ValueError(f"distill needs unroll >= 1 and 0 < unroll_decay <= 1; got {self}")
+        if self.unroll < 1 or not 0 < self.unroll_decay <= 1 or self.eval_depth < 1:
+            raise ValueError(f"distill needs unroll >= 1, eval_depth >= 1 and 0 < unroll_decay <= 1; got {self}")
 
 
 def generate_sequences(engine: Engine, prompts: list[list[int]], params: SamplingParams, n: int,
@@ -337,7 +338,7 @@ def train_head(head: DraftHead, policy: Decoder, seqs: list[torch.Tensor], hid: 
         last = step == cfg.steps - 1 or progress[0] >= 1.0
         if held is not None and (last or (step + 1) % cfg.eval_every == 0):
             head.eval()
-            info.update(held.evaluate(head, lm, policy.embed, cfg.unroll))
+            info.update(held.evaluate(head, lm, policy.embed, max(cfg.unroll, cfg.eval_depth)))
             head.train()
         info.update(step=step, loss=float(loss.detach()), elapsed=elapsed)
         hist.append(info)
