@@ -23,8 +23,9 @@ Departures from EAGLE / FastGRPO:
 - the head ends in an RMSNorm so its feature lives where the policy's post-norm hidden state lives;
 - acceptance is sampler-match (exact at any temperature/top-p/top-k) rather than EAGLE's sibling
   rejection sampling with Python randomness;
-- the draft KV of the prompt is built in ``begin`` from one extra policy pass over the prompts (the
-  engine keeps only the last prefill hidden state), so the head sees the whole context.
+- the draft KV of the prompt is built in ``begin`` from the prompt hidden states the engine's prefill
+  hands over (``wants_prompt_hidden``; a cache-free policy pass only without them), so the head sees
+  the whole context.
 
 Seams for the concurrency-aware budget (issue 6): ``plan_fn(B_active) -> Plan`` is called every
 step; ``on_pairs(hidden, tokens, n, rows, prompt=False)`` receives the (hidden state, next token)
