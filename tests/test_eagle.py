@@ -712,6 +712,11 @@ def test_extra_data_caches_join_the_training_data_by_prompt(tmp_path, mid, monke
         D.load_extra(other, key)
     with pytest.raises(ValueError, match="does not exist"):
         D.load_extra(tmp_path / "missing.safetensors", key)
+    # a bad extra cache fails before any generation (which can take half an hour)
+    monkeypatch.setattr(D, "generate_sequences", lambda *a, **k: pytest.fail("generated before checking extra data"))
+    with pytest.raises(ValueError, match="model differ"):
+        D.distill(model, [PROMPTS[1]], n=1, max_new_tokens=4, dtype=torch.float32, setup=setup,
+                  extra_data=[other], cfg=DistillConfig(steps=1))
 
 
 def test_draft_vocab_maps_indices_to_token_ids():

@@ -366,6 +366,7 @@ def distill(policy: Decoder, prompts: list[list[int]], *, eos_ids=(), n: int = 4
     t0 = time.perf_counter()
     key = {**(setup or {}), "n": n, "max_new_tokens": max_new_tokens, "temperature": temperature,
            "dtype": str(dtype), "seed": cfg.seed, "prompts": _digest(prompts)}
+    extras = [(path, load_extra(path, key)) for path in extra_data]  # checked before any generation
     cached = (load_sequences(data_cache, key, prompts, n) if data_cache is not None and Path(data_cache).exists()
               else None)
     if cached is not None:
@@ -386,8 +387,7 @@ def distill(policy: Decoder, prompts: list[list[int]], *, eos_ids=(), n: int = 4
             note(f"hidden states of {len(seqs)} sequences in {t_hid:.0f}s"
                  + (f" (saved to {data_cache})" if data_cache is not None else "") + "; training")
     groups = [i // n for i in range(len(seqs))]
-    for path in extra_data:
-        more, more_hid, more_plen, m = load_extra(path, key)
+    for path, (more, more_hid, more_plen, m) in extras:
         base = groups[-1] + 1 if groups else 0
         seqs, hid, plen = seqs + more, hid + more_hid, plen + more_plen
         groups += [base + i // m for i in range(len(more))]
