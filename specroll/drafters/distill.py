@@ -179,7 +179,8 @@ def unrolled_features(head: DraftHead, x_h, emb, pos, depth: int) -> list[torch.
     for j in range(1, depth + 1):
         f = head(x, emb, pos, mask=unroll_mask(T, j), kv=kv)
         feats.append(f)
-        x = torch.cat([x_h[:, :1], f[:, :-1]], 1)
+        if j < depth:
+            x = torch.cat([x_h[:, :1], f[:, :-1]], 1)
     return feats
 
 

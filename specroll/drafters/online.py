@@ -10,7 +10,8 @@ What this module owns:
   offline distillation (``distill.head_loss``: ``w_feat`` SmoothL1 on the feature + ``w_ce`` soft
   cross-entropy against the policy's distribution over the draft vocabulary, the teacher read from
   the stored hidden states through the frozen lm_head). Every sequence is used, zero-reward groups
-  included; as offline, only completion targets are scored (the prompt pairs stay in the head's context). The AdamW state persists across updates.
+  included; as offline, only completion targets are scored (the prompt pairs stay in the head's
+  context). The AdamW state persists across updates.
 - ``OnlineDrafter``: an ``EagleDrafter`` with the trainer's hooks: ``after_rollout`` (collect +
   update), ``metrics`` (``timing/draft_update``, ``draft/loss``, ``draft/top1``,
   ``spec/accept_length``, ``spec/accept_rate`` of the last rollout), ``state_dict`` /
