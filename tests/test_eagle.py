@@ -342,7 +342,9 @@ def test_cached_head_matches_cache_free_pass(mid):
 
 def test_head_drafts_in_the_rollouts_precision_unless_bf16_head(mid, monkeypatch):
     """``bf16_head=False`` leaves the head's drafting in the rollout's precision: fp32 panels under an fp32
-    engine, bf16 panels under the bf16-weight engine (CPUs without native bf16); True forces bf16."""
+    engine, bf16 panels under the bf16-weight engine (CPUs without native bf16); True forces bf16; None
+    (the default) is bf16 while at most ``BF16_HEAD_ROWS`` rows are live."""
+    import specroll.drafters.eagle as eagle_mod
     from specroll.models import decoder
 
     model, head = mid
@@ -365,6 +367,9 @@ def test_head_drafts_in_the_rollouts_precision_unless_bf16_head(mid, monkeypatch
 
     fp32 = Engine(model, eos_ids=[])
     assert drafts_bf16(fp32, False) is False and drafts_bf16(fp32, True) is True
+    assert drafts_bf16(fp32, None) is True  # auto: bf16 at a few live rows ...
+    monkeypatch.setattr(eagle_mod, "BF16_HEAD_ROWS", 0)
+    assert drafts_bf16(fp32, None) is False  # ... the rollout's precision above BF16_HEAD_ROWS
     bf16 = Engine(model, eos_ids=[], dtype=torch.bfloat16)
     if not bf16.bf16_weights:
         pytest.skip("this machine runs bf16 rollouts natively (or has no skinny kernel)")
@@ -802,7 +807,7 @@ def test_cli_draft_train_then_bench_spec(tmp_path, monkeypatch, capsys):
     rows = json.loads(out.read_text())["rows"]
     assert [(r["plan"], r["head_weights"]) for r in rows] == [("chain", "fp32"), ("chain", "bf16")]
     assert main(common + ["--head-weights", "fp16", "--out", str(out)]) == 2
-    assert "choose from fp32, bf16" in capsys.readouterr().err
+    assert "choose from auto, fp32, bf16" in capsys.readouterr().err
     assert main(common + ["--plan", "chain", "--batch-sizes", "1", "--chain-stop", "0,0.3", "--out", str(out)]) == 0
     assert [r["chain_stop"] for r in json.loads(out.read_text())["rows"]] == [0.0, 0.3]
     assert main(common + ["--chain-stop", "1.5", "--out", str(out)]) == 2

@@ -47,7 +47,7 @@ def _chain(args):
 
 PLANS = {"static": _static, "adaptive": _adaptive, "chain": _chain}
 SAMPLED = {"chain"}  # plans whose drafter samples its chain (EagleDrafter(sampled=True))
-HEAD_WEIGHTS = ("fp32", "bf16")  # --head-weights: EagleDrafter(bf16_head=...)
+HEAD_WEIGHTS = {"auto": None, "fp32": False, "bf16": True}  # --head-weights: EagleDrafter(bf16_head=...)
 
 
 def bench_prompts(tokenizer, n: int, seed: int) -> list[list[int]]:
@@ -65,7 +65,7 @@ def _timed(fn, *args, **kw):
 
 
 def bench_batch(engine: Engine, head, prompts, params: SamplingParams, plan_name: str, plan_fn, max_plan,
-                repeats: int, head_weights: str = "fp32", chain_stop: float = 0.0, batch: int | None = None) -> dict:
+                repeats: int, head_weights: str = "auto", chain_stop: float = 0.0, batch: int | None = None) -> dict:
     """Vanilla and speculative generation interleaved, ``repeats`` times with seeds seed..seed+repeats-1.
     Repeat r takes the ``batch`` prompts from r * batch on (cycling through ``prompts``; ``batch`` None =
     all of them every time), so small batches are not measured on one prompt only."""
@@ -79,7 +79,7 @@ def bench_batch(engine: Engine, head, prompts, params: SamplingParams, plan_name
         dt, outs = _timed(engine.generate, prompts_r, p)
         van_t, van_n = van_t + dt, van_n + sum(len(o.completion_ids) for o in outs)
         drafter = EagleDrafter(head, plan_fn=plan_fn, max_plan=max_plan, sampled=plan_name in SAMPLED,
-                               bf16_head=head_weights == "bf16", chain_stop=chain_stop)
+                               bf16_head=HEAD_WEIGHTS[head_weights], chain_stop=chain_stop)
         dt, outs = _timed(engine.generate, prompts_r, p, drafter=drafter)
         spec_t, spec_n = spec_t + dt, spec_n + sum(len(o.completion_ids) for o in outs)
         totals += drafter.totals

@@ -67,6 +67,7 @@ HEAD_CONFIG = "draft_head.json"
 FORMAT = "specroll-eagle-head/1"
 DEFAULT_PLAN = Plan(16, 4, 5)  # static plan when none is given: 16 nodes, top-4, depth 5
 SCORE_EPS = 1e-3  # per-depth tie-breaker: a child always ranks strictly below its parent
+BF16_HEAD_ROWS = 8  # EagleDrafter(bf16_head=None): bf16 head weights up to this many live rows
 
 
 # --- the head ------------------------------------------------------------------------------------
@@ -236,10 +237,14 @@ class EagleDrafter:
     sampled token survives with probability min(1, p/q) instead of p(top-K), which keeps more tokens
     when the head's distribution is close to the policy's.
 
-    ``bf16_head``: the head's drafting steps (a few rows each) stream bf16 copies of the head's and draft
-    vocabulary's weights through the skinny kernel (``decoder.bf16_weights``; fp32 arithmetic). The draft
-    distribution changes slightly; verification stays exact, since it uses the q the head produced.
-    Off, the head drafts in the rollout's own precision (bf16 panels too when the engine runs bf16 weights).
+    ``bf16_head``: True: the head's drafting steps stream bf16 copies of the head's and draft vocabulary's
+    weights through the skinny kernel (``decoder.bf16_weights``; fp32 arithmetic). The draft distribution
+    changes slightly; verification stays exact, since it uses the q the head produced. False: the head
+    drafts in the rollout's own precision (bf16 panels too when the engine runs bf16 weights). None (the
+    default): True while at most ``BF16_HEAD_ROWS`` rows are live. A head call on a few rows is a pass over
+    its weights (17 MB of fp32 with a 4096-token draft vocabulary), evicted from cache by every policy
+    forward; in bf16 they take half the bytes and more of them stay cached between the chain's calls
+    (BENCHMARKS.md, session 9). With more rows the kernel is compute-bound and bf16 panels only add work.
 
     ``chain_stop``: a sampled chain stops growing once, in every row, the product of the head's
     probabilities of its drafted tokens falls below this (0 = always the full depth). Each further
@@ -251,7 +256,7 @@ class EagleDrafter:
 
     def __init__(self, head: DraftHead, plan: Plan = DEFAULT_PLAN, plan_fn=None, max_plan: Plan | None = None,
                  rule=sampler_match, on_pairs=None, trace: bool = False, sampled: bool = False,
-                 bf16_head: bool = False, chain_stop: float = 0.0):
+                 bf16_head: bool | None = None, chain_stop: float = 0.0):
         if not 0.0 <= chain_stop < 1.0:
             raise ValueError(f"chain_stop must be in [0, 1), got {chain_stop}")
         self.head = head.eval()
@@ -463,7 +468,8 @@ class EagleDrafter:
         if plan.n_verify <= 1:
             return self._plain_step(st, stop, stats)
         root_pos = cache.lens[:B].clone()
-        with bf16_weights(True) if self.bf16_head else nullcontext():  # else the rollout's own precision
+        bf16 = B <= BF16_HEAD_ROWS if self.bf16_head is None else self.bf16_head
+        with bf16_weights(True) if bf16 else nullcontext():  # else the rollout's own precision
             tree = self.draft(root_pos, plan, st.params, st.gen)
         N = tree.tokens.shape[1]
         slots = cache.chain_slots(N)
