@@ -285,6 +285,23 @@ def test_ragged_acceptance_in_one_step_matches_single_row_reference(mid):
     assert sum(o.n_accepted for o in outs) > 0
 
 
+def test_accept_by_depth_counts_each_depth_reached_and_accepted(mid):
+    """``by_depth`` / ``summary()["accept_by_depth"]`` against a recount from the per-step acceptance trace:
+    with a fixed depth-3 chain every step reaches depth 1, depth d + 1 is reached by the row-steps that
+    accepted d drafts, and the fraction at depth d is (accepted >= d) / (accepted >= d - 1)."""
+    model, head = mid
+    drafter = EagleDrafter(head, Plan(4, 1, 3), sampled=True, trace=True)
+    Engine(model, eos_ids=[EOS]).generate(PROMPTS, SamplingParams(temperature=1.0, max_new_tokens=24, seed=3),
+                                          n=2, drafter=drafter)
+    acc = torch.cat(drafter.trace)
+    d = torch.arange(1, 4)
+    want = torch.stack([(acc[:, None] >= d - 1).sum(0), (acc[:, None] >= d).sum(0)])
+    assert drafter.by_depth.tolist() == want.tolist()
+    assert int(want[0, 0]) == acc.numel() and int(want[1, 0]) > 0
+    frac = drafter.summary()["accept_by_depth"]
+    assert frac == pytest.approx([a / r if r else None for a, r in zip(want[1].tolist(), want[0].tolist())])
+
+
 def test_trained_head_beats_random_head(mid):
     model, head = mid
     params = SamplingParams(temperature=0, max_new_tokens=24)
@@ -802,6 +819,7 @@ def test_cli_draft_train_then_bench_spec(tmp_path, monkeypatch, capsys):
     assert main(common + ["--plan", "static,chain", "--batch-sizes", "2", "--out", str(out)]) == 0
     rows = json.loads(out.read_text())["rows"]
     assert [(r["plan"], r["plan_max"]["k"]) for r in rows] == [("static", 2), ("chain", 1)]
+    assert [len(r["accept_by_depth"]) for r in rows] == [r["plan_max"]["depth"] for r in rows]
     assert rows[1]["accept_length"] >= 1.0
     assert main(common + ["--plan", "chain", "--batch-sizes", "1", "--head-weights", "fp32,bf16", "--out", str(out)]) == 0
     rows = json.loads(out.read_text())["rows"]

@@ -5,7 +5,8 @@ questions, chat-templated) and seeds; completions stop naturally at EOS or ``max
 Throughput is completion tokens over wall time summed across ``repeats`` (seed + r each), the two
 systems interleaved so machine noise hits both. ``--force-length`` ignores stop tokens so every
 row of both systems emits exactly ``max_new_tokens`` (equal work; natural lengths differ per sample). ``accept_length`` = tokens emitted per verification
-step (bonus included), ``accept_rate`` = accepted draft nodes / drafted nodes.
+step (bonus included), ``accept_rate`` = accepted draft nodes / drafted nodes, ``accept_by_depth`` [d - 1]
+= the fraction of row-steps whose drafts reached depth d that accepted it (None: never reached).
 
 Plans: ``static`` (fixed ``--n-verify/--k/--depth``), ``adaptive`` (C_peak / B_active), ``chain`` (a chain
 of ``--depth`` tokens sampled from the head, rejection-sampled). ``PLANS`` maps a name to a factory
@@ -73,6 +74,7 @@ def bench_batch(engine: Engine, head, prompts, params: SamplingParams, plan_name
     van_t = spec_t = 0.0
     van_n = spec_n = 0
     totals = torch.zeros(4, dtype=torch.long)
+    by_depth = torch.zeros(2, max_plan.depth, dtype=torch.long)
     for r in range(repeats):
         prompts_r = [prompts[(r * B + i) % len(prompts)] for i in range(B)]
         p = SamplingParams(**{**params.__dict__, "seed": (params.seed or 0) + r})
@@ -83,10 +85,13 @@ def bench_batch(engine: Engine, head, prompts, params: SamplingParams, plan_name
         dt, outs = _timed(engine.generate, prompts_r, p, drafter=drafter)
         spec_t, spec_n = spec_t + dt, spec_n + sum(len(o.completion_ids) for o in outs)
         totals += drafter.totals
+        by_depth += drafter.by_depth
     steps, emitted, drafted, accepted = (int(x) for x in totals)
+    reached, acc = by_depth.tolist()
     v, s = van_n / van_t, spec_n / spec_t
     return {"batch": B, "plan": plan_name, "vanilla_tok_s": v, "spec_tok_s": s, "speedup": s / v,
             "accept_length": emitted / max(steps, 1), "accept_rate": accepted / max(drafted, 1),
+            "accept_by_depth": [round(a / r, 4) if r else None for a, r in zip(acc, reached)],
             "vanilla_tokens": van_n, "spec_tokens": spec_n, "vanilla_s": van_t, "spec_s": spec_t,
             "head_weights": head_weights, "chain_stop": chain_stop, "plan_max": max_plan.__dict__}
 
@@ -123,7 +128,8 @@ def run_bench(args) -> dict:
             row = bench_batch(engine, head, prompts, params, name, plan_fn, max_plan, args.repeats, hw, cs, batch=B)
             tag = (f" head {hw}" if len(head_weights) > 1 else "") + (f" stop {cs:g}" if len(stops) > 1 else "")
             print(f"batch {B:3d} {name:8s}{tag} vanilla {row['vanilla_tok_s']:7.1f} tok/s  spec {row['spec_tok_s']:7.1f} "
-                  f"tok/s  x{row['speedup']:.2f}  accept_length {row['accept_length']:.2f}", flush=True)
+                  f"tok/s  x{row['speedup']:.2f}  accept_length {row['accept_length']:.2f}  by depth "
+                  + "/".join("-" if a is None else f"{a:.2f}" for a in row["accept_by_depth"]), flush=True)
             rows.append(row)
     return {"rows": rows, "model": args.model, "draft": str(args.draft), "dtype": args.dtype,
             "max_new_tokens": args.max_new_tokens, "force_length": args.force_length, "temperature": args.temperature, "top_p": args.top_p,

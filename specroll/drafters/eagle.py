@@ -270,14 +270,18 @@ class EagleDrafter:
         self.on_pairs = on_pairs
         self.trace: list | None = [] if trace else None
         self.totals = torch.zeros(4, dtype=torch.long)  # row-steps, emitted in steps, drafted, accepted
+        # per draft depth d (index d - 1): row-steps whose drafts reached depth d, and those accepting it
+        self.by_depth = torch.zeros(2, self.max_plan.depth, dtype=torch.long)
 
     def max_tokens_per_step(self) -> int:
         return self.max_plan.n_verify
 
     def summary(self) -> dict:
         steps, emitted, drafted, accepted = (int(x) for x in self.totals)
+        reached, acc = self.by_depth.tolist()
         return {"row_steps": steps, "accept_length": emitted / max(steps, 1),
-                "accept_rate": accepted / max(drafted, 1), "drafted": drafted, "accepted": accepted}
+                "accept_rate": accepted / max(drafted, 1), "drafted": drafted, "accepted": accepted,
+                "accept_by_depth": [a / r if r else None for a, r in zip(acc, reached)]}
 
     # -- begin / end ------------------------------------------------------------------------------
     @torch.no_grad()
@@ -493,7 +497,7 @@ class EagleDrafter:
         self.chain_tok, self.chain_n = v.tokens, v.n_accept + 1
         if self.on_pairs is not None:
             self.on_pairs(self.chain_h, v.tokens, v.n_accept + 1, st.row_ids)
-        self._account(st, stats, n_used, N - 1, raw=v.n_accept)
+        self._account(st, stats, n_used, N - 1, raw=v.n_accept, depth=tree.max_depth)
         done_rows, done_stop, keep = engine.retire(st, finished, stopped, torch.arange(B), fill_holes=True)
         if done_rows.numel():
             self._compact(st, keep)
@@ -533,9 +537,14 @@ class EagleDrafter:
             self._compact(st, keep)
         return done_rows, done_stop
 
-    def _account(self, st, stats, n_acc, drafted, raw=None):
+    def _account(self, st, stats, n_acc, drafted, raw=None, depth=0):
         """Count ``n_acc`` accepted (and emitted) drafts per row; the trace keeps ``raw`` (the rule's
-        acceptance before truncation) when given."""
+        acceptance before truncation) when given. ``depth``: the deepest draft of the step; a row whose
+        rule accepted j drafts reached depths 1..min(j + 1, depth) and accepted depths 1..j."""
+        if depth and raw is not None:
+            d = torch.arange(1, min(depth, self.by_depth.shape[1]) + 1)
+            self.by_depth[0, : d.numel()] += (raw[:, None] >= d - 1).sum(0)
+            self.by_depth[1, : d.numel()] += (raw[:, None] >= d).sum(0)
         rows = st.row_ids
         stats[rows, 1] += drafted
         stats[rows, 2] += n_acc
