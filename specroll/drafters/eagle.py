@@ -389,7 +389,7 @@ class EagleDrafter:
                 mask = torch.arange(int(slots.max()) + 1)[None, None, :] <= slots[:, :, None]
                 f = self.head(f[:, None], self.policy.embed(toks[-1][:, None]),
                               (root_pos + d)[:, None], self.dc, mask, slots)[:, 0]
-            lq = processed_logprobs(self.draft_logp(f), params)  # (B, V_draft)
+            lq = processed_logprobs(self.lm(f), params)  # (B, V_draft): one log-softmax of the draft logits
             ix = sample_from_logprobs(lq, gen)
             toks.append(ids[ix])
             qs.append(lq)
