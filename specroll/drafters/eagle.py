@@ -242,9 +242,9 @@ class EagleDrafter:
     changes slightly; verification stays exact, since it uses the q the head produced. False: the head
     drafts in the rollout's own precision (bf16 panels too when the engine runs bf16 weights). None (the
     default): True while at most ``BF16_HEAD_ROWS`` rows are live. A head call on a few rows is a pass over
-    its weights (17 MB of fp32 with a 4096-token draft vocabulary), evicted from cache by every policy
-    forward; in bf16 they take half the bytes and more of them stay cached between the chain's calls
-    (BENCHMARKS.md, session 9). With more rows the kernel is compute-bound and bf16 panels only add work.
+    its weights (17 MB in fp32 for SmolLM2's head, plus 9 MB of draft lm_head for 4096 tokens), evicted
+    from cache by every policy forward; in bf16 they take half the bytes (BENCHMARKS.md, session 9). With
+    more rows the kernel is compute-bound and bf16 panels only add work.
 
     ``chain_stop``: a sampled chain stops growing once, in every row, the product of the head's
     probabilities of its drafted tokens falls below this (0 = always the full depth). Each further
