@@ -126,7 +126,8 @@ def _draft(sub):
     t.add_argument("--w-tv", type=float, default=0.0,
                    help="weight of 1 - sum min(p, q), the rejection probability of a sampled draft token")
     t.add_argument("--eval-frac", type=float, default=0.05,
-                   help="share of the sequences held out and scored (accept = sum min(p, q)) every 100 steps")
+                   help="share of the prompts held out and scored (accept = sum min(p, q)) every 100 steps; "
+                        "chosen by a hash of the prompt's tokens, so the same prompts in every run and cache")
     t.add_argument("--prompt-loss", action="store_true",
                    help="also train on prompt positions (default: completion positions only, where the head drafts; "
                         "the held-out score counts completion positions either way)")

@@ -27,6 +27,7 @@ from specroll.drafters.eagle import (
     load_head,
     save_head,
 )
+from specroll.drafters.reuse import prompt_key
 from specroll.drafters.verify import Verdict, match_walk, rejection_chain
 from specroll.engine.engine import Engine
 from specroll.engine.sampling import SamplingParams, processed_logprobs, sample
@@ -652,6 +653,37 @@ def test_held_out_split_takes_whole_prompts(mid, monkeypatch):
     assert len(seen[0]) == 2 and seen[0][0] == seen[0][1]  # one prompt, both of its completions
 
 
+def test_held_out_by_prompt_key_is_the_same_in_every_run_and_cache(mid, monkeypatch):
+    """``held_out_by_key``: about ``frac`` of the prompts, all completions of a held-out prompt together, and
+    the same prompts whatever else is in the data (a head continued on more data is not scored on prompts
+    it trained on before); ``train_head(prompt_keys=...)`` scores exactly those sequences."""
+    import specroll.drafters.distill as D
+
+    prompts = [[7, i, j] for i in range(40) for j in range(10)]  # 400 prompts
+    keys = [prompt_key(p) for p in prompts for _ in range(2)]  # 2 completions each
+    held, train = D.held_out_by_key(keys, 0.1)
+    assert sorted(held + train) == list(range(800)) and 40 <= len(held) <= 120
+    assert {keys[i] for i in held}.isdisjoint({keys[i] for i in train})
+    more = [prompt_key([8, i]) for i in range(300)] + keys[::2]  # other prompts first, then one of each
+    held2, _ = D.held_out_by_key(more, 0.1)
+    assert {more[i] for i in held2 if i >= 300} == {keys[i] for i in held}
+    assert D.held_out_by_key(keys, 0.0)[0] == []
+    model, _ = mid
+    seqs = [torch.tensor(p + naive_greedy(model, p, 4)) for p in PROMPTS] * 2
+    hid = hidden_states(model, seqs)
+    pk = [prompt_key(p) for p in PROMPTS] * 2
+    want = D.held_out_by_key(pk, 0.5)[0]
+    assert 0 < len(want) < len(seqs), "the fixture's prompts should split at frac 0.5"
+    seen = []
+    monkeypatch.setattr(D, "HeldOut", lambda policy, lm, s, h, st: seen.append([x.tolist() for x in s]) or
+                        type("H", (), {"evaluate": lambda self, *a, **k: {"eval_accept": 0.5, "eval_top1": 0.5}})())
+    train_head(head_for(model, seed=2), model, seqs, hid, DistillConfig(steps=2, batch=2, eval_frac=0.5),
+               prompt_keys=pk)
+    assert seen[0] == [seqs[i].tolist() for i in want]
+    with pytest.raises(ValueError, match="prompt keys"):
+        train_head(head_for(model, seed=2), model, seqs, hid, DistillConfig(steps=1, eval_frac=0.5), prompt_keys=pk[:1])
+
+
 def test_time_budget_anneals_the_learning_rate(mid, monkeypatch):
     """A run cut by its time budget decays the learning rate with elapsed time, not only with steps."""
     import specroll.drafters.distill as D
@@ -721,14 +753,16 @@ def test_extra_data_caches_join_the_training_data_by_prompt(tmp_path, mid, monke
     more = D.save_sequences(tmp_path / "b.safetensors", seqs[:3], hid[:3], {**key, "n": 1, "seed": 5}, plen[:3])
     seen = {}
 
-    def fake_train(head, policy, s, h, cfg, log, budget, prompt_lens, groups):
-        seen.update(n=len(s), groups=groups, plen=prompt_lens)
+    def fake_train(head, policy, s, h, cfg, log, budget, prompt_lens, prompt_keys):
+        seen.update(n=len(s), keys=prompt_keys, plen=prompt_lens)
         return []
 
     monkeypatch.setattr(D, "train_head", fake_train)
     D.distill(model, [PROMPTS[0], PROMPTS[2]], n=2, max_new_tokens=4, dtype=torch.float32, setup=setup,
               data_cache=main, extra_data=[more], cfg=DistillConfig(steps=1))
-    assert seen == {"n": 7, "groups": [0, 0, 1, 1, 2, 3, 4], "plen": plen + plen[:3]}
+    assert {k: v for k, v in seen.items() if k != "keys"} == {"n": 7, "plen": plen + plen[:3]}
+    # keys come from each sequence's own prompt tokens: the same prompt in two caches shares its key
+    assert seen["keys"] == [prompt_key(PROMPTS[i]) for i in (0, 1, 2, 3, 0, 1, 2)]
     other = D.save_sequences(tmp_path / "c.safetensors", seqs[:1], hid[:1], {**key, "model": "x"}, plen[:1])
     with pytest.raises(ValueError, match="model differ"):
         D.load_extra(other, key)

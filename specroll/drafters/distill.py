@@ -42,6 +42,7 @@ from ..engine.engine import Engine
 from ..engine.sampling import SamplingParams
 from ..models.decoder import Decoder
 from .eagle import DraftHead, DraftVocab, head_for, load_head, save_head
+from .reuse import prompt_key
 
 
 @dataclass
@@ -55,7 +56,7 @@ class DistillConfig:
     noise: float = 0.0
     weight_decay: float = 0.0
     seed: int = 0
-    eval_frac: float = 0.0  # held-out share of the sequences, scored by ``evaluate`` every ``eval_every`` steps
+    eval_frac: float = 0.0  # held-out share (of prompts, by key, in ``distill``), scored every ``eval_every`` steps
     eval_every: int = 100
     prompt_loss: bool = False  # also train on prompt positions (the held-out score never counts them)
     unroll: int = 1  # chain depths trained per position (1 = teacher-forced only; see ``unrolled_features``)
@@ -294,9 +295,22 @@ def _split(n: int, groups, n_held: int, gen) -> tuple[list[int], list[int]]:
     return held, [i for i in range(n) if i not in taken]
 
 
+def held_out_by_key(keys: list[bytes], frac: float) -> tuple[list[int], list[int]]:
+    """(held-out, training) indices: a sequence is held out iff its prompt key (``reuse.prompt_key``) falls in
+    the lowest ``frac`` of the key space. A function of the prompt alone, so the same prompts are held out in
+    every run and whatever caches are combined: a head continued on more data is never scored on prompts it
+    trained on before (random splits per run did exactly that), and every completion of a prompt, from any
+    cache, lands on the same side."""
+    cut = int(frac * 2 ** 64)
+    held = [i for i, k in enumerate(keys) if int.from_bytes(k[:8], "big") < cut]
+    taken = set(held)
+    return held, [i for i in range(len(keys)) if i not in taken]
+
+
 def train_head(head: DraftHead, policy: Decoder, seqs: list[torch.Tensor], hid: list[torch.Tensor],
                cfg: DistillConfig, log=None, time_budget: float | None = None,
-               prompt_lens: list[int] | None = None, groups: list[int] | None = None) -> list[dict]:
+               prompt_lens: list[int] | None = None, groups: list[int] | None = None,
+               prompt_keys: list[bytes] | None = None) -> list[dict]:
     """AdamW on the head (policy frozen). Returns the per-step metrics. The learning rate warms up over 20
     steps, then decays linearly with progress: the larger of steps done / ``cfg.steps`` and time spent /
     ``time_budget``, so a run cut by its time budget still anneals. With ``cfg.eval_frac`` a held-out share
@@ -304,7 +318,9 @@ def train_head(head: DraftHead, policy: Decoder, seqs: list[torch.Tensor], hid: 
     ``prompt_lens``: each sequence's prompt length; the loss skips prompt positions unless
     ``cfg.prompt_loss``, the held-out score always does (None = no prompt: every position counts).
     ``groups``: each sequence's prompt index; the held-out share then takes whole prompts, so no held-out
-    sequence has a sibling completion of its prompt in the training split (None = every sequence its own)."""
+    sequence has a sibling completion of its prompt in the training split (None = every sequence its own).
+    ``prompt_keys``: each sequence's prompt key; the held-out share is then ``held_out_by_key`` (about
+    ``cfg.eval_frac`` of the prompts, the same ones in every run) and ``groups`` is not used."""
     gen = torch.Generator().manual_seed(cfg.seed)
     lm = DraftVocab(policy, head.vocab_ids)
     held = None
@@ -312,8 +328,15 @@ def train_head(head: DraftHead, policy: Decoder, seqs: list[torch.Tensor], hid: 
     if len(starts) != len(seqs):
         raise ValueError(f"train_head got {len(seqs)} sequences but {len(starts)} prompt lengths")
     n_held = int(len(seqs) * cfg.eval_frac)
-    if n_held and len(seqs) - n_held >= 1:
+    h_idx: list[int] = []
+    if prompt_keys is not None:
+        if len(prompt_keys) != len(seqs):
+            raise ValueError(f"train_head got {len(seqs)} sequences but {len(prompt_keys)} prompt keys")
+        if cfg.eval_frac > 0:
+            h_idx, t_idx = held_out_by_key(prompt_keys, cfg.eval_frac)
+    elif n_held and len(seqs) - n_held >= 1:
         h_idx, t_idx = _split(len(seqs), groups, n_held, gen)
+    if h_idx:
         if t_idx:
             held = HeldOut(policy, lm, [seqs[i] for i in h_idx], [hid[i] for i in h_idx], [starts[i] for i in h_idx])
             seqs, hid, starts = ([x[i] for i in t_idx] for x in (seqs, hid, starts))
@@ -387,11 +410,8 @@ def distill(policy: Decoder, prompts: list[list[int]], *, eos_ids=(), n: int = 4
         if note is not None:
             note(f"hidden states of {len(seqs)} sequences in {t_hid:.0f}s"
                  + (f" (saved to {data_cache})" if data_cache is not None else "") + "; training")
-    groups = [i // n for i in range(len(seqs))]
-    for path, (more, more_hid, more_plen, m) in extras:
-        base = groups[-1] + 1 if groups else 0
+    for path, (more, more_hid, more_plen, _) in extras:
         seqs, hid, plen = seqs + more, hid + more_hid, plen + more_plen
-        groups += [base + i // m for i in range(len(more))]
         if note is not None:
             note(f"added {len(more)} sequences from {path}")
     if init is not None:
@@ -399,8 +419,9 @@ def distill(policy: Decoder, prompts: list[list[int]], *, eos_ids=(), n: int = 4
     else:
         ids = frequent_vocab(seqs, policy.cfg.vocab_size, draft_vocab, always=eos_ids)
         head = head_for(policy, ids, seed=cfg.seed)
-    # sequences are prompt-major (n per prompt): held-out prompts keep all their completions out of training
-    hist = train_head(head, policy, seqs, hid, cfg, log, time_budget, prompt_lens=plen, groups=groups)
+    # the held-out prompts are chosen by a hash of their tokens: the same in every run and every cache
+    keys = [prompt_key(s[:p]) for s, p in zip(seqs, plen)]
+    hist = train_head(head, policy, seqs, hid, cfg, log, time_budget, prompt_lens=plen, prompt_keys=keys)
     info = {"sequences": len(seqs), "tokens": int(sum(len(s) for s in seqs)), "gen_s": t_gen, "hidden_s": t_hid,
             "train_s": hist[-1]["elapsed"] if hist else 0.0, "steps": len(hist),
             "final": hist[-1] if hist else {}, "draft_vocab": head.draft_vocab}
