@@ -628,35 +628,11 @@ def test_tv_loss_alone_raises_held_out_acceptance(mid):
         DistillConfig(eval_frac=1.0)
 
 
-def test_held_out_split_takes_whole_prompts(mid, monkeypatch):
-    """With ``groups`` (prompt index per sequence) no held-out sequence shares its prompt with a training one;
-    without, the split is per sequence (the earlier behaviour)."""
-    import specroll.drafters.distill as D
-
-    gen = torch.Generator().manual_seed(0)
-    groups = [i // 4 for i in range(40)]
-    held, train = D._split(40, groups, 6, gen)
-    assert len(held) == 8 and sorted(held + train) == list(range(40))
-    assert not {groups[i] for i in held} & {groups[i] for i in train}
-    held, train = D._split(40, None, 6, torch.Generator().manual_seed(0))
-    assert len(held) == 6 and sorted(held + train) == list(range(40))
-    with pytest.raises(ValueError, match="groups"):
-        D._split(40, groups[:-1], 6, gen)
-    model, _ = mid
-    seqs = [torch.tensor(p + naive_greedy(model, p, 4)) for p in PROMPTS] * 2  # each prompt twice
-    hid = hidden_states(model, seqs)
-    seen = []
-    monkeypatch.setattr(D, "HeldOut", lambda policy, lm, s, h, st: seen.append([x.tolist() for x in s]) or
-                        type("H", (), {"evaluate": lambda self, *a: {"eval_accept": 0.5, "eval_top1": 0.5}})())
-    train_head(head_for(model, seed=2), model, seqs, hid, DistillConfig(steps=2, batch=2, eval_frac=0.25),
-               groups=[i % 4 for i in range(8)])
-    assert len(seen[0]) == 2 and seen[0][0] == seen[0][1]  # one prompt, both of its completions
-
-
 def test_held_out_by_prompt_key_is_the_same_in_every_run_and_cache(mid, monkeypatch):
     """``held_out_by_key``: about ``frac`` of the prompts, all completions of a held-out prompt together, and
     the same prompts whatever else is in the data (a head continued on more data is not scored on prompts
-    it trained on before); ``train_head(prompt_keys=...)`` scores exactly those sequences."""
+    it trained on before). ``train_head(prompt_lens=...)`` scores exactly the sequences whose prompt tokens
+    it picks, and all completions of a prompt land on one side."""
     import specroll.drafters.distill as D
 
     prompts = [[7, i, j] for i in range(40) for j in range(10)]  # 400 prompts
@@ -669,19 +645,20 @@ def test_held_out_by_prompt_key_is_the_same_in_every_run_and_cache(mid, monkeypa
     assert {more[i] for i in held2 if i >= 300} == {keys[i] for i in held}
     assert D.held_out_by_key(keys, 0.0)[0] == []
     model, _ = mid
-    seqs = [torch.tensor(p + naive_greedy(model, p, 4)) for p in PROMPTS] * 2
+    comps = [naive_greedy(model, p, 4) for p in PROMPTS]
+    seqs = [torch.tensor(p + c) for p, c in zip(PROMPTS, comps)] + \
+        [torch.tensor(p + c[::-1]) for p, c in zip(PROMPTS, comps)]  # a second, different completion each
+    plen = [len(p) for p in PROMPTS] * 2
     hid = hidden_states(model, seqs)
-    pk = [prompt_key(p) for p in PROMPTS] * 2
-    want = D.held_out_by_key(pk, 0.5)[0]
+    want = D.held_out_by_key([prompt_key(p) for p in PROMPTS] * 2, 0.5)[0]
     assert 0 < len(want) < len(seqs), "the fixture's prompts should split at frac 0.5"
+    assert {i % len(PROMPTS) for i in want} == {i % len(PROMPTS) for i in want if i >= len(PROMPTS)}
     seen = []
     monkeypatch.setattr(D, "HeldOut", lambda policy, lm, s, h, st: seen.append([x.tolist() for x in s]) or
                         type("H", (), {"evaluate": lambda self, *a, **k: {"eval_accept": 0.5, "eval_top1": 0.5}})())
     train_head(head_for(model, seed=2), model, seqs, hid, DistillConfig(steps=2, batch=2, eval_frac=0.5),
-               prompt_keys=pk)
+               prompt_lens=plen)
     assert seen[0] == [seqs[i].tolist() for i in want]
-    with pytest.raises(ValueError, match="prompt keys"):
-        train_head(head_for(model, seed=2), model, seqs, hid, DistillConfig(steps=1, eval_frac=0.5), prompt_keys=pk[:1])
 
 
 def test_time_budget_anneals_the_learning_rate(mid, monkeypatch):
@@ -738,8 +715,8 @@ def test_data_cache_roundtrip_and_mismatch(tmp_path):
 
 
 def test_extra_data_caches_join_the_training_data_by_prompt(tmp_path, mid, monkeypatch):
-    """``distill(extra_data=[...])`` appends other caches' sequences with their own prompt groups (n taken from
-    each file), so the held-out split still takes whole prompts; another model or dtype is a clear error."""
+    """``distill(extra_data=[...])`` appends other caches' sequences with their prompt lengths, so the held-out
+    split (by prompt tokens) still takes whole prompts; another model or dtype is a clear error."""
     from specroll.drafters import distill as D
 
     model, _ = mid
@@ -753,16 +730,15 @@ def test_extra_data_caches_join_the_training_data_by_prompt(tmp_path, mid, monke
     more = D.save_sequences(tmp_path / "b.safetensors", seqs[:3], hid[:3], {**key, "n": 1, "seed": 5}, plen[:3])
     seen = {}
 
-    def fake_train(head, policy, s, h, cfg, log, budget, prompt_lens, prompt_keys):
-        seen.update(n=len(s), keys=prompt_keys, plen=prompt_lens)
+    def fake_train(head, policy, s, h, cfg, log, budget, prompt_lens):
+        seen.update(n=len(s), plen=prompt_lens, prompts=[x[:p].tolist() for x, p in zip(s, prompt_lens)])
         return []
 
     monkeypatch.setattr(D, "train_head", fake_train)
     D.distill(model, [PROMPTS[0], PROMPTS[2]], n=2, max_new_tokens=4, dtype=torch.float32, setup=setup,
               data_cache=main, extra_data=[more], cfg=DistillConfig(steps=1))
-    assert {k: v for k, v in seen.items() if k != "keys"} == {"n": 7, "plen": plen + plen[:3]}
-    # keys come from each sequence's own prompt tokens: the same prompt in two caches shares its key
-    assert seen["keys"] == [prompt_key(PROMPTS[i]) for i in (0, 1, 2, 3, 0, 1, 2)]
+    # the held-out split keys each sequence by its own prompt tokens: the same prompt in two caches, one key
+    assert seen == {"n": 7, "plen": plen + plen[:3], "prompts": [PROMPTS[i] for i in (0, 1, 2, 3, 0, 1, 2)]}
     other = D.save_sequences(tmp_path / "c.safetensors", seqs[:1], hid[:1], {**key, "model": "x"}, plen[:1])
     with pytest.raises(ValueError, match="model differ"):
         D.load_extra(other, key)

@@ -274,27 +274,6 @@ class HeldOut:
         return out
 
 
-def _split(n: int, groups, n_held: int, gen) -> tuple[list[int], list[int]]:
-    """(held-out, training) sequence indices: a random ``n_held`` of them, or with ``groups`` (a prompt index
-    per sequence) whole random groups until at least ``n_held`` are held out."""
-    if groups is None:
-        perm = torch.randperm(n, generator=gen).tolist()
-        return perm[:n_held], perm[n_held:]
-    if len(groups) != n:
-        raise ValueError(f"train_head got {n} sequences but {len(groups)} groups")
-    members: dict = {}
-    for i, g in enumerate(groups):
-        members.setdefault(g, []).append(i)
-    keys = list(members)
-    held: list[int] = []
-    for j in torch.randperm(len(keys), generator=gen).tolist():
-        if len(held) >= n_held:
-            break
-        held += members[keys[j]]
-    taken = set(held)
-    return held, [i for i in range(n) if i not in taken]
-
-
 def held_out_by_key(keys: list[bytes], frac: float) -> tuple[list[int], list[int]]:
     """(held-out, training) indices: a sequence is held out iff its prompt key (``reuse.prompt_key``) falls in
     the lowest ``frac`` of the key space. A function of the prompt alone, so the same prompts are held out in
@@ -309,37 +288,30 @@ def held_out_by_key(keys: list[bytes], frac: float) -> tuple[list[int], list[int
 
 def train_head(head: DraftHead, policy: Decoder, seqs: list[torch.Tensor], hid: list[torch.Tensor],
                cfg: DistillConfig, log=None, time_budget: float | None = None,
-               prompt_lens: list[int] | None = None, groups: list[int] | None = None,
-               prompt_keys: list[bytes] | None = None) -> list[dict]:
+               prompt_lens: list[int] | None = None) -> list[dict]:
     """AdamW on the head (policy frozen). Returns the per-step metrics. The learning rate warms up over 20
     steps, then decays linearly with progress: the larger of steps done / ``cfg.steps`` and time spent /
     ``time_budget``, so a run cut by its time budget still anneals. With ``cfg.eval_frac`` a held-out share
-    of the sequences is scored (``HeldOut``) every ``cfg.eval_every`` steps and at the end.
+    is scored (``HeldOut``) every ``cfg.eval_every`` steps and at the end.
     ``prompt_lens``: each sequence's prompt length; the loss skips prompt positions unless
-    ``cfg.prompt_loss``, the held-out score always does (None = no prompt: every position counts).
-    ``groups``: each sequence's prompt index; the held-out share then takes whole prompts, so no held-out
-    sequence has a sibling completion of its prompt in the training split (None = every sequence its own).
-    ``prompt_keys``: each sequence's prompt key; the held-out share is then ``held_out_by_key`` (about
-    ``cfg.eval_frac`` of the prompts, the same ones in every run) and ``groups`` is not used."""
+    ``cfg.prompt_loss``, the held-out score always does. The held-out share is then chosen by prompt
+    (``held_out_by_key`` over each sequence's prompt tokens): whole prompts, the same ones in every run.
+    None = no prompt: every position counts, and a random ``eval_frac`` of the sequences is held out."""
     gen = torch.Generator().manual_seed(cfg.seed)
     lm = DraftVocab(policy, head.vocab_ids)
     held = None
     starts = list(prompt_lens) if prompt_lens is not None else [0] * len(seqs)
     if len(starts) != len(seqs):
         raise ValueError(f"train_head got {len(seqs)} sequences but {len(starts)} prompt lengths")
-    n_held = int(len(seqs) * cfg.eval_frac)
-    h_idx: list[int] = []
-    if prompt_keys is not None:
-        if len(prompt_keys) != len(seqs):
-            raise ValueError(f"train_head got {len(seqs)} sequences but {len(prompt_keys)} prompt keys")
-        if cfg.eval_frac > 0:
-            h_idx, t_idx = held_out_by_key(prompt_keys, cfg.eval_frac)
-    elif n_held and len(seqs) - n_held >= 1:
-        h_idx, t_idx = _split(len(seqs), groups, n_held, gen)
-    if h_idx:
-        if t_idx:
-            held = HeldOut(policy, lm, [seqs[i] for i in h_idx], [hid[i] for i in h_idx], [starts[i] for i in h_idx])
-            seqs, hid, starts = ([x[i] for i in t_idx] for x in (seqs, hid, starts))
+    h_idx, t_idx, n_held = [], [], int(len(seqs) * cfg.eval_frac)
+    if prompt_lens is not None and cfg.eval_frac > 0:
+        h_idx, t_idx = held_out_by_key([prompt_key(s[:p]) for s, p in zip(seqs, starts)], cfg.eval_frac)
+    elif n_held:
+        perm = torch.randperm(len(seqs), generator=gen).tolist()
+        h_idx, t_idx = perm[:n_held], perm[n_held:]
+    if h_idx and t_idx:
+        held = HeldOut(policy, lm, [seqs[i] for i in h_idx], [hid[i] for i in h_idx], [starts[i] for i in h_idx])
+        seqs, hid, starts = ([x[i] for i in t_idx] for x in (seqs, hid, starts))
     if cfg.prompt_loss:
         starts = [0] * len(seqs)
     head.train()
@@ -419,9 +391,8 @@ def distill(policy: Decoder, prompts: list[list[int]], *, eos_ids=(), n: int = 4
     else:
         ids = frequent_vocab(seqs, policy.cfg.vocab_size, draft_vocab, always=eos_ids)
         head = head_for(policy, ids, seed=cfg.seed)
-    # the held-out prompts are chosen by a hash of their tokens: the same in every run and every cache
-    keys = [prompt_key(s[:p]) for s, p in zip(seqs, plen)]
-    hist = train_head(head, policy, seqs, hid, cfg, log, time_budget, prompt_lens=plen, prompt_keys=keys)
+    # held-out prompts are chosen by a hash of their tokens: the same in every run and every cache
+    hist = train_head(head, policy, seqs, hid, cfg, log, time_budget, prompt_lens=plen)
     info = {"sequences": len(seqs), "tokens": int(sum(len(s) for s in seqs)), "gen_s": t_gen, "hidden_s": t_hid,
             "train_s": hist[-1]["elapsed"] if hist else 0.0, "steps": len(hist),
             "final": hist[-1] if hist else {}, "draft_vocab": head.draft_vocab}
