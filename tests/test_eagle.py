@@ -16,6 +16,7 @@ import pytest
 import torch
 from helpers import tiny_decoder
 
+from specroll import kernels
 from specroll.drafters.distill import DistillConfig, distill, head_loss, hidden_states, train_head
 from specroll.drafters.eagle import (
     DraftHead,
@@ -118,12 +119,13 @@ def small():
 
 
 PARAMS = {"t1": SamplingParams(temperature=1.0, max_new_tokens=M_SMALL, seed=11),
+          "t07": SamplingParams(temperature=0.7, max_new_tokens=M_SMALL, seed=13),
           "t07p09": SamplingParams(temperature=0.7, top_p=0.9, max_new_tokens=M_SMALL, seed=12)}
 S = 2000
 
 
 @pytest.mark.parametrize("kind", ["random", "trained", "adversarial"])
-@pytest.mark.parametrize("pname", ["t1", "t07p09"])
+@pytest.mark.parametrize("pname", ["t1", "t07", "t07p09"])
 @pytest.mark.parametrize("mode", ["tree", "chain"])
 def test_speculation_is_lossless(small, kind, pname, mode):
     """Top-K trees verified by sampler-match, and chains drawn from the head verified by rejection sampling,
@@ -142,7 +144,7 @@ def test_speculation_is_lossless(small, kind, pname, mode):
 
 
 @pytest.mark.parametrize("kind", ["random", "trained"])
-@pytest.mark.parametrize("pname", ["t1", "t07p09"])
+@pytest.mark.parametrize("pname", ["t1", "t07", "t07p09"])
 def test_chains_cut_short_by_the_heads_doubt_are_lossless(small, kind, pname):
     """``chain_stop``: the chain's length follows the head's own probabilities (short where it doubts),
     and the completions still follow plain sampling's distribution."""
@@ -188,8 +190,6 @@ def test_rejection_chain_logprobs_match_a_full_log_softmax(params):
 def test_bf16_head_chains_are_lossless(small):
     """``bf16_head``: the head drafts with bf16 weight panels (few rows per call, so the skinny kernel runs);
     its q changes but the chain stays exactly distributed. Small batches, many calls."""
-    from specroll import kernels
-
     if kernels.skinny() is None:
         pytest.skip("the skinny kernel is not available here")
     model, trained = small
@@ -395,24 +395,34 @@ def test_head_drafts_in_the_rollouts_precision_unless_bf16_head(mid, monkeypatch
 
 
 @torch.no_grad()
-def test_sampled_chain_drafts_match_a_cache_free_head_pass(mid, monkeypatch):
-    """Reference for the chain drafter's cached head steps: the first step's draft distributions
-    q_logp[:, d] of two ragged prompts equal a cache-free head pass over the prompt pairs, the root pair
-    and the chain so far (each drafted token paired with the head's own previous feature)."""
+@pytest.mark.parametrize("fused", [False, True], ids=["stepwise", "fused"])
+def test_sampled_chain_drafts_match_a_cache_free_head_pass(mid, monkeypatch, fused):
+    """Reference for the chain drafter's cached head steps, step by step in PyTorch or as one ``draft_chain``
+    kernel call: the first step's draft distributions q_logp[:, d] of two ragged prompts equal a cache-free
+    head pass over the prompt pairs, the root pair and the chain so far (each drafted token paired with the
+    head's own previous feature)."""
     model, head = mid
+    if fused and kernels.skinny() is None:
+        pytest.skip("the kernels are not available here")
     prompts = [PROMPTS[1], PROMPTS[0]]
-    trees = []
-    orig = EagleDrafter._sample_chain
+    trees, calls = [], []
+    orig, orig_fused = EagleDrafter._chain_tree, EagleDrafter._fused_chain
 
     def spy(self, *a, **k):
         trees.append(orig(self, *a, **k))
         return trees[-1]
 
-    monkeypatch.setattr(EagleDrafter, "_sample_chain", spy)
+    def spy_fused(self, *a, **k):
+        calls.append(1)
+        return orig_fused(self, *a, **k)
+
+    monkeypatch.setattr(EagleDrafter, "_chain_tree", spy)
+    monkeypatch.setattr(EagleDrafter, "_fused_chain", spy_fused)
     L = 4
-    drafter = EagleDrafter(head, Plan(L + 1, 1, L), sampled=True, bf16_head=False)  # the reference is fp32
+    drafter = EagleDrafter(head, Plan(L + 1, 1, L), sampled=True, bf16_head=False, fused=fused)  # fp32 reference
     Engine(model, eos_ids=[]).generate(prompts, SamplingParams(temperature=1.0, max_new_tokens=12, seed=3),
                                        drafter=drafter)
+    assert bool(calls) == fused and len(trees) > 1
     tree, lm = trees[0], DraftVocab(model, head.vocab_ids)
     for b, prompt in enumerate(prompts):
         P = len(prompt)
@@ -426,6 +436,35 @@ def test_sampled_chain_drafts_match_a_cache_free_head_pass(mid, monkeypatch):
             torch.testing.assert_close(tree.q_logp[b, d], ref, atol=2e-4, rtol=0)
             hid = torch.cat([hid, f[None]])
             toks = torch.cat([toks, tree.tokens[b, d + 1: d + 2]])
+
+
+@pytest.mark.parametrize("temperature,chain_stop", [(1.0, 0.0), (0.7, 0.0), (1.0, 0.3)])
+def test_fused_chains_give_the_stepwise_completions(mid, monkeypatch, temperature, chain_stop):
+    """The ``draft_chain`` kernel against its reference, the step-by-step PyTorch chain: with the same seed
+    (both take their draws from the same uniforms) ragged rows produce the same completions, acceptances and
+    log-probs, in fp32 and with bf16 head weights; the kernel path is the one taken."""
+    model, head = mid
+    if kernels.skinny() is None:
+        pytest.skip("the kernels are not available here")
+    calls = []
+    orig = EagleDrafter._fused_chain
+    monkeypatch.setattr(EagleDrafter, "_fused_chain", lambda self, *a, **k: calls.append(1) or orig(self, *a, **k))
+    engine = Engine(model, eos_ids=[EOS])
+    params = SamplingParams(temperature=temperature, max_new_tokens=20, seed=7)
+    for bf16 in (False, True):
+        runs = []
+        for fused in (False, True):
+            d = EagleDrafter(head, Plan(5, 1, 4), sampled=True, bf16_head=bf16, chain_stop=chain_stop, fused=fused,
+                             trace=True)
+            runs.append((engine.generate(PROMPTS, params, n=2, drafter=d), d))
+            assert bool(calls) == fused
+        (ref, dr), (out, df) = runs
+        for a, b in zip(ref, out):
+            assert a.completion_ids.tolist() == b.completion_ids.tolist()
+            torch.testing.assert_close(a.logprobs, b.logprobs, atol=1e-4, rtol=0)
+        assert dr.totals.tolist() == df.totals.tolist() and dr.totals[3] > 0
+        assert [t.tolist() for t in dr.trace] == [t.tolist() for t in df.trace]
+        calls.clear()
 
 
 def test_save_load_roundtrip_and_mismatch(tmp_path, mid):

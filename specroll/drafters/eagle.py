@@ -46,6 +46,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .. import kernels
 from ..engine.budget import Plan
 from ..engine.cache import KVCache
 from ..engine.sampling import SamplingParams, processed_logprobs, sample, sample_from_logprobs
@@ -56,6 +57,7 @@ from ..models.decoder import (
     FastLinear,
     RMSNorm,
     bf16_weights,
+    bf16_weights_on,
     fold_mask,
     rope_inv_freq,
     rope_tables,
@@ -250,17 +252,22 @@ class EagleDrafter:
     probabilities of its drafted tokens falls below this (0 = always the full depth). Each further
     draft costs a head call, and one the head itself doubts is rarely kept. Lossless either way: the
     length is chosen from the draft's own probabilities, and rejection sampling verifies any length.
+
+    ``fused``: run a sampled chain's drafting (feeding the pending pairs, then every draft's head call,
+    logits and draw) as one call of the ``draft_chain`` kernel where it applies (``_fusable``: plain
+    temperature, fp32, kernels built, few rows); False keeps the step-by-step PyTorch path, its reference.
     """
 
     wants_prompt_hidden = True  # the engine's prefill hands over the prompt hidden states (no second pass)
 
     def __init__(self, head: DraftHead, plan: Plan = DEFAULT_PLAN, plan_fn=None, max_plan: Plan | None = None,
                  rule=sampler_match, on_pairs=None, trace: bool = False, sampled: bool = False,
-                 bf16_head: bool | None = None, chain_stop: float = 0.0):
+                 bf16_head: bool | None = None, chain_stop: float = 0.0, fused: bool = True):
         if not 0.0 <= chain_stop < 1.0:
             raise ValueError(f"chain_stop must be in [0, 1), got {chain_stop}")
         self.head = head.eval()
         self.chain_stop = chain_stop
+        self.fused = fused
         self.sampled = sampled
         self.bf16_head = bf16_head
         self.chain_rule = rejection_chain  # the rule for sampled chains
@@ -367,6 +374,8 @@ class EagleDrafter:
 
     def draft(self, root_pos: torch.Tensor, plan: Plan, params: SamplingParams | None = None,
               gen: torch.Generator | None = None) -> DraftTree:
+        if plan.n_verify > 1 and plan.depth >= 1 and self._fusable(params):
+            return self._fused_chain(root_pos, min(plan.depth, plan.n_verify - 1), params, gen)
         f_root, root_tok = self._advance_chain()
         B = root_tok.numel()
         if plan.n_verify <= 1 or plan.depth < 1:
@@ -383,6 +392,7 @@ class EagleDrafter:
         base = self.dc.lens[:B].clone()
         f, toks, qs = f_root, [], []
         conf = torch.ones(B)
+        u = torch.rand(B, L, generator=gen)  # all L draws' uniforms up front, as the fused kernel takes them
         for d in range(L):
             if d:  # feed the previous draft token; it sits at slot base + d - 1 and sees every slot up to it
                 slots = base[:, None] + (d - 1)
@@ -390,19 +400,68 @@ class EagleDrafter:
                 f = self.head(f[:, None], self.policy.embed(toks[-1][:, None]),
                               (root_pos + d)[:, None], self.dc, mask, slots)[:, 0]
             lq = processed_logprobs(self.lm(f), params)  # (B, V_draft): one log-softmax of the draft logits
-            ix = sample_from_logprobs(lq, gen)
+            ix = sample_from_logprobs(lq, None, u[:, d])
             toks.append(ids[ix])
             qs.append(lq)
             if self.chain_stop > 0:
                 conf = conf * lq.gather(1, ix[:, None])[:, 0].float().exp()
                 if bool((conf < self.chain_stop).all()):
                     break
-        L = len(toks)
-        tokens = torch.cat([root_tok[:, None], torch.stack(toks, 1)], 1)
+        return self._chain_tree(root_tok, torch.stack(toks, 1), torch.stack(qs, 1))
+
+    def _chain_tree(self, root_tok, toks, q_logp) -> DraftTree:
+        """The tree of a sampled chain: the root, then ``toks`` (B, L), drawn from exp(``q_logp``) (B, L, V_draft)."""
+        B, L = toks.shape
         ar = torch.arange(L + 1)
-        tree = DraftTree.build(tokens, (ar - 1).clamp(min=0).expand(B, L + 1), ar.expand(B, L + 1))
-        tree.q_logp, tree.q_vocab = torch.stack(qs, 1), ids
+        tree = DraftTree.build(torch.cat([root_tok[:, None], toks], 1), (ar - 1).clamp(min=0).expand(B, L + 1),
+                               ar.expand(B, L + 1))
+        tree.q_logp, tree.q_vocab = q_logp, self.head.vocab_ids
         return tree
+
+    def _fusable(self, params: SamplingParams | None) -> bool:
+        """Whether this step's sampled chain can run as one ``draft_chain`` kernel call: a sampled chain at a
+        plain temperature (no top-k / top-p), fp32 activations, a head without q/k norm, the kernels built, and
+        few enough pairs to feed that the skinny GEMM is the right kernel (``kernels.MAX_ROWS``)."""
+        if not (self.fused and self.sampled and params is not None and not params.greedy and not params.top_k
+                and params.top_p == 1.0 and self.dtype == torch.float32 and not self.head.cfg.qk_norm):
+            return False
+        ext = kernels.skinny()
+        return (ext is not None and hasattr(ext, "draft_chain")
+                and self.chain_n.numel() * int(self.chain_n.max()) <= kernels.MAX_ROWS)
+
+    def _fused_chain(self, root_pos, L: int, params: SamplingParams, gen) -> DraftTree:
+        """``_advance_chain`` + ``_sample_chain`` in one kernel call (``specroll/kernels/draft.cpp``); the same
+        math, with the draws taken from uniforms drawn here."""
+        dc, B, n = self.dc, self.chain_n.numel(), self.chain_n
+        C = int(n.max())
+        h_in, t_in = self.chain_h[:, :C], self.chain_tok[:, :C]
+        u = torch.rand(B, L, generator=gen)
+        weights, dims, eps = self._kernel_weights()
+        toks, q = kernels.skinny().draft_chain(weights, dims, eps, h_in.float(), t_in, n, dc.lens[:B], root_pos, u,
+                                               float(params.temperature), float(self.chain_stop))
+        root_tok = t_in[torch.arange(B), n - 1]
+        dc.advance(n)
+        return self._chain_tree(root_tok, toks, q)
+
+    def _kernel_weights(self):
+        """The head's weights as ``draft_chain`` takes them: skinny-kernel panels (bf16 inside ``bf16_weights()``),
+        biases (empty when absent), norms, the draft vocabulary's lm_head panels and ids, the policy's embedding,
+        the RoPE frequencies and the head cache's layer; then the sizes and the norm eps."""
+        kind = "skinny_bf16" if bf16_weights_on() else "skinny"
+        none = torch.empty(0)
+
+        def pk(lin):
+            w, b = lin._pack(kind)
+            return [w, none if b is None else b]
+
+        h, blk, cfg = self.head, self.head.block, self.head.cfg
+        weights = [*pk(h.fc), blk.attn_norm.weight.detach().float(), *pk(blk.qkv), pk(blk.o)[0],
+                   blk.mlp_norm.weight.detach().float(), pk(blk.gate_up)[0], pk(blk.down)[0],
+                   h.norm.weight.detach().float(), pk(self.lm.lin)[0], self.head.vocab_ids,
+                   self.policy.embed.weight.detach(), h.inv_freq, self.dc.k[0], self.dc.v[0]]
+        dims = [cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, blk.qkv.out_features, blk.gate_up.out_features,
+                self.head.draft_vocab]
+        return weights, dims, cfg.rms_eps
 
     def _tree_mask(self, base, vis, slots):
         """(B, K, S) visibility for frontier queries: committed slots plus ``vis`` (B, K, W) over the

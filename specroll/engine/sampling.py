@@ -88,17 +88,20 @@ def processed_logprobs(logits: torch.Tensor, params: SamplingParams) -> torch.Te
     return torch.log_softmax(x, dim=-1)
 
 
-def sample_from_logprobs(logp: torch.Tensor, gen: torch.Generator | None) -> torch.Tensor:
+def sample_from_logprobs(logp: torch.Tensor, gen: torch.Generator | None, u: torch.Tensor | None = None) -> torch.Tensor:
     """Exact draw from ``exp(logp)`` along the last axis by inverse CDF; (..., V) -> (...) long."""
-    return sample_from_probs(logp.exp(), gen)
+    return sample_from_probs(logp.exp(), gen, u)
 
 
-def sample_from_probs(probs: torch.Tensor, gen: torch.Generator | None) -> torch.Tensor:
+def sample_from_probs(probs: torch.Tensor, gen: torch.Generator | None, u: torch.Tensor | None = None) -> torch.Tensor:
     """Exact draw from the (unnormalised, non-negative) weights ``probs`` along the last axis by inverse
-    CDF; (..., V) -> (...) long."""
+    CDF; (..., V) -> (...) long. ``u`` (...): the uniforms in [0, 1) to use, else drawn from ``gen``."""
     cdf = torch.cumsum(probs, dim=-1)
-    u = torch.rand(cdf.shape[:-1] + (1,), generator=gen, dtype=cdf.dtype) * cdf[..., -1:]
-    idx = torch.searchsorted(cdf, u, right=True).squeeze(-1)
+    if u is None:
+        u = torch.rand(cdf.shape[:-1] + (1,), generator=gen, dtype=cdf.dtype)
+    else:
+        u = u.to(cdf.dtype)[..., None]
+    idx = torch.searchsorted(cdf, u * cdf[..., -1:], right=True).squeeze(-1)
     return idx.clamp_(max=probs.shape[-1] - 1)
 
 

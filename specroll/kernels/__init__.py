@@ -1,7 +1,8 @@
 """Hand-written CPU kernels, compiled once per machine on first use.
 
 ``skinny()`` returns the compiled module: the skinny GEMM of ``skinny.cpp`` (decode-sized linears, 1-32
-rows, fp32 or bf16 weights) and the decode attention of ``attention.cpp`` (see the files for why), or
+rows, fp32 or bf16 weights), the decode attention of ``attention.cpp`` and a draft head's whole sampled
+chain of ``draft.cpp`` (see the files for why), or
 None where it cannot run: not an x86 CPU with AVX2 + FMA, no C++ compiler, or ``SPECROLL_KERNELS=0``.
 Callers fall back to oneDNN and SDPA, so a missing compiler costs speed, not function.
 
@@ -20,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-SRCS = [Path(__file__).with_name(n) for n in ("skinny.cpp", "attention.cpp")]
+SRCS = [Path(__file__).with_name(n) for n in ("skinny.cpp", "attention.cpp", "draft.cpp")]
 MAX_ROWS = 32  # up to here the kernel beat oneDNN on every SmolLM2 shape (1.0-2.2x); at 64 not always (BENCHMARKS.md)
 
 

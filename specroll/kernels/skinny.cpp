@@ -218,6 +218,10 @@ torch::Tensor rope_attention(const torch::Tensor& qkv, const torch::Tensor& cos,
                              const torch::Tensor& k_cache, const torch::Tensor& v_cache, const torch::Tensor& slots,
                              const c10::optional<torch::Tensor>& mask, int64_t nh, int64_t kv, int64_t span,
                              double scale);
+std::vector<torch::Tensor> draft_chain(const std::vector<torch::Tensor>& weights, const std::vector<int64_t>& dims,
+                                       double eps, const torch::Tensor& h_in, const torch::Tensor& t_in,
+                                       const torch::Tensor& n, const torch::Tensor& lens, const torch::Tensor& root_pos,
+                                       const torch::Tensor& u, double temperature, double chain_stop);  // draft.cpp
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -231,4 +235,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "RoPE, KV-cache write and attention of a decode / verification step (qkv -> heads for the o projection)",
         py::arg("qkv"), py::arg("cos"), py::arg("sin"), py::arg("k_cache"), py::arg("v_cache"), py::arg("slots"),
         py::arg("mask"), py::arg("nh"), py::arg("kv"), py::arg("span"), py::arg("scale"));
+  m.def("draft_chain", &specroll::draft_chain,
+        "a draft head's drafting step: feed the pending pairs, then sample a chain of tokens (eagle.EagleDrafter)",
+        py::arg("weights"), py::arg("dims"), py::arg("eps"), py::arg("h_in"), py::arg("t_in"), py::arg("n"),
+        py::arg("lens"), py::arg("root_pos"), py::arg("u"), py::arg("temperature"), py::arg("chain_stop"));
 }

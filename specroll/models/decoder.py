@@ -141,6 +141,11 @@ def bf16_weights(on: bool = True):
         _BF16_WEIGHTS.reset(tok)
 
 
+def bf16_weights_on() -> bool:
+    """Whether the current context is inside ``bf16_weights(True)``."""
+    return _BF16_WEIGHTS.get()
+
+
 class FastLinear(nn.Linear):
     """``nn.Linear`` that runs a prepacked oneDNN weight when autograd is off.
 
