@@ -26,24 +26,61 @@ constexpr int MAX_MB = 6;
 #define PREFETCH_K 64  // weight rows (64 B each) prefetched ahead
 #endif
 
-// A weight panel row of 16 columns as two fp32 vectors: fp32 panels load directly, bf16 panels (the bf16
-// weight mode: half the bytes to stream) widen each 16-bit value into the top half of an fp32.
+// A weight panel row of 16 columns as two fp32 vectors (columns 0-7, 8-15): fp32 panels load directly. bf16
+// panels (the bf16 weight mode: half the bytes to stream) are packed with their columns interleaved
+// (0, 8, 1, 9, ..., 7, 15; see ``pack``), so one shift moves columns 0-7 into the top halves of eight fp32
+// lanes and one mask keeps columns 8-15 there: two integer ops per row instead of a widening per half.
 inline void load_row(const float* w, __m256& w0, __m256& w1) {
   w0 = _mm256_loadu_ps(w);
   w1 = _mm256_loadu_ps(w + 8);
 }
 inline void load_row(const uint16_t* w, __m256& w0, __m256& w1) {
   const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w));
-  w0 = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm256_castsi256_si128(raw)), 16));
-  w1 = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm256_extracti128_si256(raw, 1)), 16));
+  w0 = _mm256_castsi256_ps(_mm256_slli_epi32(raw, 16));
+  w1 = _mm256_castsi256_ps(_mm256_and_si256(raw, _mm256_set1_epi32(static_cast<int>(0xFFFF0000u))));
 }
 
 // acc[m][0..16) += sum over k in [k0, k1) of x[m][k] * panel[k][0..16), for the MB rows of one block.
 // The accumulators live in registers through the k loop; ``acc`` is touched with constant indices only
 // (a runtime index would make GCC keep them in memory and store all of them every iteration).
+// One row: two weight rows per iteration into two accumulator pairs, so four FMA chains are in flight (one
+// pair's chain alone waits on the FMA latency: a panel in cache then streams at half the rate).
+template <typename W>
+void accumulate1(const float* __restrict x, const W* __restrict wp, int64_t k0, int64_t k1, float* __restrict acc) {
+  __m256 a0 = _mm256_loadu_ps(acc), a1 = _mm256_loadu_ps(acc + 8);
+  __m256 c0 = _mm256_setzero_ps(), c1 = _mm256_setzero_ps();
+  int64_t k = k0;
+  for (; k + 2 <= k1; k += 2) {
+    const W* w = wp + k * PW;
+    _mm_prefetch(reinterpret_cast<const char*>(w + PREFETCH_K * PW), _MM_HINT_T0);
+    _mm_prefetch(reinterpret_cast<const char*>(w + (PREFETCH_K + 1) * PW), _MM_HINT_T0);
+    __m256 w0, w1, v0, v1;
+    load_row(w, w0, w1);
+    load_row(w + PW, v0, v1);
+    const __m256 b = _mm256_broadcast_ss(x + k), e = _mm256_broadcast_ss(x + k + 1);
+    a0 = _mm256_fmadd_ps(b, w0, a0);
+    a1 = _mm256_fmadd_ps(b, w1, a1);
+    c0 = _mm256_fmadd_ps(e, v0, c0);
+    c1 = _mm256_fmadd_ps(e, v1, c1);
+  }
+  if (k < k1) {
+    __m256 w0, w1;
+    load_row(wp + k * PW, w0, w1);
+    const __m256 b = _mm256_broadcast_ss(x + k);
+    a0 = _mm256_fmadd_ps(b, w0, a0);
+    a1 = _mm256_fmadd_ps(b, w1, a1);
+  }
+  _mm256_storeu_ps(acc, _mm256_add_ps(a0, c0));
+  _mm256_storeu_ps(acc + 8, _mm256_add_ps(a1, c1));
+}
+
 template <int MB, typename W>
 void accumulate(const float* __restrict x, int64_t ldx, const W* __restrict wp, int64_t k0, int64_t k1,
                 float* __restrict acc) {
+  if constexpr (MB == 1) {
+    accumulate1(x, wp, k0, k1, acc);
+    return;
+  }
   __m256 a0[MB], a1[MB];
 #pragma GCC unroll 8
   for (int m = 0; m < MB; m++) {
@@ -129,14 +166,21 @@ void panel(const float* x, int64_t M, int64_t K, const W* wp, float* y, int64_t 
 
 }  // namespace
 
-// (N, K) fp32 or bf16 -> (ceil(N/16), K, 16) of the same dtype, zero-padded.
+// (N, K) fp32 or bf16 -> (ceil(N/16), K, 16) of the same dtype, zero-padded; bf16 panels store each row's
+// 16 columns in the order 0, 8, 1, 9, ..., 7, 15 (``load_row``).
 torch::Tensor pack(const torch::Tensor& w) {
   TORCH_CHECK(w.dim() == 2 && (w.scalar_type() == torch::kFloat32 || w.scalar_type() == torch::kBFloat16),
               "pack: expected an fp32 or bf16 (N, K) weight");
   auto N = w.size(0), K = w.size(1), P = (N + PW - 1) / PW;
   auto wp = torch::zeros({P * PW, K}, w.options());
   wp.narrow(0, 0, N).copy_(w);
-  return wp.view({P, PW, K}).transpose(1, 2).contiguous();
+  auto panels = wp.view({P, PW, K}).transpose(1, 2);
+  if (w.scalar_type() == torch::kBFloat16) {
+    std::vector<int64_t> order(PW);
+    for (int c = 0; c < PW / 2; c++) order[2 * c] = c, order[2 * c + 1] = c + PW / 2;
+    panels = panels.index_select(2, torch::tensor(order, torch::kLong));
+  }
+  return panels.contiguous();
 }
 
 // The GEMM's input rows, from x2 (M, Kx): RMSNorm(x) * g when ``norm`` is given (HF's order: the mean
