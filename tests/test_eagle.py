@@ -166,11 +166,12 @@ def test_chains_cut_short_by_the_heads_doubt_are_lossless(small, kind, pname):
         EagleDrafter(head, chain_stop=1.0)
 
 
+@pytest.mark.parametrize("fast", [False, True], ids=["torch", "kernel"])
 @pytest.mark.parametrize("params", [SamplingParams(temperature=1.0), SamplingParams(temperature=0.7),
                                     SamplingParams(temperature=0.7, top_p=0.9)])
-def test_rejection_chain_logprobs_match_a_full_log_softmax(params):
-    """rejection_chain's indexed log-probs (temperature-only fast path and the filtered path) against the
-    naive full-vocabulary log-softmax at every emitted token's parent."""
+def test_rejection_chain_logprobs_match_a_full_log_softmax(params, fast):
+    """rejection_chain's indexed log-probs (temperature-only paths, in PyTorch and in the kernel, and the
+    filtered path) against the naive full-vocabulary log-softmax at every emitted token's parent."""
     torch.manual_seed(0)
     B, L, V = 5, 4, 50
     logits = torch.randn(B, L + 1, V) * 3
@@ -180,11 +181,48 @@ def test_rejection_chain_logprobs_match_a_full_log_softmax(params):
     ar = torch.arange(L + 1)
     tree = DraftTree.build(toks, (ar - 1).clamp(min=0).expand(B, L + 1), ar.expand(B, L + 1))
     tree.q_logp, tree.q_vocab = q, ids
-    v = rejection_chain(tree, logits, params, torch.Generator().manual_seed(1))
+    v = rejection_chain(tree, logits, params, torch.Generator().manual_seed(1), fast=fast)
     at = logits[torch.arange(B)[:, None], v.path]  # (B, N, V) logits at each emitted token's parent
     naive_s = processed_logprobs(at, params).gather(2, v.tokens[..., None]).squeeze(-1)
     naive_p = torch.log_softmax(at, -1).gather(2, v.tokens[..., None]).squeeze(-1)
     assert torch.allclose(v.sample_lp, naive_s, atol=1e-5) and torch.allclose(v.policy_lp, naive_p, atol=1e-5)
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+@pytest.mark.parametrize("V", [50, 1003])
+def test_rejection_chain_kernel_gives_the_reference_verdict(temperature, V):
+    """The ``rejection_chain`` kernel against the PyTorch rule, from the same seed: the same accepted counts,
+    paths and tokens, and the same log-probs, over chains that are rejected at every depth, fully accepted
+    (q equal to p), or cut by an invalid node."""
+    if kernels.skinny() is None:
+        pytest.skip("the kernels are not available here")
+    torch.manual_seed(0)
+    B, L = 64, 5
+    params = SamplingParams(temperature=temperature)
+    logits = torch.randn(B, L + 1, V) * 2
+    ids = torch.arange(1, V, 3)
+    outside = torch.ones(V, dtype=torch.bool).index_fill_(0, ids, False)
+    logits[0::3, :, outside] -= 30  # rows 0, 3, ...: the policy's mass on the draft vocabulary
+    logits[1::3, :, outside] -= 30
+    p = processed_logprobs(logits[:, :L, ids], params)  # the policy restricted to the draft vocabulary
+    kind = torch.arange(B)[:, None, None] % 3  # q = p, q near p, q unrelated to p
+    near = torch.log_softmax(p + 0.3 * torch.randn_like(p), -1)
+    q = torch.where(kind == 0, p, torch.where(kind == 1, near, torch.log_softmax(torch.randn_like(p), -1)))
+    toks = torch.cat([torch.zeros(B, 1, dtype=torch.long), ids[torch.multinomial(q.exp().flatten(0, 1), 1).view(B, L)]], 1)
+    ar = torch.arange(L + 1)
+    tree = DraftTree.build(toks, (ar - 1).clamp(min=0).expand(B, L + 1), ar.expand(B, L + 1))
+    tree.valid[5::7, 3] = False
+    tree.q_logp, tree.q_vocab = q, ids
+    n_seen = set()
+    for seed in range(4):
+        ref = rejection_chain(tree, logits, params, torch.Generator().manual_seed(seed), fast=False)
+        got = rejection_chain(tree, logits, params, torch.Generator().manual_seed(seed), fast=True)
+        assert got.n_accept.tolist() == ref.n_accept.tolist()
+        assert got.path.tolist() == ref.path.tolist() and got.tokens.tolist() == ref.tokens.tolist()
+        torch.testing.assert_close(got.sample_lp, ref.sample_lp, atol=1e-5, rtol=0)
+        torch.testing.assert_close(got.policy_lp, ref.policy_lp, atol=1e-5, rtol=0)
+        n_seen |= set(ref.n_accept.tolist())
+    assert n_seen == set(range(L + 1))  # every cut depth, full acceptance included, was exercised
 
 
 def test_bf16_head_chains_are_lossless(small):

@@ -27,6 +27,7 @@ from dataclasses import dataclass
 
 import torch
 
+from .. import kernels
 from ..engine.sampling import SamplingParams, processed_logprobs, sample, sample_from_probs
 
 
@@ -76,7 +77,7 @@ def sampler_match(tree, logits: torch.Tensor, params: SamplingParams, gen: torch
 
 
 def rejection_chain(tree, logits: torch.Tensor, params: SamplingParams, gen: torch.Generator | None,
-                    residual: bool = True) -> Verdict:
+                    residual: bool = True, fast: bool = True) -> Verdict:
     """Speculative sampling over a chain whose tokens were drawn from known distributions (the lossless
     rule for ``EagleDrafter(sampled=True)``). ``tree``: a chain ``DraftTree`` with ``q_logp`` (B, L, V_d) over
     ``q_vocab``; ``logits``: (B, L + 1, V) policy logits at every node.
@@ -89,10 +90,19 @@ def rejection_chain(tree, logits: torch.Tensor, params: SamplingParams, gen: tor
 
     ``residual=False`` draws from p itself at the cut (SPEC-RL's rule): biased, kept for the tests that
     show the distribution test can tell.
+
+    ``fast``: at a plain temperature (no top-k / top-p) with fp32 logits, run the ``rejection_chain`` kernel
+    of ``specroll/kernels/draft.cpp``: the same verdict from the same uniforms, with the policy's normalizer
+    computed only at the nodes the walk reaches. False keeps this function's PyTorch ops, its reference.
     """
     B, N = tree.tokens.shape
     L = N - 1
     x = tree.tokens[:, 1:]
+    if (fast and residual and not (params.greedy or params.top_k or params.top_p < 1.0)
+            and logits.dtype == torch.float32 and not torch.is_grad_enabled() and kernels.skinny() is not None):
+        u, u_final = torch.rand(B, L, generator=gen), torch.rand(B, 1, generator=gen)  # the draws below, in order
+        return Verdict(*kernels.skinny().rejection_chain(logits, tree.tokens, tree.valid, tree.q_logp.float(),
+                                                         tree.q_vocab, u, u_final[:, 0], float(params.temperature)))
     bi, ar = torch.arange(B)[:, None], torch.arange(B)
     if params.greedy or params.top_k or params.top_p < 1.0:
         logp = processed_logprobs(logits, params)  # (B, N, V)

@@ -142,6 +142,9 @@ struct Mask {
 
 }  // namespace
 
+// e^x for x <= 0 in 8 lanes (``exp_nonpos``), for the other kernel files (draft.cpp).
+__m256 exp8_nonpos(__m256 x) { return exp_nonpos(x); }
+
 // q: (B, H, Q, D); k, v: (B, H, S, D) with unit stride along D (cache views are fine); mask: None or bool,
 // broadcastable to (B, H, Q, S) with unit stride along S. Returns (B, H, Q, D) contiguous.
 torch::Tensor attention(const torch::Tensor& q_in, const torch::Tensor& k, const torch::Tensor& v,

@@ -1,5 +1,7 @@
-// A draft head's whole drafting step as one call: feed the pending (hidden, token) pairs, then draw a chain
-// of L tokens from the head, each through the draft vocabulary's logits, then fed back to the head.
+// The two halves of a sampled chain's speculative step that are not the policy forward, each as one call:
+// ``draft_chain`` drafts (feeds the pending (hidden, token) pairs to the draft head, then draws a chain of L
+// tokens from it, each through the draft vocabulary's logits and fed back), ``rejection_chain`` verifies
+// (speculative sampling of the chain against the policy's logits).
 //
 // Why hand-written: at batch 1 a head call is ~0.4 ms of kernel work (its weights, ~8.5 MB in bf16) wrapped
 // in ~0.4 ms of Python and per-op dispatch (the fc input, RoPE tables, the mask, the cache writer, six
@@ -12,6 +14,7 @@
 // against each other. Head layout: fc (2D -> D) over [hidden | embedding], one Llama/Qwen2 block (no q/k
 // norm), a final RMSNorm; logits through the draft vocabulary's rows of the policy's lm_head.
 #include <torch/extension.h>
+#include <immintrin.h>
 
 #include <algorithm>
 #include <cmath>
@@ -27,6 +30,7 @@ torch::Tensor rope_attention(const torch::Tensor& qkv, const torch::Tensor& cos,
                              const torch::Tensor& k_cache, const torch::Tensor& v_cache, const torch::Tensor& slots,
                              const c10::optional<torch::Tensor>& mask, int64_t nh, int64_t kv, int64_t span,
                              double scale);  // attention.cpp
+__m256 exp8_nonpos(__m256 x);                    // attention.cpp
 
 namespace {
 
@@ -220,6 +224,129 @@ std::vector<torch::Tensor> draft_chain(const std::vector<torch::Tensor>& weights
     f = head_forward(w, f, tok1, pos1, sl1);
   }
   return {toks.narrow(1, 0, drawn), q.narrow(1, 0, drawn)};
+}
+
+namespace {
+
+// log-sum-exp of x[0..n) / temperature (x / T, as ``verify.rejection_chain`` scales)
+float lse_scaled(const float* x, int64_t n, float t) {
+  const __m256 t8 = _mm256_set1_ps(t);
+  __m256 m8 = _mm256_set1_ps(-std::numeric_limits<float>::infinity());
+  int64_t j = 0;
+  for (; j + 8 <= n; j += 8) m8 = _mm256_max_ps(m8, _mm256_div_ps(_mm256_loadu_ps(x + j), t8));
+  alignas(32) float buf[8];
+  _mm256_store_ps(buf, m8);
+  float mx = *std::max_element(buf, buf + 8);
+  for (int64_t i = j; i < n; i++) mx = std::max(mx, x[i] / t);
+  const __m256 mx8 = _mm256_set1_ps(mx);
+  __m256 s8 = _mm256_setzero_ps();
+  for (j = 0; j + 8 <= n; j += 8) s8 = _mm256_add_ps(s8, exp8_nonpos(_mm256_sub_ps(_mm256_div_ps(_mm256_loadu_ps(x + j), t8), mx8)));
+  _mm256_store_ps(buf, s8);
+  double z = 0.0;
+  for (int i = 0; i < 8; i++) z += buf[i];
+  for (int64_t i = j; i < n; i++) z += std::exp(x[i] / t - mx);
+  return mx + (float)std::log(z);
+}
+
+}  // namespace
+
+// Speculative sampling over sampled chains at a plain temperature: ``verify.rejection_chain``'s math (its
+// reference; the same uniforms give the same verdict), computing the policy's normalizer only at the nodes
+// the walk reaches. logits (B, N, V) fp32: the policy at every node; tokens (B, N) long (node 0 the root),
+// valid (B, N) bool; q_logp (B, L, Vd) with L = N - 1 and q_vocab (Vd,) long: the distributions the drafts
+// were drawn from; u (B, L) and u_final (B,) uniforms in [0, 1): the acceptance tests, then the draw at the
+// cut (from the residual max(p - q, 0) after a rejection, from p when every draft is accepted).
+// Returns (path, n_accept, tokens, policy_lp, sample_lp) as ``verify.Verdict``: path (B, N) = min(j, n),
+// tokens the drafts then the final draw (repeated), sample_lp / policy_lp their log-probs at T and at 1.
+std::vector<torch::Tensor> rejection_chain(const torch::Tensor& logits_in, const torch::Tensor& tokens_in,
+                                           const torch::Tensor& valid_in, const torch::Tensor& q_in,
+                                           const torch::Tensor& q_vocab, const torch::Tensor& u_in,
+                                           const torch::Tensor& u_final_in, double temperature) {
+  TORCH_CHECK(logits_in.scalar_type() == torch::kFloat32 && q_in.scalar_type() == torch::kFloat32 && temperature > 0,
+              "rejection_chain: fp32 logits and q, temperature > 0");
+  auto logits = logits_in.contiguous();
+  auto tokens = tokens_in.to(torch::kLong).contiguous();
+  auto valid = valid_in.to(torch::kBool).contiguous();
+  auto q = q_in.contiguous();
+  auto vocab = q_vocab.to(torch::kLong).contiguous();
+  auto u = u_in.to(torch::kFloat32).contiguous();
+  auto uf = u_final_in.to(torch::kFloat32).contiguous();
+  const int64_t B = logits.size(0), N = logits.size(1), V = logits.size(2), L = N - 1, Vd = vocab.numel();
+  TORCH_CHECK(L >= 1 && tokens.size(0) == B && tokens.size(1) == N && q.size(0) == B && q.size(1) == L &&
+                  q.size(2) == Vd && u.size(0) == B && u.size(1) == L && uf.numel() == B,
+              "rejection_chain: inconsistent shapes");
+  const float* lg = logits.data_ptr<float>();
+  const int64_t* tk = tokens.data_ptr<int64_t>();
+  const bool* vd = valid.data_ptr<bool>();
+  const float* qs = q.data_ptr<float>();
+  const int64_t* ids = vocab.data_ptr<int64_t>();
+  std::vector<int64_t> inv(V, -1);  // token id -> column of q
+  for (int64_t i = 0; i < Vd; i++) inv[ids[i]] = i;
+  auto path = torch::empty({B, N}, torch::kLong), n_acc = torch::empty({B}, torch::kLong);
+  auto out = torch::empty({B, N}, torch::kLong);
+  auto slp = torch::empty({B, N}, torch::kFloat32), plp = torch::empty({B, N}, torch::kFloat32);
+  const float T = (float)temperature;
+  const bool t1 = temperature == 1.0;
+  std::vector<float> r(V);
+  for (int64_t b = 0; b < B; b++) {
+    const float* lb = lg + b * N * V;
+    const int64_t* xb = tk + b * N;
+    std::vector<float> lse(N), lse1(N);
+    auto at = [&](int64_t j) {  // the normalizers at node j
+      lse[j] = lse_scaled(lb + j * V, V, T);
+      lse1[j] = t1 ? lse[j] : lse_scaled(lb + j * V, V, 1.f);
+    };
+    int64_t n = 0;
+    for (; n < L; n++) {
+      at(n);
+      const int64_t x = xb[n + 1];
+      const float lp = lb[n * V + x] / T - lse[n];
+      const int64_t c = inv[x];
+      const float lq = c < 0 ? -std::numeric_limits<float>::infinity() : qs[(b * L + n) * Vd + c];
+      if (!(vd[b * N + n + 1] && std::log(u.data_ptr<float>()[b * L + n]) < lp - lq)) break;
+    }
+    if (n == L) at(L);
+    // the draw at node n: from max(p - q, 0) after a rejection, from p after a full acceptance
+    const float* ln = lb + n * V;
+    const __m256 t8 = _mm256_set1_ps(T), l8 = _mm256_set1_ps(lse[n]);
+    int64_t j = 0;
+    for (; j + 8 <= V; j += 8)
+      _mm256_storeu_ps(r.data() + j, exp8_nonpos(_mm256_min_ps(_mm256_sub_ps(_mm256_div_ps(_mm256_loadu_ps(ln + j), t8), l8),
+                                                               _mm256_setzero_ps())));
+    for (; j < V; j++) r[j] = std::exp(std::min(ln[j] / T - lse[n], 0.f));
+    if (n < L) {
+      std::vector<float> p(r);
+      const float* qn = qs + (b * L + n) * Vd;
+      for (int64_t i = 0; i < Vd; i++) r[ids[i]] = std::max(p[ids[i]] - std::exp(qn[i]), 0.f);
+      double z = 0.0;
+      for (int64_t k = 0; k < V; k++) z += r[k];
+      if (!(z > 0.0)) r = p;  // p == q: any draw from p
+    }
+    double z = 0.0;
+    for (int64_t k = 0; k < V; k++) z += r[k];
+    const double target = (double)uf.data_ptr<float>()[b] * z;
+    double cum = 0.0;
+    int64_t pick = -1, last = 0;
+    for (int64_t k = 0; k < V; k++) {
+      if (r[k] <= 0.f) continue;
+      last = k;
+      cum += r[k];
+      if (cum > target) {
+        pick = k;
+        break;
+      }
+    }
+    if (pick < 0) pick = last;
+    n_acc.data_ptr<int64_t>()[b] = n;
+    for (int64_t jj = 0; jj < N; jj++) {
+      const int64_t node = std::min(jj, n), tok = jj < n ? xb[jj + 1] : pick;
+      path.data_ptr<int64_t>()[b * N + jj] = node;
+      out.data_ptr<int64_t>()[b * N + jj] = tok;
+      slp.data_ptr<float>()[b * N + jj] = lb[node * V + tok] / T - lse[node];
+      plp.data_ptr<float>()[b * N + jj] = lb[node * V + tok] - lse1[node];
+    }
+  }
+  return {path, n_acc, out, plp, slp};
 }
 
 }  // namespace specroll

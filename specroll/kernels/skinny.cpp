@@ -266,6 +266,10 @@ std::vector<torch::Tensor> draft_chain(const std::vector<torch::Tensor>& weights
                                        double eps, const torch::Tensor& h_in, const torch::Tensor& t_in,
                                        const torch::Tensor& n, const torch::Tensor& lens, const torch::Tensor& root_pos,
                                        const torch::Tensor& u, double temperature, double chain_stop);  // draft.cpp
+std::vector<torch::Tensor> rejection_chain(const torch::Tensor& logits, const torch::Tensor& tokens,
+                                           const torch::Tensor& valid, const torch::Tensor& q_logp,
+                                           const torch::Tensor& q_vocab, const torch::Tensor& u,
+                                           const torch::Tensor& u_final, double temperature);  // draft.cpp
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -283,4 +287,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "a draft head's drafting step: feed the pending pairs, then sample a chain of tokens (eagle.EagleDrafter)",
         py::arg("weights"), py::arg("dims"), py::arg("eps"), py::arg("h_in"), py::arg("t_in"), py::arg("n"),
         py::arg("lens"), py::arg("root_pos"), py::arg("u"), py::arg("temperature"), py::arg("chain_stop"));
+  m.def("rejection_chain", &specroll::rejection_chain,
+        "speculative sampling of sampled chains at a plain temperature (verify.rejection_chain)", py::arg("logits"),
+        py::arg("tokens"), py::arg("valid"), py::arg("q_logp"), py::arg("q_vocab"), py::arg("u"), py::arg("u_final"),
+        py::arg("temperature"));
 }
