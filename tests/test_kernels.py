@@ -124,7 +124,8 @@ def _sdpa64(q, k, v, mask):
 
 
 @needs_kernel
-@pytest.mark.parametrize("Q,S,D", [(1, 1, 64), (3, 7, 64), (3, 100, 64), (17, 33, 24), (64, 9, 128), (5, 300, 8)])
+@pytest.mark.parametrize("Q,S,D", [(1, 1, 64), (3, 7, 64), (3, 100, 64), (17, 33, 24), (64, 9, 128), (5, 300, 8),
+                                   (6, 21, 12)])
 @pytest.mark.parametrize("mask_kind", ["none", "ragged", "broadcast"])
 def test_attention_kernel_matches_sdpa(Q, S, D, mask_kind):
     """The kernel against float64 attention and SDPA, on strided cache-like K/V views; scores span a wide
@@ -158,15 +159,15 @@ def test_attention_kernel_rejects_bad_input():
         ext.attention(q, k, k, torch.ones(1, 1, 3, 5), 1.0)
 
 
-def _step_outputs(model, cache_len: int, T: int, tree: bool, seed: int):
+def _step_outputs(model, cache_len: int, T: int, tree: bool, seed: int, B: int = 4):
     """One cached forward of T new tokens per row after ragged prompts: (hidden, cache K, cache V)."""
     from specroll.engine.cache import KVCache
 
     g = torch.Generator().manual_seed(seed)
-    cfg, B = model.cfg, 4
+    cfg = model.cfg
     cache = KVCache.for_model(cfg, B, cache_len, torch.float32)
     cache.reset(B)
-    lens = torch.tensor([5, 9, 1, 12])
+    lens = torch.tensor([5, 9, 1, 12])[:B]
     P = int(lens.max())
     ids = torch.randint(0, cfg.vocab_size, (B, P), generator=g)
     pos = torch.arange(P).expand(B, P)
@@ -183,11 +184,13 @@ def _step_outputs(model, cache_len: int, T: int, tree: bool, seed: int):
 
 
 @needs_kernel
+@pytest.mark.parametrize("B", [4, 1])
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
 @pytest.mark.parametrize("T,tree", [(1, False), (4, False), (6, True)])
-def test_fused_rope_attention_step_matches_eager(monkeypatch, arch, T, tree):
+def test_fused_rope_attention_step_matches_eager(monkeypatch, arch, T, tree, B):
     """A decode / tree-verification forward through ``rope_attention`` gives the eager path's hidden states
-    and writes the same K/V into the cache (committed slots and new slots alike)."""
+    and writes the same K/V into the cache (committed slots and new slots alike). At batch 1 with several
+    tokens the kernel splits each head's queries between the threads (after writing every k / v)."""
     from specroll.models import decoder
     from specroll.models.tiny import tiny_hf_config
 
@@ -204,11 +207,11 @@ def test_fused_rope_attention_step_matches_eager(monkeypatch, arch, T, tree):
 
     monkeypatch.setattr(kernels, "skinny", lambda: Spy())
     with torch.no_grad():
-        fused = _step_outputs(model, 40, T, tree, seed=T)
+        fused = _step_outputs(model, 40, T, tree, seed=T, B=B)
         assert calls, "the fused kernel was not used"
         monkeypatch.setattr(decoder, "MAX_KERNEL_QUERIES", 0)
         calls.clear()
-        eager = _step_outputs(model, 40, T, tree, seed=T)
+        eager = _step_outputs(model, 40, T, tree, seed=T, B=B)
         assert not calls
     h, K, V, lens = fused
     torch.testing.assert_close(h, eager[0], atol=1e-5, rtol=1e-5)
