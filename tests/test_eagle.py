@@ -958,3 +958,26 @@ def test_plain_steps_queue_every_pair_for_the_head(mid, monkeypatch):
     assert n >= 10 and len(tok_b) >= 7  # the queued plain pairs were fed when speculation resumed
     assert torch.equal(tok_a[:n], tok_b[:n])
     torch.testing.assert_close(h_a[:n], h_b[:n], atol=1e-4, rtol=0)
+
+
+def test_draft_vocab_is_kept_between_rollouts_until_the_lm_head_changes(mid):
+    """The drafter reuses the head's gathered draft vocabulary across rollouts, and rebuilds it when the
+    policy's lm_head weight is updated in place (an optimizer step) or belongs to another policy."""
+    model, head = mid
+    engine, params = Engine(model, eos_ids=[EOS]), SamplingParams(temperature=1.0, max_new_tokens=6, seed=1)
+    seen = []
+    for _ in range(2):
+        d = EagleDrafter(head, Plan(3, 1, 2), sampled=True)
+        engine.generate(PROMPTS[:1], params, drafter=d)
+        seen.append(head._draft_vocab_cache[2])
+    assert seen[0] is seen[1]
+    other = tiny(V_MID, seed=9, scale=2.5)
+    d = EagleDrafter(head, Plan(3, 1, 2), sampled=True)
+    Engine(other, eos_ids=[EOS]).generate(PROMPTS[:1], params, drafter=d)
+    lm = head._draft_vocab_cache[2]
+    assert lm is not seen[0]
+    torch.testing.assert_close(lm.lin.weight, other.lm_head.weight.detach()[head.vocab_ids])
+    with torch.no_grad():
+        other.lm_head.weight.mul_(1.5)  # an in-place update
+    Engine(other, eos_ids=[EOS]).generate(PROMPTS[:1], params, drafter=EagleDrafter(head, Plan(3, 1, 2), sampled=True))
+    torch.testing.assert_close(head._draft_vocab_cache[2].lin.weight, other.lm_head.weight.detach()[head.vocab_ids])

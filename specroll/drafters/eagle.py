@@ -38,6 +38,7 @@ order (a prefix drafter reports its pairs through ``start_chain(..., rows=)``).
 from __future__ import annotations
 
 import json
+import weakref
 from contextlib import nullcontext
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
@@ -303,7 +304,7 @@ class EagleDrafter:
         """The head's KV over every row's prompt, rows prompt-major as the engine forks them."""
         self.engine, self.policy = engine, engine.model
         self.dtype = engine.act_dtype
-        self.lm = DraftVocab(self.policy, self.head.vocab_ids)
+        self.lm = self._draft_vocab()
         mp = self.max_plan
         longest = max(len(p) for p in prompts)
         length = longest + st.params.max_new_tokens + 2 * (mp.depth + 2) + mp.depth * mp.k + 4
@@ -311,6 +312,18 @@ class EagleDrafter:
         self.dc.reset(len(prompts))
         self._prefill_draft(prompts, getattr(st, "prompt_hidden", None))
         self.dc.fork(torch.arange(len(prompts)), n)
+
+    def _draft_vocab(self) -> DraftVocab:
+        """The head's draft vocabulary over the policy's lm_head, kept on the head between rollouts (a gathered
+        copy of 4096 rows and its kernel panels cost ~40 ms to rebuild), rebuilt whenever the lm_head weight
+        or the vocabulary changes (their storage and version counters)."""
+        w, ids = self.policy.lm_head.weight, self.head.vocab_ids
+        key = (w.data_ptr(), w._version, ids.data_ptr(), ids._version)
+        hit = getattr(self.head, "_draft_vocab_cache", None)  # a tuple: not registered as a submodule
+        if hit is None or hit[0]() is not w or hit[1] != key:
+            hit = (weakref.ref(w), key, DraftVocab(self.policy, ids))
+            self.head._draft_vocab_cache = hit
+        return hit[2]
 
     def start_chain(self, hidden, tokens, n, first=None, rows=None):
         """Pending (hidden, next token) pairs of each live row -- (B, C, D), (B, C), counts n (B,) -- fed
