@@ -18,6 +18,7 @@
 #include <algorithm>
 #include <cmath>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
 namespace specroll {
@@ -153,6 +154,19 @@ void pv_block(const float* __restrict p, int64_t S, const float* vb, int64_t vst
   }
 }
 
+// f(std::integral_constant<int, QB>, i0) for the blocks of up to 4 queries [i0, i0 + QB) covering Q.
+template <typename F>
+void for_blocks(int64_t Q, F f) {
+  for (int64_t i0 = 0; i0 < Q; i0 += 4) {
+    switch (std::min<int64_t>(4, Q - i0)) {
+      case 4: f(std::integral_constant<int, 4>{}, i0); break;
+      case 3: f(std::integral_constant<int, 3>{}, i0); break;
+      case 2: f(std::integral_constant<int, 2>{}, i0); break;
+      default: f(std::integral_constant<int, 1>{}, i0);
+    }
+  }
+}
+
 // One (row, KV head): out (Q, D) = softmax(scale q K^T over the visible keys) V, with q (Q, D) contiguous,
 // K / V rows at ``kb + s * kst`` / ``vb + s * vst`` for s < S, and mask row i at ``mrow + i * mq`` (nullptr:
 // all visible). ``p`` holds Q * S floats, ``mx`` and ``sum`` Q each. ``out`` must be zeroed.
@@ -162,16 +176,7 @@ void attend_one(const float* __restrict qb, int64_t Q, int64_t D, const float* k
   const float ninf = -std::numeric_limits<float>::infinity();
   const bool blocked = D % 8 == 0;
   if (blocked) {  // raw scores by query blocks, then the scale and the mask
-    for (int64_t i0 = 0; i0 < Q; i0 += 4) {
-      const float* q = qb + i0 * D;
-      float* pr = p + i0 * S;
-      switch (std::min<int64_t>(4, Q - i0)) {
-        case 4: scores_block<4>(q, D, kb, kst, S, pr); break;
-        case 3: scores_block<3>(q, D, kb, kst, S, pr); break;
-        case 2: scores_block<2>(q, D, kb, kst, S, pr); break;
-        default: scores_block<1>(q, D, kb, kst, S, pr);
-      }
-    }
+    for_blocks(Q, [&](auto qb_, int64_t i0) { scores_block<decltype(qb_)::value>(qb + i0 * D, D, kb, kst, S, p + i0 * S); });
     for (int64_t i = 0; i < Q; i++) {
       float* pr = p + i * S;
       const bool* m = mrow ? mrow + i * mq : nullptr;
@@ -217,16 +222,7 @@ void attend_one(const float* __restrict qb, int64_t Q, int64_t D, const float* k
     sum[i] = z;
   }
   if (blocked) {
-    for (int64_t i0 = 0; i0 < Q; i0 += 4) {
-      const float* pr = p + i0 * S;
-      float* o = out + i0 * D;
-      switch (std::min<int64_t>(4, Q - i0)) {
-        case 4: pv_block<4>(pr, S, vb, vst, D, o); break;
-        case 3: pv_block<3>(pr, S, vb, vst, D, o); break;
-        case 2: pv_block<2>(pr, S, vb, vst, D, o); break;
-        default: pv_block<1>(pr, S, vb, vst, D, o);
-      }
-    }
+    for_blocks(Q, [&](auto qb_, int64_t i0) { pv_block<decltype(qb_)::value>(p + i0 * S, S, vb, vst, D, out + i0 * D); });
   } else {
     for (int64_t s = 0; s < S; s++) {
       const float* vr = vb + s * vst;

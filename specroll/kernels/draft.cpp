@@ -57,6 +57,20 @@ struct Head {
   }
 };
 
+// Inverse CDF over the non-negative weights w[0..n): the first index whose cumulative weight exceeds
+// ``target`` (u * the total), never a zero-weight index (rounding past the end picks the last positive one).
+int64_t inverse_cdf(const float* w, int64_t n, double target) {
+  double cum = 0.0;
+  int64_t last = 0;
+  for (int64_t j = 0; j < n; j++) {
+    if (w[j] <= 0.f) continue;
+    last = j;
+    cum += w[j];
+    if (cum > target) return j;
+  }
+  return last;
+}
+
 // One head forward over (B, T) pairs: hidden h (B, T, D), tokens (B, T) embedded by the policy's table,
 // positions pos and cache slots sl (B, T) long; a query sees every cache slot up to its own. Returns the
 // features (B, T, D): the head's final RMSNorm output.
@@ -195,20 +209,7 @@ std::vector<torch::Tensor> draft_chain(const std::vector<torch::Tensor>& weights
       for (int64_t j = 0; j < Vd; j++) z += (ex[j] = std::exp(lq[j] - mx));
       const float lz = mx + (float)std::log(z);
       for (int64_t j = 0; j < Vd; j++) lq[j] -= lz;
-      // inverse CDF over ex: the first index whose cumulative mass exceeds u * z (never a zero-mass index)
-      const double target = (double)up[b * L + d] * z;
-      double cum = 0.0;
-      int64_t pick = -1, last = 0;
-      for (int64_t j = 0; j < Vd; j++) {
-        if (ex[j] <= 0.f) continue;
-        last = j;
-        cum += ex[j];
-        if (cum > target) {
-          pick = j;
-          break;
-        }
-      }
-      if (pick < 0) pick = last;
+      const int64_t pick = inverse_cdf(ex.data(), Vd, (double)up[b * L + d] * z);
       tp[b * L + d] = ids[pick];
       tok1.data_ptr<int64_t>()[b] = ids[pick];
       conf[b] *= ex[pick] / z;
@@ -324,19 +325,7 @@ std::vector<torch::Tensor> rejection_chain(const torch::Tensor& logits_in, const
     }
     double z = 0.0;
     for (int64_t k = 0; k < V; k++) z += r[k];
-    const double target = (double)uf.data_ptr<float>()[b] * z;
-    double cum = 0.0;
-    int64_t pick = -1, last = 0;
-    for (int64_t k = 0; k < V; k++) {
-      if (r[k] <= 0.f) continue;
-      last = k;
-      cum += r[k];
-      if (cum > target) {
-        pick = k;
-        break;
-      }
-    }
-    if (pick < 0) pick = last;
+    const int64_t pick = inverse_cdf(r.data(), V, (double)uf.data_ptr<float>()[b] * z);
     n_acc.data_ptr<int64_t>()[b] = n;
     for (int64_t jj = 0; jj < N; jj++) {
       const int64_t node = std::min(jj, n), tok = jj < n ? xb[jj + 1] : pick;
