@@ -321,6 +321,17 @@ def test_bench_spec_static_and_adaptive_rows_and_figure(tmp_path, monkeypatch, c
     assert [(r["batch"], r["plan"]) for r in rows] == [(1, "static"), (4, "static"), (1, "adaptive"), (4, "adaptive")]
     assert rows[2]["plan_max"] == {"n_verify": 8, "k": 4, "depth": 3}  # BudgetPlanner(8, k_max=4, l_max=5)(1)
     assert (out.parent / "speedup_vs_batch.png").read_bytes()[:4] == b"\x89PNG"
+    # sampled chains sized by the budget: C_peak 8 gives 7 drafts at 1 row (capped by --depth 5), 1 at 4 live rows,
+    # none at 8 (plain steps emit one token per row, so with every row run to the length limit all 8 stay live)
+    assert main(["bench", "spec", "--model", "tiny-llama", "--draft", str(tmp_path / "head"), "--batch-sizes", "1,4,8",
+                 "--max-new-tokens", "6", "--plan", "adaptive-chain", "--c-peak", "8", "--dtype", "float32",
+                 "--force-length", "--out", str(out)]) == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert [(r["batch"], r["plan"]) for r in rows] == [(1, "adaptive-chain"), (4, "adaptive-chain"), (8, "adaptive-chain")]
+    drafted = [r["accept_rate"] for r in rows]
+    assert rows[0]["plan_max"] == {"n_verify": 6, "k": 1, "depth": 5} and len(rows[0]["accept_by_depth"]) == 5
+    assert rows[1]["accept_by_depth"][0] is not None  # (deeper once rows that accepted more finish first)
+    assert all(d is None for d in rows[2]["accept_by_depth"]) and drafted[2] == 0  # 8 rows: plain decoding
     assert main(["bench", "spec", "--model", "tiny-llama", "--draft", str(tmp_path / "head"), "--plan", "greedy",
                  "--out", str(out)]) == 2
     assert "--plan" in capsys.readouterr().err

@@ -9,7 +9,8 @@ step (bonus included), ``accept_rate`` = accepted draft nodes / drafted nodes, `
 = the fraction of row-steps whose drafts reached depth d that accepted it (None: never reached).
 
 Plans: ``static`` (fixed ``--n-verify/--k/--depth``), ``adaptive`` (C_peak / B_active), ``chain`` (a chain
-of ``--depth`` tokens sampled from the head, rejection-sampled). ``PLANS`` maps a name to a factory
+of ``--depth`` tokens sampled from the head, rejection-sampled), ``adaptive-chain`` (a sampled chain of
+min(C_peak / B_active - 1, ``--depth``) tokens, plain decoding once that is 0). ``PLANS`` maps a name to a factory
 ``(args) -> (plan_fn(B_active) -> Plan, max_plan)``; the concurrency-aware budget registers here.
 """
 
@@ -46,8 +47,23 @@ def _chain(args):
     return (lambda b: plan), plan
 
 
-PLANS = {"static": _static, "adaptive": _adaptive, "chain": _chain}
-SAMPLED = {"chain"}  # plans whose drafter samples its chain (EagleDrafter(sampled=True))
+def _adaptive_chain(args):
+    """Sampled chains sized by the concurrency budget: N = C_peak / B_active tokens per row and step, i.e. a
+    chain of min(N - 1, --depth) drafts, re-planned every step; plain decoding where N <= 1."""
+    from ..engine.budget import PLAIN
+
+    c_peak = _adaptive(args)[0].c_peak
+    L = args.depth
+
+    def plan_fn(b):
+        n = int(c_peak // b)
+        return PLAIN if n <= 1 else Plan(min(n, L + 1), 1, min(n - 1, L))
+
+    return plan_fn, Plan(L + 1, 1, L)
+
+
+PLANS = {"static": _static, "adaptive": _adaptive, "chain": _chain, "adaptive-chain": _adaptive_chain}
+SAMPLED = {"chain", "adaptive-chain"}  # plans whose drafter samples its chain (EagleDrafter(sampled=True))
 HEAD_WEIGHTS = {"auto": None, "fp32": False, "bf16": True}  # --head-weights: EagleDrafter(bf16_head=...)
 
 
