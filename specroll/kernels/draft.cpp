@@ -14,6 +14,7 @@
 // against each other. Head layout: fc (2D -> D) over [hidden | embedding], one Llama/Qwen2 block (no q/k
 // norm), a final RMSNorm; logits through the draft vocabulary's rows of the policy's lm_head.
 #include <torch/extension.h>
+#include <ATen/Parallel.h>
 #include <immintrin.h>
 
 #include <algorithm>
@@ -57,18 +58,44 @@ struct Head {
   }
 };
 
+// Sum of w[0..n) (8 lanes, then in double).
+double sum_all(const float* w, int64_t n) {
+  __m256 a = _mm256_setzero_ps(), b = _mm256_setzero_ps();
+  int64_t j = 0;
+  for (; j + 16 <= n; j += 16) {
+    a = _mm256_add_ps(a, _mm256_loadu_ps(w + j));
+    b = _mm256_add_ps(b, _mm256_loadu_ps(w + j + 8));
+  }
+  alignas(32) float buf[8];
+  _mm256_store_ps(buf, _mm256_add_ps(a, b));
+  double z = 0.0;
+  for (int i = 0; i < 8; i++) z += buf[i];
+  for (; j < n; j++) z += w[j];
+  return z;
+}
+
 // Inverse CDF over the non-negative weights w[0..n): the first index whose cumulative weight exceeds
 // ``target`` (u * the total), never a zero-weight index (rounding past the end picks the last positive one).
+// Whole blocks of 64 are skipped by their sums; the block holding the crossing is scanned one by one.
 int64_t inverse_cdf(const float* w, int64_t n, double target) {
+  constexpr int64_t BLK = 64;
   double cum = 0.0;
-  int64_t last = 0;
-  for (int64_t j = 0; j < n; j++) {
-    if (w[j] <= 0.f) continue;
-    last = j;
-    cum += w[j];
-    if (cum > target) return j;
+  for (int64_t j0 = 0; j0 < n; j0 += BLK) {
+    const int64_t j1 = std::min(n, j0 + BLK);
+    const double s = sum_all(w + j0, j1 - j0);
+    if (cum + s <= target) {
+      cum += s;
+      continue;
+    }
+    for (int64_t j = j0; j < j1; j++) {
+      if (w[j] <= 0.f) continue;
+      cum += w[j];
+      if (cum > target) return j;
+    }
   }
-  return last;
+  for (int64_t j = n - 1; j > 0; j--)
+    if (w[j] > 0.f) return j;
+  return 0;
 }
 
 // One head forward over (B, T) pairs: hidden h (B, T, D), tokens (B, T) embedded by the policy's table,
@@ -229,24 +256,41 @@ std::vector<torch::Tensor> draft_chain(const std::vector<torch::Tensor>& weights
 
 namespace {
 
+// x[0..8) / t as 8 lanes (no division at t = 1: x / 1 is x)
+inline __m256 scaled8(const float* x, __m256 t8, bool t1) {
+  const __m256 v = _mm256_loadu_ps(x);
+  return t1 ? v : _mm256_div_ps(v, t8);
+}
+
 // log-sum-exp of x[0..n) / temperature (x / T, as ``verify.rejection_chain`` scales)
 float lse_scaled(const float* x, int64_t n, float t) {
+  const bool t1 = t == 1.f;
   const __m256 t8 = _mm256_set1_ps(t);
   __m256 m8 = _mm256_set1_ps(-std::numeric_limits<float>::infinity());
   int64_t j = 0;
-  for (; j + 8 <= n; j += 8) m8 = _mm256_max_ps(m8, _mm256_div_ps(_mm256_loadu_ps(x + j), t8));
+  for (; j + 8 <= n; j += 8) m8 = _mm256_max_ps(m8, scaled8(x + j, t8, t1));
   alignas(32) float buf[8];
   _mm256_store_ps(buf, m8);
   float mx = *std::max_element(buf, buf + 8);
   for (int64_t i = j; i < n; i++) mx = std::max(mx, x[i] / t);
   const __m256 mx8 = _mm256_set1_ps(mx);
   __m256 s8 = _mm256_setzero_ps();
-  for (j = 0; j + 8 <= n; j += 8) s8 = _mm256_add_ps(s8, exp8_nonpos(_mm256_sub_ps(_mm256_div_ps(_mm256_loadu_ps(x + j), t8), mx8)));
+  for (j = 0; j + 8 <= n; j += 8) s8 = _mm256_add_ps(s8, exp8_nonpos(_mm256_sub_ps(scaled8(x + j, t8, t1), mx8)));
   _mm256_store_ps(buf, s8);
   double z = 0.0;
   for (int i = 0; i < 8; i++) z += buf[i];
   for (int64_t i = j; i < n; i++) z += std::exp(x[i] / t - mx);
   return mx + (float)std::log(z);
+}
+
+// r[0..n) = exp(min(x / t - lse, 0)): the probabilities of the logits x at temperature t
+void probs(const float* x, int64_t n, float t, float lse, float* r) {
+  const bool t1 = t == 1.f;
+  const __m256 t8 = _mm256_set1_ps(t), l8 = _mm256_set1_ps(lse);
+  int64_t j = 0;
+  for (; j + 8 <= n; j += 8)
+    _mm256_storeu_ps(r + j, exp8_nonpos(_mm256_min_ps(_mm256_sub_ps(scaled8(x + j, t8, t1), l8), _mm256_setzero_ps())));
+  for (; j < n; j++) r[j] = std::exp(std::min(x[j] / t - lse, 0.f));
 }
 
 }  // namespace
@@ -281,60 +325,60 @@ std::vector<torch::Tensor> rejection_chain(const torch::Tensor& logits_in, const
   const bool* vd = valid.data_ptr<bool>();
   const float* qs = q.data_ptr<float>();
   const int64_t* ids = vocab.data_ptr<int64_t>();
-  std::vector<int64_t> inv(V, -1);  // token id -> column of q
-  for (int64_t i = 0; i < Vd; i++) inv[ids[i]] = i;
   auto path = torch::empty({B, N}, torch::kLong), n_acc = torch::empty({B}, torch::kLong);
   auto out = torch::empty({B, N}, torch::kLong);
   auto slp = torch::empty({B, N}, torch::kFloat32), plp = torch::empty({B, N}, torch::kFloat32);
   const float T = (float)temperature;
   const bool t1 = temperature == 1.0;
-  std::vector<float> r(V);
-  for (int64_t b = 0; b < B; b++) {
-    const float* lb = lg + b * N * V;
-    const int64_t* xb = tk + b * N;
-    std::vector<float> lse(N), lse1(N);
-    auto at = [&](int64_t j) {  // the normalizers at node j
-      lse[j] = lse_scaled(lb + j * V, V, T);
-      lse1[j] = t1 ? lse[j] : lse_scaled(lb + j * V, V, 1.f);
-    };
-    int64_t n = 0;
-    for (; n < L; n++) {
-      at(n);
-      const int64_t x = xb[n + 1];
-      const float lp = lb[n * V + x] / T - lse[n];
-      const int64_t c = inv[x];
-      const float lq = c < 0 ? -std::numeric_limits<float>::infinity() : qs[(b * L + n) * Vd + c];
-      if (!(vd[b * N + n + 1] && std::log(u.data_ptr<float>()[b * L + n]) < lp - lq)) break;
+  at::parallel_for(0, B, 1, [&](int64_t b0, int64_t b1) {
+    std::vector<float> r(V), eq(Vd);
+    for (int64_t b = b0; b < b1; b++) {
+      const float* lb = lg + b * N * V;
+      const int64_t* xb = tk + b * N;
+      std::vector<float> lse(N), lse1(N);
+      auto at = [&](int64_t j) {  // the normalizers at node j
+        lse[j] = lse_scaled(lb + j * V, V, T);
+        lse1[j] = t1 ? lse[j] : lse_scaled(lb + j * V, V, 1.f);
+      };
+      int64_t n = 0;
+      for (; n < L; n++) {
+        at(n);
+        const int64_t x = xb[n + 1];
+        const float lp = lb[n * V + x] / T - lse[n];
+        const int64_t c = std::find(ids, ids + Vd, x) - ids;  // x's column of q (drawn from q: present)
+        const float lq = c == Vd ? -std::numeric_limits<float>::infinity() : qs[(b * L + n) * Vd + c];
+        if (!(vd[b * N + n + 1] && std::log(u.data_ptr<float>()[b * L + n]) < lp - lq)) break;
+      }
+      if (n == L) at(L);
+      // the draw at node n: from max(p - q, 0) after a rejection, from p after a full acceptance
+      const float* ln = lb + n * V;
+      probs(ln, V, T, lse[n], r.data());
+      double z;
+      if (n < L) {
+        const float* qn = qs + (b * L + n) * Vd;
+        int64_t i = 0;
+        for (; i + 8 <= Vd; i += 8) _mm256_storeu_ps(eq.data() + i, exp8_nonpos(_mm256_loadu_ps(qn + i)));
+        for (; i < Vd; i++) eq[i] = std::exp(qn[i]);
+        for (i = 0; i < Vd; i++) r[ids[i]] = std::max(r[ids[i]] - eq[i], 0.f);
+        z = sum_all(r.data(), V);
+        if (!(z > 0.0)) {  // p == q: any draw from p
+          probs(ln, V, T, lse[n], r.data());
+          z = sum_all(r.data(), V);
+        }
+      } else {
+        z = sum_all(r.data(), V);
+      }
+      const int64_t pick = inverse_cdf(r.data(), V, (double)uf.data_ptr<float>()[b] * z);
+      n_acc.data_ptr<int64_t>()[b] = n;
+      for (int64_t jj = 0; jj < N; jj++) {
+        const int64_t node = std::min(jj, n), tok = jj < n ? xb[jj + 1] : pick;
+        path.data_ptr<int64_t>()[b * N + jj] = node;
+        out.data_ptr<int64_t>()[b * N + jj] = tok;
+        slp.data_ptr<float>()[b * N + jj] = lb[node * V + tok] / T - lse[node];
+        plp.data_ptr<float>()[b * N + jj] = lb[node * V + tok] - lse1[node];
+      }
     }
-    if (n == L) at(L);
-    // the draw at node n: from max(p - q, 0) after a rejection, from p after a full acceptance
-    const float* ln = lb + n * V;
-    const __m256 t8 = _mm256_set1_ps(T), l8 = _mm256_set1_ps(lse[n]);
-    int64_t j = 0;
-    for (; j + 8 <= V; j += 8)
-      _mm256_storeu_ps(r.data() + j, exp8_nonpos(_mm256_min_ps(_mm256_sub_ps(_mm256_div_ps(_mm256_loadu_ps(ln + j), t8), l8),
-                                                               _mm256_setzero_ps())));
-    for (; j < V; j++) r[j] = std::exp(std::min(ln[j] / T - lse[n], 0.f));
-    if (n < L) {
-      std::vector<float> p(r);
-      const float* qn = qs + (b * L + n) * Vd;
-      for (int64_t i = 0; i < Vd; i++) r[ids[i]] = std::max(p[ids[i]] - std::exp(qn[i]), 0.f);
-      double z = 0.0;
-      for (int64_t k = 0; k < V; k++) z += r[k];
-      if (!(z > 0.0)) r = p;  // p == q: any draw from p
-    }
-    double z = 0.0;
-    for (int64_t k = 0; k < V; k++) z += r[k];
-    const int64_t pick = inverse_cdf(r.data(), V, (double)uf.data_ptr<float>()[b] * z);
-    n_acc.data_ptr<int64_t>()[b] = n;
-    for (int64_t jj = 0; jj < N; jj++) {
-      const int64_t node = std::min(jj, n), tok = jj < n ? xb[jj + 1] : pick;
-      path.data_ptr<int64_t>()[b * N + jj] = node;
-      out.data_ptr<int64_t>()[b * N + jj] = tok;
-      slp.data_ptr<float>()[b * N + jj] = lb[node * V + tok] / T - lse[node];
-      plp.data_ptr<float>()[b * N + jj] = lb[node * V + tok] - lse1[node];
-    }
-  }
+  });
   return {path, n_acc, out, plp, slp};
 }
 
