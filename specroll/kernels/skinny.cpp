@@ -40,9 +40,6 @@ inline void load_row(const uint16_t* w, __m256& w0, __m256& w1) {
   w1 = _mm256_castsi256_ps(_mm256_and_si256(raw, _mm256_set1_epi32(static_cast<int>(0xFFFF0000u))));
 }
 
-// acc[m][0..16) += sum over k in [k0, k1) of x[m][k] * panel[k][0..16), for the MB rows of one block.
-// The accumulators live in registers through the k loop; ``acc`` is touched with constant indices only
-// (a runtime index would make GCC keep them in memory and store all of them every iteration).
 // One row: two weight rows per iteration into two accumulator pairs, so four FMA chains are in flight (one
 // pair's chain alone waits on the FMA latency: a panel in cache then streams at half the rate).
 template <typename W>
@@ -74,6 +71,9 @@ void accumulate1(const float* __restrict x, const W* __restrict wp, int64_t k0, 
   _mm256_storeu_ps(acc + 8, _mm256_add_ps(a1, c1));
 }
 
+// acc[m][0..16) += sum over k in [k0, k1) of x[m][k] * panel[k][0..16), for the MB rows of one block.
+// The accumulators live in registers through the k loop; ``acc`` is touched with constant indices only
+// (a runtime index would make GCC keep them in memory and store all of them every iteration).
 template <int MB, typename W>
 void accumulate(const float* __restrict x, int64_t ldx, const W* __restrict wp, int64_t k0, int64_t k1,
                 float* __restrict acc) {

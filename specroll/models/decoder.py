@@ -194,7 +194,7 @@ class FastLinear(nn.Linear):
             y = F.linear(x, self.weight.to(x.dtype), None if self.bias is None else self.bias.to(x.dtype))
             return y if residual is None else residual + y
         if x.dtype == torch.float32 and x.numel() <= kernels.MAX_ROWS * x.shape[-1] and kernels.skinny() is not None:
-            packed, b = self._pack("skinny_bf16" if _BF16_WEIGHTS.get() else "skinny")
+            packed, b = self._pack("skinny_bf16" if bf16_weights_on() else "skinny")
             g = None if norm is None else norm.weight.float()
             return kernels.skinny().linear(x, packed, self.out_features, b, residual, g,
                                            1e-6 if norm is None else norm.eps, gated)
