@@ -459,7 +459,8 @@ class EagleDrafter:
     def _kernel_weights(self):
         """The head's weights as ``draft_chain`` takes them: skinny-kernel panels (bf16 inside ``bf16_weights()``),
         biases (empty when absent), norms, the draft vocabulary's lm_head panels and ids, the policy's embedding,
-        the RoPE frequencies and the head cache's layer; then the sizes and the norm eps."""
+        the RoPE frequencies and the head cache's layer; then the sizes (heads, KV heads, head dim, gate_up
+        width) and the norm eps."""
         kind = "skinny_bf16" if bf16_weights_on() else "skinny"
         none = torch.empty(0)
 
@@ -472,8 +473,7 @@ class EagleDrafter:
                    blk.mlp_norm.weight.detach().float(), pk(blk.gate_up)[0], pk(blk.down)[0],
                    h.norm.weight.detach().float(), pk(self.lm.lin)[0], self.head.vocab_ids,
                    self.policy.embed.weight.detach(), h.inv_freq, self.dc.k[0], self.dc.v[0]]
-        dims = [cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, blk.qkv.out_features, blk.gate_up.out_features,
-                self.head.draft_vocab]
+        dims = [cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, blk.gate_up.out_features]
         return weights, dims, cfg.rms_eps
 
     def _tree_mask(self, base, vis, slots):

@@ -25,6 +25,8 @@
 torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& wp, int64_t N, const c10::optional<torch::Tensor>& bias,
                      const c10::optional<torch::Tensor>& residual, const c10::optional<torch::Tensor>& norm,
                      double eps, bool gated);  // skinny.cpp
+torch::Tensor prologue(const torch::Tensor& x2, const c10::optional<torch::Tensor>& norm, double eps,
+                       bool gated);  // skinny.cpp: RMSNorm(x) * g over (M, K) rows
 
 namespace specroll {
 torch::Tensor rope_attention(const torch::Tensor& qkv, const torch::Tensor& cos, const torch::Tensor& sin,
@@ -35,21 +37,22 @@ __m256 exp8_nonpos(__m256 x);                    // attention.cpp
 
 namespace {
 
-// The head's tensors, in the order ``eagle.fused_chain_args`` passes them. Biases are empty when absent.
+// The head's tensors, in the order ``eagle.EagleDrafter._kernel_weights`` passes them (biases empty when
+// absent), and its sizes: heads, KV heads, head dim, gate_up width.
 struct Head {
   torch::Tensor fc, fc_b, attn_norm, qkv, qkv_b, o, mlp_norm, gate_up, down, norm, lm, vocab, embed, inv_freq, k, v;
   int64_t NH, KV, HD, D, n_qkv, n_gu, Vd;
   double eps;
 
   Head(const std::vector<torch::Tensor>& w, const std::vector<int64_t>& dims, double eps_) : eps(eps_) {
-    TORCH_CHECK(w.size() == 16 && dims.size() == 6, "draft_chain: expected 16 tensors and 6 sizes");
+    TORCH_CHECK(w.size() == 16 && dims.size() == 4, "draft_chain: expected 16 tensors and 4 sizes");
     fc = w[0], fc_b = w[1], attn_norm = w[2], qkv = w[3], qkv_b = w[4], o = w[5], mlp_norm = w[6];
     gate_up = w[7], down = w[8], norm = w[9], lm = w[10], vocab = w[11], embed = w[12], inv_freq = w[13];
     k = w[14], v = w[15];
-    NH = dims[0], KV = dims[1], HD = dims[2], n_qkv = dims[3], n_gu = dims[4], Vd = dims[5];
-    D = embed.size(1);
+    NH = dims[0], KV = dims[1], HD = dims[2], n_gu = dims[3];
+    n_qkv = (NH + 2 * KV) * HD, Vd = vocab.numel(), D = embed.size(1);
     TORCH_CHECK(embed.scalar_type() == torch::kFloat32 && embed.is_contiguous(), "draft_chain: fp32 contiguous embedding");
-    TORCH_CHECK(vocab.scalar_type() == torch::kLong && vocab.numel() == Vd, "draft_chain: vocab ids (Vd,) long");
+    TORCH_CHECK(vocab.scalar_type() == torch::kLong && vocab.dim() == 1, "draft_chain: vocab ids (Vd,) long");
     TORCH_CHECK(inv_freq.scalar_type() == torch::kFloat32 && inv_freq.numel() * 2 == HD, "draft_chain: inv_freq (HD/2,)");
     TORCH_CHECK(norm.numel() == D && attn_norm.numel() == D && mlp_norm.numel() == D, "draft_chain: norm sizes");
   }
@@ -57,6 +60,43 @@ struct Head {
     return t.numel() ? c10::optional<torch::Tensor>(t) : c10::nullopt;
   }
 };
+
+// x[0..8) / t as 8 lanes (no division at t = 1: x / 1 is x)
+inline __m256 scaled8(const float* x, __m256 t8, bool t1) {
+  const __m256 v = _mm256_loadu_ps(x);
+  return t1 ? v : _mm256_div_ps(v, t8);
+}
+
+// log-sum-exp of x[0..n) / temperature (x / T, as ``verify.rejection_chain`` scales)
+float lse_scaled(const float* x, int64_t n, float t) {
+  const bool t1 = t == 1.f;
+  const __m256 t8 = _mm256_set1_ps(t);
+  __m256 m8 = _mm256_set1_ps(-std::numeric_limits<float>::infinity());
+  int64_t j = 0;
+  for (; j + 8 <= n; j += 8) m8 = _mm256_max_ps(m8, scaled8(x + j, t8, t1));
+  alignas(32) float buf[8];
+  _mm256_store_ps(buf, m8);
+  float mx = *std::max_element(buf, buf + 8);
+  for (int64_t i = j; i < n; i++) mx = std::max(mx, x[i] / t);
+  const __m256 mx8 = _mm256_set1_ps(mx);
+  __m256 s8 = _mm256_setzero_ps();
+  for (j = 0; j + 8 <= n; j += 8) s8 = _mm256_add_ps(s8, exp8_nonpos(_mm256_sub_ps(scaled8(x + j, t8, t1), mx8)));
+  _mm256_store_ps(buf, s8);
+  double z = 0.0;
+  for (int i = 0; i < 8; i++) z += buf[i];
+  for (int64_t i = j; i < n; i++) z += std::exp(x[i] / t - mx);
+  return mx + (float)std::log(z);
+}
+
+// r[0..n) = exp(min(x / t - lse, 0)): the probabilities of the logits x at temperature t
+void probs(const float* x, int64_t n, float t, float lse, float* r) {
+  const bool t1 = t == 1.f;
+  const __m256 t8 = _mm256_set1_ps(t), l8 = _mm256_set1_ps(lse);
+  int64_t j = 0;
+  for (; j + 8 <= n; j += 8)
+    _mm256_storeu_ps(r + j, exp8_nonpos(_mm256_min_ps(_mm256_sub_ps(scaled8(x + j, t8, t1), l8), _mm256_setzero_ps())));
+  for (; j < n; j++) r[j] = std::exp(std::min(x[j] / t - lse, 0.f));
+}
 
 // Sum of w[0..n) (8 lanes, then in double).
 double sum_all(const float* w, int64_t n) {
@@ -110,6 +150,7 @@ torch::Tensor head_forward(const Head& w, const torch::Tensor& h, const torch::T
   const float* es = w.embed.data_ptr<float>();
   float* xs = xin.data_ptr<float>();
   for (int64_t r = 0; r < B * T; r++) {
+    TORCH_CHECK(ts[r] >= 0 && ts[r] < w.embed.size(0), "draft_chain: token id ", ts[r], " outside the vocabulary");
     std::copy(hs + r * D, hs + (r + 1) * D, xs + r * 2 * D);
     std::copy(es + ts[r] * D, es + (ts[r] + 1) * D, xs + r * 2 * D + D);
   }
@@ -149,17 +190,7 @@ torch::Tensor head_forward(const Head& w, const torch::Tensor& h, const torch::T
   x = linear(a, w.o, D, none, x, none, w.eps, false);
   auto gu = linear(x, w.gate_up, w.n_gu, none, none, w.mlp_norm, w.eps, false);
   x = linear(gu, w.down, D, none, x, none, w.eps, true);
-  // the final RMSNorm, as ``decoder.rms_norm`` in fp32
-  auto f = torch::empty_like(x);
-  const float* xr = x.data_ptr<float>();
-  const float* gw = w.norm.data_ptr<float>();
-  float* fr = f.data_ptr<float>();
-  for (int64_t r = 0; r < B * T; r++) {
-    float ss2 = 0.f;
-    for (int64_t d = 0; d < D; d++) ss2 += xr[r * D + d] * xr[r * D + d];
-    const float rs = 1.f / std::sqrt(ss2 / (float)D + (float)w.eps);
-    for (int64_t d = 0; d < D; d++) fr[r * D + d] = gw[d] * (xr[r * D + d] * rs);
-  }
+  auto f = prologue(x.reshape({B * T, D}), w.norm, w.eps, false).view({B, T, D});  // the head's final RMSNorm
   return f;
 }
 
@@ -220,8 +251,8 @@ std::vector<torch::Tensor> draft_chain(const std::vector<torch::Tensor>& weights
   std::vector<float> ex(Vd);
   auto tok1 = torch::empty({B, 1}, torch::kLong), pos1 = torch::empty({B, 1}, torch::kLong),
        sl1 = torch::empty({B, 1}, torch::kLong);
-  const float ninf = -std::numeric_limits<float>::infinity();
   const c10::optional<torch::Tensor> none;
+  const float T = (float)temperature;
   int64_t drawn = 0;
   for (int64_t d = 0; d < L; d++) {
     auto logits = linear(f, w.lm, Vd, none, none, none, w.eps, false);  // (B, 1, Vd)
@@ -230,16 +261,13 @@ std::vector<torch::Tensor> draft_chain(const std::vector<torch::Tensor>& weights
     for (int64_t b = 0; b < B; b++) {
       float* lq = qp + (b * L + d) * Vd;
       const float* x = lg + b * Vd;
-      float mx = ninf;
-      for (int64_t j = 0; j < Vd; j++) mx = std::max(mx, lq[j] = (float)(x[j] / temperature));
-      double z = 0.0;  // one exp pass: e_j = exp(x_j - max) into ex, z = their sum
-      for (int64_t j = 0; j < Vd; j++) z += (ex[j] = std::exp(lq[j] - mx));
-      const float lz = mx + (float)std::log(z);
-      for (int64_t j = 0; j < Vd; j++) lq[j] -= lz;
-      const int64_t pick = inverse_cdf(ex.data(), Vd, (double)up[b * L + d] * z);
+      const float lz = lse_scaled(x, Vd, T);
+      for (int64_t j = 0; j < Vd; j++) lq[j] = x[j] / T - lz;
+      probs(x, Vd, T, lz, ex.data());
+      const int64_t pick = inverse_cdf(ex.data(), Vd, (double)up[b * L + d] * sum_all(ex.data(), Vd));
       tp[b * L + d] = ids[pick];
       tok1.data_ptr<int64_t>()[b] = ids[pick];
-      conf[b] *= ex[pick] / z;
+      conf[b] *= ex[pick];
       if (chain_stop <= 0.0 || conf[b] >= chain_stop) go_on = true;
     }
     drawn = d + 1;
@@ -253,47 +281,6 @@ std::vector<torch::Tensor> draft_chain(const std::vector<torch::Tensor>& weights
   }
   return {toks.narrow(1, 0, drawn), q.narrow(1, 0, drawn)};
 }
-
-namespace {
-
-// x[0..8) / t as 8 lanes (no division at t = 1: x / 1 is x)
-inline __m256 scaled8(const float* x, __m256 t8, bool t1) {
-  const __m256 v = _mm256_loadu_ps(x);
-  return t1 ? v : _mm256_div_ps(v, t8);
-}
-
-// log-sum-exp of x[0..n) / temperature (x / T, as ``verify.rejection_chain`` scales)
-float lse_scaled(const float* x, int64_t n, float t) {
-  const bool t1 = t == 1.f;
-  const __m256 t8 = _mm256_set1_ps(t);
-  __m256 m8 = _mm256_set1_ps(-std::numeric_limits<float>::infinity());
-  int64_t j = 0;
-  for (; j + 8 <= n; j += 8) m8 = _mm256_max_ps(m8, scaled8(x + j, t8, t1));
-  alignas(32) float buf[8];
-  _mm256_store_ps(buf, m8);
-  float mx = *std::max_element(buf, buf + 8);
-  for (int64_t i = j; i < n; i++) mx = std::max(mx, x[i] / t);
-  const __m256 mx8 = _mm256_set1_ps(mx);
-  __m256 s8 = _mm256_setzero_ps();
-  for (j = 0; j + 8 <= n; j += 8) s8 = _mm256_add_ps(s8, exp8_nonpos(_mm256_sub_ps(scaled8(x + j, t8, t1), mx8)));
-  _mm256_store_ps(buf, s8);
-  double z = 0.0;
-  for (int i = 0; i < 8; i++) z += buf[i];
-  for (int64_t i = j; i < n; i++) z += std::exp(x[i] / t - mx);
-  return mx + (float)std::log(z);
-}
-
-// r[0..n) = exp(min(x / t - lse, 0)): the probabilities of the logits x at temperature t
-void probs(const float* x, int64_t n, float t, float lse, float* r) {
-  const bool t1 = t == 1.f;
-  const __m256 t8 = _mm256_set1_ps(t), l8 = _mm256_set1_ps(lse);
-  int64_t j = 0;
-  for (; j + 8 <= n; j += 8)
-    _mm256_storeu_ps(r + j, exp8_nonpos(_mm256_min_ps(_mm256_sub_ps(scaled8(x + j, t8, t1), l8), _mm256_setzero_ps())));
-  for (; j < n; j++) r[j] = std::exp(std::min(x[j] / t - lse, 0.f));
-}
-
-}  // namespace
 
 // Speculative sampling over sampled chains at a plain temperature: ``verify.rejection_chain``'s math (its
 // reference; the same uniforms give the same verdict), computing the policy's normalizer only at the nodes
