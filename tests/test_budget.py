@@ -74,6 +74,15 @@ def test_plan_is_monotone_and_consistent_with_the_tree(alpha, k_max, l_min, l_ma
             prev = p
 
 
+def test_chains_spend_the_whole_budget_on_one_path():
+    """k_max = 1 (sampled chains): a chain of min(N - 1, l_max) drafts, not the tree's log2 depth."""
+    assert plan(1, 12, k_max=1, l_max=6) == Plan(7, 1, 6)
+    assert plan(1, 12, k_max=1, l_max=20) == Plan(12, 1, 11)
+    assert plan(4, 12, k_max=1) == Plan(3, 1, 2)
+    assert plan(7, 12, k_max=1) == PLAIN
+    assert plan(1, 12, k_max=4).depth == 3  # trees keep log2(N / alpha)
+
+
 def test_depth_follows_log2_of_n_over_alpha_inside_the_clamp():
     for n in range(2, 200):
         p = plan(1, n, alpha=1.0, k_max=8, l_min=1, l_max=20)

@@ -324,8 +324,8 @@ def test_combined_drafter_is_built_for_reuse_plus_head():
 
 def test_adaptive_plan_profiles_once_and_uses_the_budget():
     model = tiny()
-    cfg = load_config(overrides=["draft.head=random", "draft.plan=adaptive", "model.name=tiny-online-test",
-                                 "model.rollout_dtype=float32"])
+    overrides = ["draft.head=random", "draft.plan=adaptive", "model.name=tiny-online-test", "model.rollout_dtype=float32"]
+    cfg = load_config(overrides=overrides)
     said: list[str] = []
     d = build_spec_drafter(cfg, model, log=said.append)
     assert isinstance(d.plan_fn, BudgetPlanner) and d.max_plan == d.plan_fn.max_plan
@@ -333,6 +333,9 @@ def test_adaptive_plan_profiles_once_and_uses_the_budget():
     said.clear()
     build_spec_drafter(cfg, model, log=said.append)  # cached now
     assert not any("profiling once" in s for s in said) and any("C_peak" in s for s in said)
+    # sampled chains spend the budget on one path (k = 1), trees keep their top-K shape
+    chain = build_spec_drafter(load_config(overrides=[*overrides, "draft.chain=true"]), model, log=None)
+    assert chain.plan_fn.k_max == 1 and chain.max_plan.k == 1 and d.plan_fn.k_max > 1
 
 
 @pytest.mark.parametrize("override,msg", [

@@ -48,18 +48,12 @@ def _chain(args):
 
 
 def _adaptive_chain(args):
-    """Sampled chains sized by the concurrency budget: N = C_peak / B_active tokens per row and step, i.e. a
-    chain of min(N - 1, --depth) drafts, re-planned every step; plain decoding where N <= 1."""
-    from ..engine.budget import PLAIN
+    """Sampled chains sized by the concurrency budget (``budget.plan`` with k_max = 1): N = C_peak / B_active
+    tokens per row and step, i.e. a chain of min(N - 1, --depth) drafts; plain decoding where N <= 1."""
+    from ..engine.profiler import adaptive_planner
 
-    c_peak = _adaptive(args)[0].c_peak
-    L = args.depth
-
-    def plan_fn(b):
-        n = int(c_peak // b)
-        return PLAIN if n <= 1 else Plan(min(n, L + 1), 1, min(n - 1, L))
-
-    return plan_fn, Plan(L + 1, 1, L)
+    planner = adaptive_planner(args.model, args.dtype, c_peak=args.c_peak, k_max=1, l_max=args.depth, log=print)
+    return planner, planner.max_plan
 
 
 PLANS = {"static": _static, "adaptive": _adaptive, "chain": _chain, "adaptive-chain": _adaptive_chain}

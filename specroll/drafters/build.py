@@ -124,7 +124,8 @@ def make_plan(cfg, model, log=print):
     if load_profile(cfg.model.name, dtype) is None and log is not None:
         log(f"draft.plan=adaptive: no C_peak profile for {cfg.model.name} ({dtype}) on this "
             f"machine yet; profiling once (cached at {profile_path(cfg.model.name, dtype)})")
-    planner = adaptive_planner(cfg.model.name, dtype, engine=Engine(model, dtype=dtype), log=log)
+    shape = {"k_max": 1} if dc.chain else {}  # sampled chains: the budget's tokens on one path
+    planner = adaptive_planner(cfg.model.name, dtype, engine=Engine(model, dtype=dtype), log=log, **shape)
     if log is not None:
         log(f"draft.plan=adaptive: C_peak = {planner.c_peak:g} tokens per forward")
     return planner.max_plan, planner, planner.max_plan

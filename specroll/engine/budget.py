@@ -91,7 +91,10 @@ def plan(b_active: int, c_peak: float, alpha: float = DEFAULT_ALPHA, k_max: int 
     if n <= 1:
         return PLAIN
     k = min(n - 1, int(k_max))
-    depth = min(max(math.floor(math.log2(n / alpha)), l_min), l_max, n - 1)
+    if k == 1:  # a chain (k_max = 1, e.g. chains sampled from the head): all N tokens lie on one path
+        depth = min(n - 1, int(l_max))
+    else:
+        depth = min(max(math.floor(math.log2(n / alpha)), l_min), l_max, n - 1)
     return Plan(min(n, 1 + tree_capacity(k, depth)), k, depth)
 
 
