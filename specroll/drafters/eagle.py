@@ -438,9 +438,7 @@ class EagleDrafter:
         if not (self.fused and self.sampled and params is not None and not params.greedy and not params.top_k
                 and params.top_p == 1.0 and self.dtype == torch.float32 and not self.head.cfg.qk_norm):
             return False
-        ext = kernels.skinny()
-        return (ext is not None and hasattr(ext, "draft_chain")
-                and self.chain_n.numel() * int(self.chain_n.max()) <= kernels.MAX_ROWS)
+        return kernels.skinny() is not None and self.chain_n.numel() * int(self.chain_n.max()) <= kernels.MAX_ROWS
 
     def _fused_chain(self, root_pos, L: int, params: SamplingParams, gen) -> DraftTree:
         """``_advance_chain`` + ``_sample_chain`` in one kernel call (``specroll/kernels/draft.cpp``); the same
@@ -450,7 +448,7 @@ class EagleDrafter:
         h_in, t_in = self.chain_h[:, :C], self.chain_tok[:, :C]
         u = torch.rand(B, L, generator=gen)
         weights, dims, eps = self._kernel_weights()
-        toks, q = kernels.skinny().draft_chain(weights, dims, eps, h_in.float(), t_in, n, dc.lens[:B], root_pos, u,
+        toks, q = kernels.skinny().draft_chain(weights, dims, eps, h_in, t_in, n, dc.lens[:B], root_pos, u,
                                                float(params.temperature), float(self.chain_stop))
         root_tok = t_in[torch.arange(B), n - 1]
         dc.advance(n)
