@@ -110,6 +110,22 @@ def test_chain_is_k1_tree():
     assert torch.equal(t.mask[0], torch.ones(4, 4, dtype=torch.bool).tril())
 
 
+def test_sampled_chain_tree_equals_general_build():
+    """``EagleDrafter._chain_tree`` builds a chain's tree directly (causal mask, no ancestor gathers): the same
+    tree as ``DraftTree.build`` over the chain's parents and depths."""
+    B, L = 3, 5
+    gen = torch.Generator().manual_seed(0)
+    d = SimpleNamespace(head=SimpleNamespace(vocab_ids=torch.arange(7)))
+    root, toks = torch.randint(7, (B,), generator=gen), torch.randint(7, (B, L), generator=gen)
+    q = torch.log_softmax(torch.randn(B, L, 7, generator=gen), -1)
+    t = EagleDrafter._chain_tree(d, root, toks, q)
+    ar = torch.arange(L + 1)
+    ref = DraftTree.build(torch.cat([root[:, None], toks], 1), (ar - 1).clamp(min=0).expand(B, L + 1), ar.expand(B, L + 1))
+    for f in ("tokens", "parents", "depth", "mask", "valid"):
+        assert torch.equal(getattr(t, f), getattr(ref, f)), f
+    assert t.max_depth == ref.max_depth == L and t.q_logp is q and torch.equal(t.q_vocab, torch.arange(7))
+
+
 def _state(n_gen, M, min_new=0):
     B = len(n_gen)
     p = SamplingParams(max_new_tokens=M, min_new_tokens=min_new)

@@ -425,11 +425,11 @@ class EagleDrafter:
     def _chain_tree(self, root_tok, toks, q_logp) -> DraftTree:
         """The tree of a sampled chain: the root, then ``toks`` (B, L), drawn from exp(``q_logp``) (B, L, V_draft)."""
         B, L = toks.shape
-        ar = torch.arange(L + 1)
-        tree = DraftTree.build(torch.cat([root_tok[:, None], toks], 1), (ar - 1).clamp(min=0).expand(B, L + 1),
-                               ar.expand(B, L + 1))
-        tree.q_logp, tree.q_vocab = q_logp, self.head.vocab_ids
-        return tree
+        ar = torch.arange(L + 1).expand(B, L + 1)
+        # a chain's ancestor mask is causal: built directly rather than by ``ancestor_mask``'s L gathers
+        causal = torch.ones(L + 1, L + 1, dtype=torch.bool).tril().expand(B, L + 1, L + 1)
+        return DraftTree(torch.cat([root_tok[:, None], toks], 1), (ar - 1).clamp(min=0), ar, causal,
+                         torch.ones(B, L + 1, dtype=torch.bool), L, q_logp, self.head.vocab_ids)
 
     def _fusable(self, params: SamplingParams | None) -> bool:
         """Whether this step's sampled chain can run as one ``draft_chain`` kernel call: a sampled chain at a

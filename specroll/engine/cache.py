@@ -127,12 +127,13 @@ class KVCache:
         dst = lens[:, None] + torch.arange(A)
         valid = torch.arange(A)[None, :] < n_accept[:, None]
         src = torch.where(valid, paths, dst)  # padding copies a slot onto itself
-        rows = torch.arange(B)[:, None].expand(B, A)
         span = int(torch.maximum(src, dst).max()) + 1
         if span > self.max_len:
             raise ValueError(f"KV cache overflow in commit: slot {span - 1} >= max_len {self.max_len}")
-        for t in (self.k, self.v):
-            t[:, rows, :, dst] = t[:, rows, :, src]
+        if not torch.equal(src, dst):  # an accepted chain is already in place: nothing to move
+            rows = torch.arange(B)[:, None].expand(B, A)
+            for t in (self.k, self.v):
+                t[:, rows, :, dst] = t[:, rows, :, src]
         self.lens[:B] += n_accept
 
     def keep(self, rows: torch.Tensor) -> None:
