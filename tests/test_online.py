@@ -99,17 +99,28 @@ def test_misaligned_pairs_are_dropped_not_trained_on(mid):
 
 # --- the learner ---------------------------------------------------------------------------------------
 
-def test_learner_lowers_its_loss_on_fixed_data(mid):
+@pytest.mark.parametrize("loss", [{}, {"w_feat": 0.5, "w_ce": 0.5, "w_tv": 1.0, "unroll": 2}],
+                         ids=["fastgrpo", "chain-objective"])
+def test_learner_lowers_its_loss_on_fixed_data(mid, loss):
+    """With FastGRPO's loss (the default) and with a sampled chain's objective (rejection probability, two
+    unrolled depths: the recipe of a head distilled for chains), the loss the learner reports falls."""
     model, head = mid
     fresh = head_for(model, head.vocab_ids, seed=5)
-    d = OnlineDrafter(fresh, online_cfg(update_steps=8, batch=6), plan=Plan(6, 2, 3))
+    d = OnlineDrafter(fresh, online_cfg(update_steps=8, batch=6, **loss), plan=Plan(6, 2, 3))
+    lc = d.learner.loss_cfg
+    assert (lc.w_feat, lc.w_ce, lc.w_tv, lc.unroll) == (loss.get("w_feat", 2.0), loss.get("w_ce", 0.1),
+                                                         loss.get("w_tv", 0.0), loss.get("unroll", 1))
     outs = Engine(model, eos_ids=[EOS]).generate(PROMPTS, SamplingParams(temperature=1.0, max_new_tokens=16, seed=2),
                                                 n=2, drafter=d)
     d.learner.finish(outs)
     before = {k: v.clone() for k, v in fresh.state_dict().items()}
-    hist = [d.learner.update(model)["draft/loss"] for _ in range(4)]
+    ups = [d.learner.update(model) for _ in range(6)]
+    hist = [u["draft/loss"] for u in ups]
     assert hist[-1] < 0.7 * hist[0], hist
-    assert d.learner.updates == 32
+    assert ("draft/tv" in ups[-1]) == ("w_tv" in loss)
+    if "w_tv" in loss:
+        assert ups[-1]["draft/tv"] < ups[0]["draft/tv"]
+    assert d.learner.updates == 48
     assert not torch.equal(before["fc.weight"], fresh.fc.weight.detach())
     assert all(p.grad is None for p in model.parameters())  # the policy stays frozen
 
@@ -346,6 +357,8 @@ def test_adaptive_plan_profiles_once_and_uses_the_budget():
     ("draft.buffer=0", "draft.buffer must be an integer >= 1"),
     ("draft.depth=0", "draft.k and draft.depth must be >= 1"),
     ("draft.w_ce=-0.5", "draft.w_ce must be a number >= 0"),
+    ("draft.w_tv=-1", "draft.w_tv must be a number >= 0"),
+    ("draft.unroll=0", "draft.unroll must be an integer >= 1"),
     ("draft.hed=random", "unknown config key 'draft.hed'; did you mean 'draft.head'"),
 ])
 def test_draft_config_errors_name_the_key(override, msg):

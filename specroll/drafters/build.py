@@ -44,6 +44,8 @@ class DraftConfig:
     batch: int = 16  # sequences per AdamW step
     w_feat: float = 2.0  # weight of the SmoothL1 feature regression
     w_ce: float = 0.1  # weight of the soft cross-entropy against the policy's distribution
+    w_tv: float = 0.0  # weight of 1 - sum min(p, q): a sampled draft's rejection probability (chains' objective)
+    unroll: int = 1  # chain depths trained per position (1 = teacher-forced; see distill.unrolled_features)
     buffer: int = 4  # recent rollouts whose sequences the online updates sample from
     bf16: bool | str = "auto"  # bf16 autocast for the online updates (fp32 head weights and AdamW state); auto = if fast
 
@@ -53,7 +55,7 @@ class DraftConfig:
         if self.plan not in PLANS:
             raise ValueError(f"draft.plan must be one of {list(PLANS)}, got {self.plan!r}")
         ints = {"vocab": 0, "n_verify": 1, "k": 0, "depth": 0, "update_steps": 1, "update_every": 1, "batch": 1,
-                "buffer": 1}
+                "buffer": 1, "unroll": 1}
         for k, lo in ints.items():
             v = getattr(self, k)
             if isinstance(v, bool) or not isinstance(v, int) or v < lo:
@@ -63,7 +65,7 @@ class DraftConfig:
                              f"(got k={self.k}, depth={self.depth}); draft.n_verify=1 means plain decoding")
         if not (isinstance(self.lr, (int, float)) and math.isfinite(self.lr) and self.lr > 0):
             raise ValueError(f"draft.lr must be a number > 0, got {self.lr!r}")
-        for k in ("w_feat", "w_ce"):
+        for k in ("w_feat", "w_ce", "w_tv"):
             v = getattr(self, k)
             if not (isinstance(v, (int, float)) and math.isfinite(v) and v >= 0):
                 raise ValueError(f"draft.{k} must be a number >= 0, got {v!r}")
@@ -74,8 +76,9 @@ class DraftConfig:
             raise ValueError(f"draft.chain_stop must be a number in [0, 1), got {self.chain_stop!r}")
         if not (isinstance(self.bf16, bool) or self.bf16 == "auto"):
             raise ValueError(f"draft.bf16 must be true, false or auto, got {self.bf16!r}")
-        if self.w_feat == 0 and self.w_ce == 0:
-            raise ValueError("draft.w_feat and draft.w_ce are both 0: the online loss would be zero; set one > 0")
+        if self.w_feat == 0 and self.w_ce == 0 and self.w_tv == 0:
+            raise ValueError("draft.w_feat, draft.w_ce and draft.w_tv are all 0: the online loss would be zero; "
+                             "set one > 0")
         if self.online and not self.head:
             raise ValueError("draft.online=true needs a draft head: set draft.head=random or draft.head=DIR")
 

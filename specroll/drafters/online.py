@@ -9,7 +9,10 @@ What this module owns:
   (policy frozen) over sequences sampled from the last ``draft.buffer`` rollouts, with the loss of
   offline distillation (``distill.head_loss``: ``w_feat`` SmoothL1 on the feature + ``w_ce`` soft
   cross-entropy against the policy's distribution over the draft vocabulary, the teacher read from
-  the stored hidden states through the frozen lm_head). Every sequence is used, zero-reward groups
+  the stored hidden states through the frozen lm_head, + ``w_tv`` times a sampled draft's rejection
+  probability, over ``unroll`` chain depths). The defaults are FastGRPO's (2.0 / 0.1, teacher-forced);
+  a head distilled for sampled chains (``--w-tv``, ``--unroll``) should keep learning with the same
+  objective, or the updates first pull it toward another one (BENCHMARKS.md, session 11). Every sequence is used, zero-reward groups
   included; as offline, only completion targets are scored (the prompt pairs stay in the head's
   context). The AdamW state persists across updates.
 - ``OnlineDrafter``: an ``EagleDrafter`` with the trainer's hooks: ``after_rollout`` (collect +
@@ -49,7 +52,8 @@ class OnlineLearner:
 
     def __init__(self, head: DraftHead, cfg: DraftConfig, seed: int = 0):
         self.head, self.cfg = head, cfg
-        self.loss_cfg = DistillConfig(steps=0, lr=cfg.lr, batch=cfg.batch, w_feat=cfg.w_feat, w_ce=cfg.w_ce)
+        self.loss_cfg = DistillConfig(steps=0, lr=cfg.lr, batch=cfg.batch, w_feat=cfg.w_feat, w_ce=cfg.w_ce,
+                                      w_tv=cfg.w_tv, unroll=cfg.unroll, eval_depth=cfg.unroll)
         self.params = [p for p in head.parameters() if p.requires_grad]
         self.opt = torch.optim.AdamW(self.params, lr=cfg.lr, weight_decay=0.0)
         self.gen = torch.Generator().manual_seed(seed)
@@ -136,7 +140,7 @@ class OnlineLearner:
             return {}
         lm = DraftVocab(policy, self.head.vocab_ids)  # frozen: no gradient reaches the policy
         self.head.train()
-        losses, top1 = [], []
+        losses, top1, tv = [], [], []
         for _ in range(self.cfg.update_steps):
             idx = torch.randperm(len(pool), generator=self.gen)[: self.cfg.batch].tolist()
             ids, H, valid = _batch([pool[i][0] for i in idx], [pool[i][1] for i in idx], list(range(len(idx))),
@@ -150,10 +154,14 @@ class OnlineLearner:
             self.updates += 1
             losses.append(float(loss.detach()))
             top1.append(info["top1"])
+            if "tv" in info:
+                tv.append(info["tv"])
         self.opt.zero_grad(set_to_none=True)
         self.head.eval()
         self.last = {"draft/loss": sum(losses) / len(losses), "draft/top1": sum(top1) / len(top1),
                      "draft/loss_first": losses[0], "draft/loss_last": losses[-1]}
+        if tv:  # w_tv > 0: a depth-1 sampled draft's mean rejection probability on the update batches
+            self.last["draft/tv"] = sum(tv) / len(tv)
         return self.last
 
     # -- checkpoints ----------------------------------------------------------------------------------
