@@ -12,9 +12,9 @@
 // block straight from memory; more rows go in blocks of up to 6 (2 x 6 accumulators + 2 weight registers
 // + 1 broadcast fit AVX2's 16), each consuming a chunk of the panel before the next is read. 7 or 8 rows
 // in one block spill a few accumulators to L1, which costs less than a second pass whose compute leaves
-// the memory stream idle: a 7-token verification forward of SmolLM2 at batch 1 took 1.06x less time and a
-// batch-8 decode step 1.06x less than with blocks of 3 + 4 / 4 + 4 (2026-11-24, one process, alternating);
-// past 8 rows in one block the spills make a block slower than two.
+// the memory stream idle: a 7-token verification forward + logits of SmolLM2 at batch 1 ran 1.03-1.06x
+// faster and a batch-8 decode step 1.04-1.06x than with blocks of 3 + 4 / 4 + 4 (2026-11-24, one process,
+// alternating; benchmarks/ab_build.py); past 8 rows in one block the spills make a block slower than two.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <immintrin.h>
