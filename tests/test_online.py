@@ -306,6 +306,30 @@ def test_frozen_head_reports_acceptance_and_does_not_change():
 
 # --- building, config ----------------------------------------------------------------------------------
 
+def test_online_run_names_a_head_distilled_with_another_objective(mid, tmp_path):
+    """A head whose draft_head.json records other loss settings than draft.* gets one note naming the
+    overrides that continue its objective; matching settings, a frozen head or a random one get none."""
+    from specroll.drafters.build import recipe_note
+    from specroll.drafters.eagle import save_head
+
+    model, head = mid
+    save_head(head, tmp_path / "h", meta={"config": {"w_feat": 2.0, "w_ce": 0.5, "w_tv": 1.0, "unroll": 3}})
+    cfg = load_config(overrides=[f"draft.head={tmp_path / 'h'}", "draft.online=true", "draft.plan=static"])
+    note = recipe_note(cfg.draft)
+    assert note is not None and note.endswith("pass draft.w_ce=0.5 draft.w_tv=1 draft.unroll=3"), note
+    logs = []
+    build_spec_drafter(cfg, model, log=logs.append)
+    assert note in logs
+    same = load_config(overrides=[f"draft.head={tmp_path / 'h'}", "draft.online=true", "draft.plan=static",
+                                  "draft.w_ce=0.5", "draft.w_tv=1", "draft.unroll=3"])
+    assert recipe_note(same.draft) is None
+    logs.clear()
+    build_spec_drafter(load_config(overrides=[f"draft.head={tmp_path / 'h'}", "draft.plan=static"]), model,
+                       log=logs.append)
+    assert not any("distilled with" in m for m in logs)  # frozen: nothing to say
+    assert recipe_note(load_config(overrides=["draft.head=random"]).draft) is None
+
+
 def test_build_spec_drafter_picks_by_reuse_mode_and_head(tmp_path):
     model = tiny()
     assert build_spec_drafter(load_config(), model) is None

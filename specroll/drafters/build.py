@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from pathlib import Path
 
 PLANS = ("static", "adaptive")
 
@@ -111,6 +112,33 @@ def make_head(dc: DraftConfig, model, prompt_ids=None, eos_ids=(), seed: int = 0
         raise type(e)(f"draft.head={dc.head}: {e}") from None
 
 
+RECIPE = ("w_feat", "w_ce", "w_tv", "unroll")  # the loss settings online updates share with `draft train`
+
+
+def recipe_note(dc: DraftConfig) -> str | None:
+    """A note when ``draft.head`` was distilled with other loss settings than the online updates will use
+    (read from its ``draft_head.json``), else None. Online updates with another objective first pull a head
+    away from what it was trained for: with a head distilled for sampled chains (``--w-tv 1 --unroll 3``),
+    FastGRPO's default loss cost acceptance for the first steps of GRPO (BENCHMARKS.md, session 11)."""
+    import json
+
+    from .eagle import HEAD_CONFIG
+
+    if dc.head in ("", "random"):
+        return None
+    try:
+        trained = json.loads((Path(dc.head) / HEAD_CONFIG).read_text()).get("meta", {}).get("config") or {}
+    except (OSError, ValueError):
+        return None
+    diff = {k: (trained[k], getattr(dc, k)) for k in RECIPE if k in trained and trained[k] != getattr(dc, k)}
+    if not diff:
+        return None
+    same = " ".join(f"draft.{k}={a:g}" for k, (a, _) in diff.items())
+    now = ", ".join(f"{k} {b:g}" for k, (_, b) in diff.items())
+    return (f"draft.online: {dc.head} was distilled with {same.replace('draft.', '')} but the online updates "
+            f"use {now}; to keep training it on its own objective, pass {same}")
+
+
 def make_plan(cfg, model, log=print):
     """(plan, plan_fn, max_plan) for the drafter from ``cfg.draft`` (adaptive: cached C_peak)."""
     from ..engine.profiler import adaptive_planner, load_profile, profile_path
@@ -142,6 +170,10 @@ def build_eagle(cfg, model, prompt_ids=None, eos_ids=(), log=print):
     head = make_head(dc, model, prompt_ids, eos_ids, seed=cfg.train.seed)
     if head is None:
         return None
+    if dc.online and log is not None:
+        note = recipe_note(dc)
+        if note:
+            log(note)
     plan, plan_fn, max_plan = make_plan(cfg, model, log)
     return OnlineDrafter(head, dc, policy=model, plan=plan, plan_fn=plan_fn, max_plan=max_plan, seed=cfg.train.seed,
                          sampled=dc.chain, chain_stop=float(dc.chain_stop))
@@ -173,4 +205,4 @@ def eagle_of(drafter):
 
 
 __all__ = ["DraftConfig", "PLANS", "build_eagle", "build_spec_drafter", "eagle_of", "make_head", "make_plan",
-           "random_head_vocab"]
+           "random_head_vocab", "recipe_note"]
