@@ -63,13 +63,13 @@ def test_ratios_against_trl():
 def test_steps_from_epochs_and_overrides():
     args = build_parser().parse_args(COMMON[:2] + ["--prompts", "8", "--prompts-per-step", "4", "--epochs", "3",
                                                    "--spec", "reuse+draft", "--reuse-mode", "exact",
-                                                   "--draft", "random", "draft.plan=adaptive"])
+                                                   "--draft", "random", "draft.plan=adaptive", "draft.online=true"])
     assert e2e.n_steps(args) == 6
     cfg = e2e._config(args, "reuse+draft")
     assert cfg.train.steps == 6 and cfg.data.n_train == 8 and cfg.reuse.mode == "exact"
-    assert cfg.draft.head == "random" and cfg.draft.plan == "adaptive"
-    off = e2e._config(args, "off")
-    assert off.reuse.mode == "off" and off.draft.head == "" and off.draft.plan == "adaptive"
+    assert cfg.draft.head == "random" and cfg.draft.plan == "adaptive" and cfg.draft.online
+    off = e2e._config(args, "off")  # draft.online=true applies to the rows with a head only
+    assert off.reuse.mode == "off" and off.draft.head == "" and off.draft.plan == "adaptive" and not off.draft.online
     assert math.isclose(e2e._config(args, "reuse").reuse.lenience, off.reuse.lenience)
     args.steps = 2
     assert e2e.n_steps(args) == 2

@@ -66,8 +66,10 @@ def n_steps(args) -> int:
 def spec_overrides(args, spec: str) -> list[str]:
     reuse = spec in ("reuse", "reuse+draft")
     # quoted: YAML reads a bare off as false
-    out = [f"reuse.mode='{args.reuse_mode if reuse else 'off'}'",
-           f"draft.head='{args.draft if spec in ('draft', 'reuse+draft') else ''}'"]
+    draft = spec in ("draft", "reuse+draft")
+    out = [f"reuse.mode='{args.reuse_mode if reuse else 'off'}'", f"draft.head='{args.draft if draft else ''}'"]
+    if not draft:  # the rows without a head ignore draft.* overrides; draft.online=true would be an error there
+        out.append("draft.online=false")
     if reuse and args.lenience is not None:
         out.append(f"reuse.lenience={args.lenience}")
     return out

@@ -130,7 +130,8 @@ def recipe_note(dc: DraftConfig) -> str | None:
         trained = json.loads((Path(dc.head) / HEAD_CONFIG).read_text()).get("meta", {}).get("config") or {}
     except (OSError, ValueError):
         return None
-    diff = {k: (trained[k], getattr(dc, k)) for k in RECIPE if k in trained and trained[k] != getattr(dc, k)}
+    diff = {k: (trained[k], getattr(dc, k)) for k in RECIPE
+            if isinstance(trained.get(k), (int, float)) and trained[k] != getattr(dc, k)}
     if not diff:
         return None
     same = " ".join(f"draft.{k}={a:g}" for k, (a, _) in diff.items())

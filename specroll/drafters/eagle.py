@@ -428,8 +428,9 @@ class EagleDrafter:
         ar = torch.arange(L + 1).expand(B, L + 1)
         # a chain's ancestor mask is causal: built directly rather than by ``ancestor_mask``'s L gathers
         causal = torch.ones(L + 1, L + 1, dtype=torch.bool).tril().expand(B, L + 1, L + 1)
-        return DraftTree(torch.cat([root_tok[:, None], toks], 1), (ar - 1).clamp(min=0), ar, causal,
-                         torch.ones(B, L + 1, dtype=torch.bool), L, q_logp, self.head.vocab_ids)
+        return DraftTree(tokens=torch.cat([root_tok[:, None], toks], 1), parents=(ar - 1).clamp(min=0), depth=ar,
+                         mask=causal, valid=torch.ones(B, L + 1, dtype=torch.bool), max_depth=L, q_logp=q_logp,
+                         q_vocab=self.head.vocab_ids)
 
     def _fusable(self, params: SamplingParams | None) -> bool:
         """Whether this step's sampled chain can run as one ``draft_chain`` kernel call: a sampled chain at a

@@ -12,9 +12,10 @@ What this module owns:
   the stored hidden states through the frozen lm_head, + ``w_tv`` times a sampled draft's rejection
   probability, over ``unroll`` chain depths). The defaults are FastGRPO's (2.0 / 0.1, teacher-forced);
   a head distilled for sampled chains (``--w-tv``, ``--unroll``) should keep learning with the same
-  objective, or the updates first pull it toward another one (BENCHMARKS.md, session 11). Every sequence is used, zero-reward groups
-  included; as offline, only completion targets are scored (the prompt pairs stay in the head's
-  context). The AdamW state persists across updates.
+  objective, or the updates first pull it toward another one (BENCHMARKS.md, session 11; the run says
+  so, ``build.recipe_note``). Every sequence is used, zero-reward groups included; as offline, only
+  completion targets are scored (the prompt pairs stay in the head's context). The AdamW state
+  persists across updates.
 - ``OnlineDrafter``: an ``EagleDrafter`` with the trainer's hooks: ``after_rollout`` (collect +
   update), ``metrics`` (``timing/draft_update``, ``draft/loss``, ``draft/top1``,
   ``spec/accept_length``, ``spec/accept_rate`` of the last rollout), ``state_dict`` /
