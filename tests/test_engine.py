@@ -353,6 +353,18 @@ def test_cache_commit_moves_accepted_slots_contiguous():
     assert torch.equal(c.k[:, 0, :, :4], before[:, 0, :, :4])
 
 
+def test_cache_commit_of_slots_in_place_only_extends():
+    """An accepted chain sits right after ``lens`` already: commit moves nothing and extends ``lens``."""
+    c = filled_cache()
+    lens = c.lens[:3].clone()
+    paths = lens[:, None] + torch.arange(3)
+    n_acc = torch.tensor([3, 0, 2])
+    before_k, before_v = c.k.clone(), c.v.clone()
+    c.commit(paths, n_acc)
+    assert torch.equal(c.lens[:3], lens + n_acc)
+    assert torch.equal(c.k, before_k) and torch.equal(c.v, before_v)
+
+
 def test_cache_mask_tree_visibility():
     c = filled_cache()
     tree = torch.tensor([[1, 0, 0], [1, 1, 0], [1, 0, 1]], dtype=torch.bool).expand(3, 3, 3)
