@@ -24,7 +24,7 @@ from specroll.engine.cache import KVCache
 from specroll.engine.engine import Engine
 from specroll.models import decoder, hub
 
-SOURCES = ("skinny.cpp", "attention.cpp", "draft.cpp")
+SOURCES = [p.name for p in kernels.SRCS]
 
 
 def build(rev: str, root: Path):
@@ -36,8 +36,8 @@ def build(rev: str, root: Path):
         (src / name).write_text(text)
     (root / "build").mkdir()
     return load(f"ab_{rev.replace('/', '_').replace('~', '_').replace('^', '_')}", [str(src / n) for n in SOURCES],
-                build_directory=str(root / "build"), extra_cflags=["-O3", "-mavx2", "-mfma", "-fopenmp"],
-                extra_ldflags=["-fopenmp"], verbose=False)
+                build_directory=str(root / "build"), extra_cflags=kernels.CFLAGS,
+                extra_ldflags=kernels.LDFLAGS, verbose=False)
 
 
 def main() -> None:

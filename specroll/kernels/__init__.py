@@ -22,6 +22,8 @@ from pathlib import Path
 import torch
 
 SRCS = [Path(__file__).with_name(n) for n in ("skinny.cpp", "attention.cpp", "draft.cpp")]
+CFLAGS = ["-O3", "-mavx2", "-mfma", "-fopenmp"]  # the build flags (benchmarks/ab_build.py builds other revisions alike)
+LDFLAGS = ["-fopenmp"]
 MAX_ROWS = 32  # up to here the kernel beat oneDNN on every SmolLM2 shape (1.0-2.2x); at 64 not always (BENCHMARKS.md)
 
 
@@ -52,7 +54,7 @@ def skinny():
             print("specroll: compiling the CPU kernels for this machine (once, ~45 s) ...", file=sys.stderr,
                   flush=True)
         return load("specroll_skinny", [str(p) for p in SRCS], build_directory=str(_build_dir()),
-                    extra_cflags=["-O3", "-mavx2", "-mfma", "-fopenmp"], extra_ldflags=["-fopenmp"], verbose=False)
+                    extra_cflags=CFLAGS, extra_ldflags=LDFLAGS, verbose=False)
     except Exception as e:  # no compiler / headers / ninja: oneDNN still works
         warnings.warn(f"specroll: the CPU kernels could not be built ({type(e).__name__}: {str(e)[:200]}); "
                       "using oneDNN and SDPA instead (set SPECROLL_KERNELS=0 to silence)", stacklevel=2)
