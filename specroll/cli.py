@@ -236,6 +236,9 @@ def _bench_online(s):
     b.add_argument("--draft", default="random", help="starting head of both runs: a `specroll draft train` "
                    "directory, or random (a fresh head)")
     b.add_argument("--plan", default="static", choices=["static", "adaptive"], help="speculation plan (draft.plan)")
+    b.add_argument("--design", default="paired", choices=["paired", "separate"],
+                   help="paired: one training, the frozen head re-rolls each step's prompts with the same policy; "
+                   "separate: one training per head")
     b.add_argument("--draft-lr", type=float, default=3e-4, help="AdamW lr of the online updates (draft.lr)")
     b.add_argument("--update-steps", type=int, default=4, help="AdamW steps per rollout (draft.update_steps)")
     b.add_argument("--prompts", type=int, default=0, help="training prompts (0 = the task's default train set)")

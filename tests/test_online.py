@@ -414,7 +414,8 @@ def test_combined_mode_pairs_line_up_with_reused_prefixes(mid):
     assert any(part), [(o.n_reused, len(o.completion_ids)) for o in outs]  # rows cut inside a reused prefix
 
 
-def test_cli_bench_online_writes_both_curves(tmp_path, monkeypatch, capsys):
+@pytest.mark.parametrize("design", ["paired", "separate"])
+def test_cli_bench_online_writes_both_curves(tmp_path, monkeypatch, capsys, design):
     import json
 
     from specroll.cli import main
@@ -423,14 +424,18 @@ def test_cli_bench_online_writes_both_curves(tmp_path, monkeypatch, capsys):
     out = tmp_path / "b" / "online.json"
     args = ["bench", "online", "--model", "tiny-llama", "--steps", "2", "--prompts", "4", "--prompts-per-step", "2",
             "-G", "2", "--max-new-tokens", "6", "--dtype", "float32", "--draft-lr", "1e-2", "--out", str(out),
-            "draft.plan=static", "draft.n_verify=4", "draft.k=2", "draft.depth=2", "train.micro_batch_size=4"]
+            "--design", design, "draft.plan=static", "draft.n_verify=4", "draft.k=2", "draft.depth=2",
+            "train.micro_batch_size=4"]
     assert main(args) == 0
     res = json.loads(out.read_text())
     rows = res["rows"]
+    assert res["args"]["design"] == design
     assert [(r["mode"], r["step"]) for r in rows] == [("online", 1), ("frozen", 1), ("online", 2), ("frozen", 2)]
     assert rows[0]["accept_length"] == rows[1]["accept_length"]  # same start: same head, same first rollout
+    assert rows[0]["reward_mean"] == rows[1]["reward_mean"]  # ... hence the same samples
     for r in rows:
-        assert r["accept_length"] >= 1.0 and r["rollout_s"] > 0
+        assert r["accept_length"] >= 1.0 and r["rollout_s"] > 0 and r["rollout_cpu_s"] > 0
+        assert r["tokens_generated"] > 0
         assert (r["draft_loss"] is not None) == (r["mode"] == "online")
     assert set(res["summary"]) == {"online", "frozen"}
     assert (out.parent / "accept_length_vs_step.png").stat().st_size > 0
@@ -438,3 +443,29 @@ def test_cli_bench_online_writes_both_curves(tmp_path, monkeypatch, capsys):
     assert main(["bench", "online", "--model", "tiny-llama", "--draft", str(tmp_path / "none"), "--out",
                  str(out)]) == 2
     assert "no such directory" in capsys.readouterr().err
+
+
+def test_rollout_hooks_see_the_rollouts_policy_and_prompts():
+    """A rollout hook runs after the rollout and before the drafter's update and the policy update: it sees
+    the step's prompts and sampling params and the policy version that made the rollout (how `bench online
+    --design paired` measures the frozen head on the same policy)."""
+    from specroll.rl.trainer import Trainer
+
+    decode, make_cfg, prompts, target_fraction, tiny_model = trainer_parts()
+    cfg = make_cfg("draft.head=random", "draft.online=true", "draft.vocab=0", "draft.plan=static", "draft.n_verify=4",
+                   "draft.k=2", "draft.depth=2", "draft.lr=1e-2", "train.steps=2")
+    ps = prompts()
+    model = tiny_model(0)
+    d = build_spec_drafter(cfg, model, ps.ids, eos_ids=[0], log=None)
+    tr = Trainer(cfg, model, ps, None, target_fraction, decode, eos_ids=[0], drafter=d)
+    seen = []
+    tr.rollout_hooks.append(lambda t, p, params: seen.append(
+        (t.engine.policy_version, p.ids, params.seed, d.learner.updates)))
+    for step in range(2):
+        version = tr.engine.policy_version
+        tr.train_step()
+        assert tr.engine.policy_version > version  # the policy was updated after the hook
+        v, ids, seed, updates = seen[-1]
+        assert v == version and ids == ps.take(tr.batch_indices(step)).ids
+        assert seed == tr.rollout_params(step).seed
+        assert updates == step * cfg.draft.update_steps  # the head had not yet learned from this rollout

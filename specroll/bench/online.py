@@ -1,14 +1,22 @@
 """`specroll bench online`: a draft head learning online during GRPO vs the same head frozen.
 
-Two GRPO trainings with the same config, seeds and data (FastGRPO Fig. 4): ``online`` trains the head
-after every rollout on the (hidden state, token) pairs the rollout already computed
-(``drafters/online.py``); ``frozen`` keeps it as it started. Both start from the same head: ``--draft
-DIR`` (a `specroll draft train` directory) or ``random`` (a fresh head, identical in both runs). Both
-trainers live in one process and take their steps in turn (never concurrently), so load changes on a
-shared machine hit both curves alike; ``rollout_cpu_s`` (process CPU seconds) is steadier still.
+FastGRPO Fig. 4: ``online`` trains the head after every rollout on the (hidden state, token) pairs the
+rollout already computed (``drafters/online.py``); ``frozen`` keeps it as it started. Both start from
+the same head: ``--draft DIR`` (a `specroll draft train` directory) or ``random`` (a fresh head,
+identical in both). Two designs (``--design``):
 
-Speculation is lossless, so the policy's samples have the same distribution in both runs; the exact
-samples differ once the heads differ (a different tree consumes different random draws).
+- ``paired`` (default): one GRPO training, whose rollouts the online head drafts. After each rollout,
+  before the policy update, the frozen head rolls out the same prompts with the same sampling params
+  (seed included) and the same policy; that rollout is measured and discarded. Both curves then follow
+  one policy trajectory over the same prompts, so their difference is the heads', not two trainings'
+  drift apart (GRPO's prompts and samples move a 32-row step's accept length by +-0.3-0.5, more than
+  30 steps of online learning; BENCHMARKS.md, session 11).
+- ``separate``: two GRPO trainings with the same config, seeds and data, one per head, stepped in turn.
+
+Either way everything runs in one process, one rollout at a time (never concurrently), so load changes
+on a shared machine hit both curves alike; ``rollout_cpu_s`` (process CPU seconds) is steadier still.
+Speculation is lossless, so both heads' rollouts have the policy's distribution; the exact samples
+differ once the heads differ (a different draft consumes different random draws).
 
 Writes ``{"rows": [{"mode", "step", "accept_length", "accept_rate", "rollout_s", "rollout_cpu_s",
 "draft_update_s", "draft_loss", "draft_top1", "reward_mean", "tokens_generated"}], "summary": {mode:
@@ -26,6 +34,7 @@ from pathlib import Path
 from .common import machine_info, save_figure, write_json
 
 MODES = ("online", "frozen")
+DESIGNS = ("paired", "separate")
 
 
 def bench_config(args, online: bool):
@@ -53,7 +62,55 @@ def _row(mode: str, step: int, m: dict, cpu: float) -> dict:
             "tokens_generated": m.get("rollout/tokens_generated")}
 
 
-def run_modes(args, say=print) -> tuple[list[dict], dict]:
+def _say_row(say, r: dict, steps: int) -> None:
+    loss = "" if r["draft_loss"] is None else f"  draft loss {r['draft_loss']:.3f} ({r['draft_update_s']:.1f}s)"
+    say(f"  {r['mode']} step {r['step']}/{steps}: accept length {r['accept_length']:.2f}, "
+        f"rollout {r['rollout_s']:.1f}s, reward {r['reward_mean']:.3f}{loss}")
+
+
+def run_paired(args, say=print) -> tuple[list[dict], dict]:
+    """One training drafted by the online head; the frozen head re-rolls each step's prompts with the
+    same policy and sampling params before the update (see the module docstring)."""
+    from ..drafters.build import build_spec_drafter
+    from ..rl.run import build_trainer
+    from ..rl.trainer import call_reward
+    from .reuse import _time_generate
+
+    cfg, fcfg = bench_config(args, online=True), bench_config(args, online=False)
+    tr = build_trainer(cfg, None)
+    frozen = build_spec_drafter(fcfg, tr.model, tr.train_set.ids, tr.engine.eos_ids, log=None)
+    _time_generate(tr.engine)
+    seen: dict = {}
+
+    def measure(trainer, prompts, params):
+        seen["online_cpu"] = trainer.engine.cpu_log[-1]
+        G = trainer.cfg.rollout.G
+        t = time.perf_counter()
+        outs = trainer.engine.generate(prompts.ids, params, n=G, drafter=frozen)
+        wall = time.perf_counter() - t
+        frozen.after_rollout(outs, trainer.step)
+        texts = [trainer.decode(o.completion_ids.tolist()) for o in outs]
+        rep = lambda xs: [x for x in xs for _ in range(G)]  # noqa: E731
+        rewards, _ = call_reward(trainer.reward, rep(prompts.texts), texts, rep(prompts.columns))
+        seen["frozen"] = {**frozen.metrics(), "timing/rollout": wall, "reward/mean": float(rewards.mean()),
+                          "rollout/tokens_generated": sum(len(o.completion_ids) for o in outs)}
+        seen["frozen_cpu"] = trainer.engine.cpu_log[-1]
+
+    tr.rollout_hooks.append(measure)
+    rows = []
+    try:
+        for _ in range(args.steps):
+            m = tr.train_step()
+            for r in (_row("online", tr.step, m, seen["online_cpu"]),
+                      _row("frozen", tr.step, seen["frozen"], seen["frozen_cpu"])):
+                rows.append(r)
+                _say_row(say, r, args.steps)
+    finally:
+        getattr(tr.reward, "close", lambda: None)()
+    return rows, {"online": cfg.to_dict(), "frozen": fcfg.to_dict()}
+
+
+def run_separate(args, say=print) -> tuple[list[dict], dict]:
     """Both trainings, step by step in turn (online step k, then frozen step k), so that a change in
     the machine's load hits both curves alike."""
     from ..rl.run import build_trainer
@@ -72,9 +129,7 @@ def run_modes(args, say=print) -> tuple[list[dict], dict]:
                 m = tr.train_step()
                 r = _row(mode, tr.step, m, tr.engine.cpu_log[-1])
                 rows.append(r)
-                loss = "" if r["draft_loss"] is None else f"  draft loss {r['draft_loss']:.3f} ({r['draft_update_s']:.1f}s)"
-                say(f"  {mode} step {tr.step}/{args.steps}: accept length {r['accept_length']:.2f}, "
-                    f"rollout {r['rollout_s']:.1f}s, reward {r['reward_mean']:.3f}{loss}")
+                _say_row(say, r, args.steps)
     finally:
         for tr in trainers.values():
             getattr(tr.reward, "close", lambda: None)()
@@ -126,8 +181,13 @@ def plot(rows: list[dict], png: str | Path) -> Path:
 
 def run(args, say=print) -> dict:
     t0 = time.perf_counter()
-    say(f"online vs frozen head: {args.steps} GRPO steps each, interleaved")
-    rows, config = run_modes(args, say)
+    if args.design == "paired":
+        say(f"online vs frozen head: {args.steps} GRPO steps drafted by the online head, the frozen head "
+            "re-rolling each step's prompts with the same policy")
+        rows, config = run_paired(args, say)
+    else:
+        say(f"online vs frozen head: two trainings of {args.steps} GRPO steps, interleaved")
+        rows, config = run_separate(args, say)
     return {"benchmark": "online", "rows": rows, "summary": summarize(rows), "config": config,
             "args": {k: v for k, v in vars(args).items() if k != "func"}, "wall_s": time.perf_counter() - t0,
             "machine": machine_info()}
@@ -136,6 +196,8 @@ def run(args, say=print) -> dict:
 def cli(args) -> int:
     from ..cli import CliError
 
+    if args.design not in DESIGNS:
+        raise CliError(f"--design must be one of {', '.join(DESIGNS)}, got {args.design!r}")
     if args.steps < 1:
         raise CliError(f"--steps must be >= 1, got {args.steps}")
     if args.draft != "random" and not Path(args.draft).is_dir():

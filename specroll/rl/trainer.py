@@ -223,6 +223,11 @@ class Trainer:
     ``reward(prompts, completions, **columns)`` and ``decode(ids) -> str`` connect the token world to
     the reward. ``drafter`` (optional) is passed to ``Engine.generate``; after each rollout the
     trainer calls ``drafter.after_rollout(rollouts, step)`` and logs ``drafter.metrics()``.
+
+    ``rollout_hooks``: callables ``hook(trainer, prompts, params)`` (the step's ``PromptSet`` and
+    ``SamplingParams``), run after each rollout and before the drafter's ``after_rollout`` and the policy
+    update, i.e. with the policy that made the rollout (``bench online`` measures a frozen head on the
+    same prompts and policy this way). Their time counts in ``timing/step`` only.
     """
 
     def __init__(self, cfg, model, train_set: PromptSet, eval_set: PromptSet | None, reward: Callable,
@@ -246,6 +251,7 @@ class Trainer:
         self.run_dir = Path(run_dir) if run_dir is not None else None
         self.console = console
         self.metrics: list[dict] = []
+        self.rollout_hooks: list[Callable] = []
         self._perms: dict[int, torch.Tensor] = {}
         self.writer = MetricsWriter(self.run_dir, tc.tensorboard) if self.run_dir is not None else None
 
@@ -277,8 +283,11 @@ class Trainer:
         prompts = self.train_set.take(self.batch_indices(self.step))
         m: dict = {}
         t = time.perf_counter()
-        rollouts = self.engine.generate(prompts.ids, self.rollout_params(self.step), n=G, drafter=self.drafter)
+        params = self.rollout_params(self.step)
+        rollouts = self.engine.generate(prompts.ids, params, n=G, drafter=self.drafter)
         m["timing/rollout"] = time.perf_counter() - t
+        for hook in self.rollout_hooks:
+            hook(self, prompts, params)
         if self.drafter is not None and hasattr(self.drafter, "after_rollout"):
             t = time.perf_counter()
             self.drafter.after_rollout(rollouts, self.step)
