@@ -62,6 +62,14 @@ def _row(mode: str, step: int, m: dict, cpu: float) -> dict:
             "tokens_generated": m.get("rollout/tokens_generated")}
 
 
+def _warm(tr) -> None:
+    """One short plain rollout before timing: builds the CPU kernels (first use on a machine) and packs the
+    policy's weights, which would otherwise land in the first step's ``rollout_s`` of one curve only."""
+    from ..engine.sampling import SamplingParams
+
+    tr.engine.generate(tr.train_set.ids[:1], SamplingParams(max_new_tokens=2), n=1)
+
+
 def _say_row(say, r: dict, steps: int) -> None:
     loss = "" if r["draft_loss"] is None else f"  draft loss {r['draft_loss']:.3f} ({r['draft_update_s']:.1f}s)"
     say(f"  {r['mode']} step {r['step']}/{steps}: accept length {r['accept_length']:.2f}, "
@@ -79,6 +87,7 @@ def run_paired(args, say=print) -> tuple[list[dict], dict]:
     cfg, fcfg = bench_config(args, online=True), bench_config(args, online=False)
     tr = build_trainer(cfg, None)
     frozen = build_spec_drafter(fcfg, tr.model, tr.train_set.ids, tr.engine.eos_ids, log=None)
+    _warm(tr)
     _time_generate(tr.engine)
     seen: dict = {}
 
@@ -120,6 +129,7 @@ def run_separate(args, say=print) -> tuple[list[dict], dict]:
     for mode in MODES:
         cfg = bench_config(args, online=mode == "online")
         trainers[mode] = build_trainer(cfg, None)
+        _warm(trainers[mode])
         _time_generate(trainers[mode].engine)
         config[mode] = cfg.to_dict()
     rows = []
