@@ -239,7 +239,8 @@ def _bench_online(s):
     b.add_argument("--design", default="paired", choices=["paired", "separate"],
                    help="paired: one training, the frozen head re-rolls each step's prompts with the same policy; "
                    "separate: one training per head")
-    b.add_argument("--draft-lr", type=float, default=3e-4, help="AdamW lr of the online updates (draft.lr)")
+    b.add_argument("--draft-lr", default="auto", help="AdamW lr of the online updates (draft.lr; auto = 3e-4 for "
+                   "a random head, 1e-4 for a distilled one)")
     b.add_argument("--update-steps", type=int, default=4, help="AdamW steps per rollout (draft.update_steps)")
     b.add_argument("--prompts", type=int, default=0, help="training prompts (0 = the task's default train set)")
     b.add_argument("--prompts-per-step", type=int, default=4)

@@ -185,6 +185,13 @@ def _coerce(value: Any, default: Any, key: str) -> Any:
     t = type(default)
     if default == "auto" and isinstance(value, str) and value.lower() in ("true", "false", "yes", "no"):
         return value.lower() in ("true", "yes")  # a `bool | "auto"` switch (train.bf16, draft.bf16)
+    if default == "auto" and isinstance(value, (int, float, str)) and not isinstance(value, bool):
+        if isinstance(value, str) and value.lower() == "auto":
+            return "auto"
+        try:  # a `number | "auto"` setting (draft.lr); anything else is left to the section's own check
+            return float(value)
+        except ValueError:
+            return value
     if t is bool:
         if isinstance(value, bool):
             return value

@@ -445,6 +445,20 @@ def test_cli_bench_online_writes_both_curves(tmp_path, monkeypatch, capsys, desi
     assert "no such directory" in capsys.readouterr().err
 
 
+def test_online_lr_auto_is_lower_for_a_distilled_head(mid):
+    model, head = mid
+    assert DraftConfig().lr == "auto"
+    assert DraftConfig(head="random").online_lr() == 3e-4
+    assert DraftConfig(head="runs/x/draft_head").online_lr() == 1e-4
+    assert DraftConfig(head="random", lr=5e-5).online_lr() == 5e-5
+    assert OnlineLearner(clone_head(model, head), online_cfg(lr="auto")).opt.param_groups[0]["lr"] == 1e-4
+    for text, want in (("1e-4", 1e-4), ("0.002", 2e-3), ("auto", "auto"), ("AUTO", "auto")):
+        assert load_config(overrides=[f"draft.lr={text}"]).draft.lr == want
+    for bad in ("fast", "0", "-1e-3", "true"):
+        with pytest.raises(ValueError, match="draft.lr must be a number > 0 or auto"):
+            load_config(overrides=[f"draft.lr={bad}"])
+
+
 def test_rollout_hooks_see_the_rollouts_policy_and_prompts():
     """A rollout hook runs after the rollout and before the drafter's update and the policy update: it sees
     the step's prompts and sampling params and the policy version that made the rollout (how `bench online

@@ -163,7 +163,7 @@ def summarize(rows: list[dict]) -> dict:
     return out
 
 
-def plot(rows: list[dict], png: str | Path) -> Path:
+def plot(rows: list[dict], png: str | Path, design: str = "paired") -> Path:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -179,7 +179,8 @@ def plot(rows: list[dict], png: str | Path) -> Path:
         ax2.plot(steps, [r["rollout_s"] for r in rs], style, label=f"{mode} head", markersize=4)
     ax1.set_xlabel("GRPO step")
     ax1.set_ylabel("accept length (tokens per row per step)")
-    ax1.set_title("draft acceptance over training")
+    ax1.set_title("draft acceptance over training" + (", same policy and prompts" if design == "paired" else
+                                                       ", one training per head"))
     ax2.set_xlabel("GRPO step")
     ax2.set_ylabel("rollout seconds")
     ax2.set_title("rollout time per step")
@@ -215,7 +216,7 @@ def cli(args) -> int:
                        "directory or random")
     res = run(args)
     write_json(args.out, res)
-    png = plot(res["rows"], Path(args.out).parent / "accept_length_vs_step.png")
+    png = plot(res["rows"], Path(args.out).parent / "accept_length_vs_step.png", args.design)
     for mode, s in res["summary"].items():
         print(f"{mode}: accept length {s['accept_length_start']:.2f} -> {s['accept_length_end']:.2f} "
               f"(min {s['accept_length_min']:.2f}), rollout {s['rollout_s_mean']:.1f}s/step, "

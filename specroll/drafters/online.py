@@ -53,10 +53,10 @@ class OnlineLearner:
 
     def __init__(self, head: DraftHead, cfg: DraftConfig, seed: int = 0):
         self.head, self.cfg = head, cfg
-        self.loss_cfg = DistillConfig(steps=0, lr=cfg.lr, batch=cfg.batch, w_feat=cfg.w_feat, w_ce=cfg.w_ce,
+        self.loss_cfg = DistillConfig(steps=0, lr=cfg.online_lr(), batch=cfg.batch, w_feat=cfg.w_feat, w_ce=cfg.w_ce,
                                       w_tv=cfg.w_tv, unroll=cfg.unroll, eval_depth=cfg.unroll)
         self.params = [p for p in head.parameters() if p.requires_grad]
-        self.opt = torch.optim.AdamW(self.params, lr=cfg.lr, weight_decay=0.0)
+        self.opt = torch.optim.AdamW(self.params, lr=cfg.online_lr(), weight_decay=0.0)
         self.gen = torch.Generator().manual_seed(seed)
         self.buffer: deque[list[tuple[torch.Tensor, torch.Tensor, int]]] = deque(maxlen=cfg.buffer)
         self.rollouts = 0  # rollouts collected
