@@ -81,7 +81,6 @@ def run_paired(args, say=print) -> tuple[list[dict], dict]:
     same policy and sampling params before the update (see the module docstring)."""
     from ..drafters.build import build_spec_drafter
     from ..rl.run import build_trainer
-    from ..rl.trainer import call_reward
     from .reuse import _time_generate
 
     cfg, fcfg = bench_config(args, online=True), bench_config(args, online=False)
@@ -98,9 +97,7 @@ def run_paired(args, say=print) -> tuple[list[dict], dict]:
         outs = trainer.engine.generate(prompts.ids, params, n=G, drafter=frozen)
         wall = time.perf_counter() - t
         frozen.after_rollout(outs, trainer.step)
-        texts = [trainer.decode(o.completion_ids.tolist()) for o in outs]
-        rep = lambda xs: [x for x in xs for _ in range(G)]  # noqa: E731
-        rewards, _ = call_reward(trainer.reward, rep(prompts.texts), texts, rep(prompts.columns))
+        rewards, _ = trainer.score(prompts, outs)
         seen["frozen"] = {**frozen.metrics(), "timing/rollout": wall, "reward/mean": float(rewards.mean()),
                           "rollout/tokens_generated": sum(len(o.completion_ids) for o in outs)}
         seen["frozen_cpu"] = trainer.engine.cpu_log[-1]

@@ -293,9 +293,7 @@ class Trainer:
             self.drafter.after_rollout(rollouts, self.step)
             m["timing/draft_update"] = time.perf_counter() - t
         t = time.perf_counter()
-        texts = [self.decode(r.completion_ids.tolist()) for r in rollouts]
-        rep = lambda xs: [x for x in xs for _ in range(G)]  # noqa: E731
-        rewards, per_func = call_reward(self.reward, rep(prompts.texts), texts, rep(prompts.columns))
+        rewards, per_func = self.score(prompts, rollouts)
         m["timing/reward"] = time.perf_counter() - t
         m.update(self._rollout_metrics(rollouts, rewards, per_func))
         m.update(self.update(rollouts, rewards))
@@ -304,6 +302,14 @@ class Trainer:
         m["timing/step"] = time.perf_counter() - t_step
         m["timing/step_cpu"] = time.process_time() - cpu_step  # CPU seconds, all threads (wall on a busy box lies)
         return m
+
+    def score(self, prompts: PromptSet, rollouts: list[Rollout]):
+        """``(rewards (N,), per-function rewards)`` of ``rollouts``: ``generate``'s output for ``prompts``, G
+        completions per prompt in order."""
+        G = self.cfg.rollout.G
+        texts = [self.decode(r.completion_ids.tolist()) for r in rollouts]
+        rep = lambda xs: [x for x in xs for _ in range(G)]  # noqa: E731
+        return call_reward(self.reward, rep(prompts.texts), texts, rep(prompts.columns))
 
     def _rollout_metrics(self, rollouts: list[Rollout], rewards: torch.Tensor, per_func: dict) -> dict:
         G = self.cfg.rollout.G
