@@ -2,12 +2,14 @@
 
   python benchmarks/online_summary.py FILE.json [FILE.json ...]
 
-Per file: the online and frozen heads' accept length at the start, minimum, end (mean of the last 3 steps),
-the mean paired difference online - frozen over steps 1-10, 11-20 and 21-30, and the mean rollout seconds
+Per file: the online and frozen heads' accept length at the start, minimum, end (mean of the last 3 steps;
+``specroll.bench.online.summarize``), the mean paired difference online - frozen over steps 1-10, 11-20 and 21-30, and the mean rollout seconds
 over steps 2.. (step 1 carries first-use costs in files written before the bench's warm-up rollout)."""
 import json
 import statistics
 import sys
+
+from specroll.bench.online import summarize
 
 
 def summary(path: str) -> dict:
@@ -16,8 +18,8 @@ def summary(path: str) -> dict:
     acc = {m: [r["accept_length"] for r in rs] for m, rs in cur.items()}
     out = {"file": path, "design": d["args"].get("design", "separate"), "seed": d["args"]["seed"],
            "draft_lr": d["config"]["online"]["draft"]["lr"], "steps": len(acc["online"])}
-    for m, a in acc.items():
-        out[m] = {"start": a[0], "min": min(a), "end": statistics.mean(a[-3:]),
+    for m, s in summarize(d["rows"]).items():
+        out[m] = {"start": s["accept_length_start"], "min": s["accept_length_min"], "end": s["accept_length_end"],
                   "rollout_s": statistics.mean(r["rollout_s"] for r in cur[m][1:])}
     diff = [a - b for a, b in zip(acc["online"], acc["frozen"])]
     out["diff"] = [statistics.mean(diff[i:i + 10]) for i in range(0, len(diff), 10)]
