@@ -221,7 +221,7 @@ def _bench_reuse(s):
     b.add_argument("--level", type=int, default=1, help="arithmetic task difficulty (1: SmolLM2-135M learns)")
     b.add_argument("--micro-batch-size", type=int, default=16)
     b.add_argument("--train-bf16", action=argparse.BooleanOptionalAction, default=None,
-                   help="bf16 autocast for the GRPO update (default: where the CPU has native bf16; "
+                   help="bf16 autocast for the GRPO update (default: where the CPU has fast bf16, i.e. AMX; "
                    "the update is not what this benchmark measures)")
     b.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"], help="rollout activations")
     b.add_argument("--seed", type=int, default=0)

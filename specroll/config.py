@@ -31,7 +31,7 @@ from .rl.data import DataConfig
 from .rl.losses import LossConfig
 from .rl.rewards import RewardConfig
 
-DTYPES = DTYPE_NAMES  # "auto" = bf16 where the CPU has native bf16, else fp32 (specroll.device)
+DTYPES = DTYPE_NAMES  # "auto" = bf16 where the CPU has fast bf16 (AMX), else fp32 (specroll.device)
 
 
 @dataclass

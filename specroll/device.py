@@ -1,10 +1,14 @@
 """What this CPU does fast, and the ``auto`` dtype that follows from it.
 
-bf16 is a 4x matmul lever on CPUs with native bf16 arithmetic (AVX-512 BF16, AMX), and a trap
-elsewhere: on an AVX2-only CPU (e.g. AMD Zen 3) oneDNN refuses bf16 weight packing and the fallback
-GEMM ran at 0.3 GFLOP/s against 146 GFLOP/s in fp32 (measured 2026-11-23, AMD EPYC, 2 cores).
-So every dtype option of specroll accepts ``auto``: bf16 where the CPU has native bf16, fp32
-elsewhere. Config files keep the word ``auto``, so a run resumed on another machine re-decides.
+bf16 arithmetic pays only where the CPU multiplies bf16 faster than fp32, i.e. with AMX tiles:
+- on an AVX2-only CPU (e.g. AMD Zen 3) oneDNN refuses bf16 weight packing and the fallback GEMM ran
+  at 0.3 GFLOP/s against 146 GFLOP/s in fp32 (measured 2026-11-23, AMD EPYC, 2 cores);
+- with AVX-512 BF16 but no AMX, vdpbf16ps retires one per cycle against two 512-bit FMAs (the same
+  64 flops per cycle) and torch's bf16 matmul ran 90-164 GFLOP/s against 160-300 in fp32 (2026-11-24,
+  2-core Xeon, SmolLM2's shapes), so a bf16 engine there is fp32 arithmetic on bf16 weights too.
+So every dtype option of specroll accepts ``auto``: bf16 where the CPU has AMX, fp32 elsewhere; an
+explicit ``bfloat16`` elsewhere streams bf16 weights through fp32 arithmetic (``Engine.bf16_weights``).
+Config files keep the word ``auto``, so a run resumed on another machine re-decides.
 """
 
 from __future__ import annotations
@@ -19,9 +23,8 @@ _TORCH = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 @functools.cache
 def fast_bf16() -> bool:
-    """True when this CPU has native bf16 arithmetic (AVX-512 BF16 or AMX) and oneDNN packs bf16."""
-    cpu = torch.cpu
-    native = any(getattr(cpu, f, lambda: False)() for f in ("_is_avx512_bf16_supported", "_is_amx_tile_supported"))
+    """True when this CPU multiplies bf16 faster than fp32 (AMX tiles) and oneDNN packs bf16."""
+    native = getattr(torch.cpu, "_is_amx_tile_supported", lambda: False)()
     return bool(native and torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported())
 
 

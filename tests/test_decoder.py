@@ -125,9 +125,11 @@ def test_state_dict_round_trip(tiny, arch):
 
 @pytest.mark.real_model
 def test_smollm2_logits_match_hf(smollm2):
-    """30 layers: fp32 accumulation order alone moves logits by ~1e-4 here (HF fp32 itself is 9.3e-5
-    from HF fp64 on this prompt; ours 1.3e-4, both measured). So the anchor is fp64: our fp32 error
-    must be within 2x of HF fp32's own error, and the two fp32 results within 2e-4."""
+    """30 layers: fp32 accumulation order alone moves logits by ~1e-4 (from HF fp64 on this prompt, HF fp32
+    is 9.3e-5 off and ours 1.3e-4 on an AVX2 EPYC; 6.0e-5 and 1.4e-4 on an AVX-512 Xeon, where our no-grad
+    error comes from oneDNN's prepacked GEMM with or without our kernels, and our autograd path is 6.2e-5).
+    So the anchor is fp64: our fp32 error must be within 2x of HF fp32's own error or within that 2e-4 noise
+    floor, and the two fp32 results within 2e-4; a wrong op moves logits by far more."""
     from transformers import AutoModelForCausalLM
 
     model, tok, d = smollm2
@@ -144,6 +146,6 @@ def test_smollm2_logits_match_hf(smollm2):
     err_hf = (ref.double() - ref64).abs().max()
     for x in (ours, ours_grad):
         n = x.shape[1]
-        assert (x.double() - ref64[:, :n]).abs().max() <= 2 * err_hf
+        assert (x.double() - ref64[:, :n]).abs().max() <= max(2 * err_hf, 2e-4)
         assert_close(x, ref[:, :n], atol=2e-4, rtol=0)
     assert torch.equal(ours.argmax(-1), ref.argmax(-1))

@@ -1,4 +1,4 @@
-"""The `auto` dtype: bf16 only where the CPU has native bf16, and a bf16 linear that works without packing."""
+"""The `auto` dtype: bf16 only where the CPU has fast bf16 (AMX), and a bf16 linear that works without packing."""
 
 import pytest
 import torch

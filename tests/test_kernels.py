@@ -9,12 +9,23 @@ from specroll.models.decoder import FastLinear
 
 ext = kernels.skinny()
 needs_kernel = pytest.mark.skipif(ext is None, reason="skinny kernel unavailable here (no AVX2 or no compiler)")
+# the instruction sets the linear kernel can run here: AVX2 always, AVX-512 where the CPU has it (chosen at run time)
+ISAS = ["avx2"] + (["avx512"] if ext is not None and ext.isa() == "avx512" else [])
+
+
+@pytest.fixture(params=ISAS)
+def isa(request):
+    """Runs a kernel test once per instruction set this CPU offers (the default is the best one)."""
+    ext.set_isa(request.param)
+    assert ext.isa() == request.param
+    yield request.param
+    ext.set_isa("auto")
 
 
 @needs_kernel
 @pytest.mark.parametrize("K,N", [(64, 48), (37, 50), (576, 960), (1536, 576), (8, 1)])
-@pytest.mark.parametrize("M", [1, 2, 5, 6, 7, 8, 13, 32, 33, 200])
-def test_skinny_matches_f_linear(K, N, M):
+@pytest.mark.parametrize("M", [1, 2, 5, 6, 7, 8, 13, 16, 17, 32, 33, 200])
+def test_skinny_matches_f_linear(K, N, M, isa):
     g = torch.Generator().manual_seed(M * 1000 + N)
     w, b = torch.randn(N, K, generator=g), torch.randn(N, generator=g)
     x, r = torch.randn(M, K, generator=g), torch.randn(M, N, generator=g)
@@ -29,8 +40,8 @@ def test_skinny_matches_f_linear(K, N, M):
 
 @needs_kernel
 @pytest.mark.parametrize("K,N", [(64, 48), (37, 50), (576, 960)])
-@pytest.mark.parametrize("M", [1, 7, 12, 32, 100])
-def test_skinny_bf16_weights_match_f_linear_of_the_rounded_weights(K, N, M):
+@pytest.mark.parametrize("M", [1, 2, 7, 12, 16, 32, 100])
+def test_skinny_bf16_weights_match_f_linear_of_the_rounded_weights(K, N, M, isa):
     """bf16 panels: the same product as F.linear with the weights rounded to bf16, computed in fp32."""
     g = torch.Generator().manual_seed(M * 7 + N)
     w, b = torch.randn(N, K, generator=g), torch.randn(N, generator=g)
@@ -40,6 +51,13 @@ def test_skinny_bf16_weights_match_f_linear_of_the_rounded_weights(K, N, M):
     ref = F.linear(x, w.bfloat16().float()) + b + r
     torch.testing.assert_close(ext.linear(x, wp, N, b, r), ref, atol=1e-5 * K ** 0.5 * 4, rtol=1e-5)
     assert (ext.linear(x, wp, N, b, r) - (F.linear(x, w) + b + r)).abs().max() > 1e-4  # the rounding is real
+
+
+@needs_kernel
+def test_set_isa_rejects_unknown_names():
+    with pytest.raises(RuntimeError, match="auto, avx2 or avx512"):
+        ext.set_isa("sse2")
+    assert ext.isa() in ("avx2", "avx512")
 
 
 @needs_kernel
@@ -94,7 +112,7 @@ def test_kernels_can_be_switched_off(monkeypatch):
 
 @needs_kernel
 @pytest.mark.parametrize("M", [1, 6, 8, 32])
-def test_skinny_prologues_match_the_eager_ops(M):
+def test_skinny_prologues_match_the_eager_ops(M, isa):
     """RMSNorm and silu-gate prologues equal decoder.rms_norm / F.silu(gate) * up followed by F.linear."""
     from specroll.models.decoder import rms_norm
 

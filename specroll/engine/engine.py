@@ -64,7 +64,7 @@ class Engine:
     """Batched KV-cache generation over a ``Decoder``.
 
     ``dtype``: rollout precision (default: the weights' dtype). ``bfloat16`` of fp32 weights runs bf16
-    rollouts through bf16 copies of the weights: on a CPU with native bf16, bf16 activations and KV
+    rollouts through bf16 copies of the weights: on a CPU with AMX (``device.fast_bf16``), bf16 activations and KV
     cache with oneDNN-packed weights; elsewhere (``bf16_weights``) fp32 activations, KV cache and
     arithmetic with bf16 weights streamed by the skinny kernel (``act_dtype`` says which).
     """
@@ -73,7 +73,7 @@ class Engine:
         self.model = model
         self.eos_ids = tuple(int(e) for e in (eos_ids if isinstance(eos_ids, (list, tuple)) else [eos_ids]))
         self.dtype = dtype or model.dtype
-        # bf16 on a CPU without native bf16 arithmetic: bf16 weights, fp32 activations / KV cache / arithmetic
+        # bf16 on a CPU without fast bf16 arithmetic: bf16 weights, fp32 activations / KV cache / arithmetic
         self.bf16_weights = (self.dtype == torch.bfloat16 and model.dtype == torch.float32 and not fast_bf16()
                              and kernels.skinny() is not None)
         self.act_dtype = torch.float32 if self.bf16_weights else self.dtype
