@@ -120,6 +120,32 @@ def test_prefill_hands_over_every_prompt_hidden_state_when_asked():
             torch.testing.assert_close(h, ref, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("pack", [1, 7, 512])
+def test_packed_prefill_matches_one_prompt_at_a_time(pack, monkeypatch):
+    """Prompts packed end to end into one forward (block-diagonal causal mask) leave the same KV cache, lengths,
+    last hidden states and logits as prefilling each prompt alone in a fresh cache; ``pack`` = 1 or 7 tokens
+    splits the batch into several packed forwards (a prompt longer than that gets one of its own)."""
+    _, model = tiny_hf("llama", seed=3)
+    monkeypatch.setattr(Engine, "PACK_TOKENS", pack)
+    eng = Engine(model, eos_ids=[])
+    prompts = [torch.tensor(p) for p in PROMPTS] + [torch.tensor([5]), torch.tensor([9, 8, 7, 6, 5, 4, 3, 2, 1])]
+    cache = KVCache.for_model(model.cfg, len(prompts), 16, torch.float32)
+    cache.reset(len(prompts))
+    with torch.no_grad():
+        hidden, logits = eng.prefill(cache, prompts)
+        for i, p in enumerate(prompts):
+            ref = KVCache.for_model(model.cfg, 1, 16, torch.float32)
+            ref.reset(1)
+            pos = torch.arange(len(p))[None]
+            h = model(p[None], pos, cache=ref, mask=ref.mask(len(p)), slots=pos)[0, -1]
+            n = len(p)
+            assert int(cache.lens[i]) == n
+            torch.testing.assert_close(cache.k[:, i, :, :n], ref.k[:, 0, :, :n], atol=1e-5, rtol=1e-5)
+            torch.testing.assert_close(cache.v[:, i, :, :n], ref.v[:, 0, :, :n], atol=1e-5, rtol=1e-5)
+            torch.testing.assert_close(hidden[i], h, atol=1e-5, rtol=1e-5)
+            torch.testing.assert_close(logits[i], model.logits(h), atol=1e-4, rtol=1e-5)
+
+
 def test_policy_logprobs_match_full_forward():
     _, model = tiny_hf("qwen3", seed=1)
     eng = Engine(model, eos_ids=[])

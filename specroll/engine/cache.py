@@ -45,6 +45,38 @@ class LayerWriter:
         return self.k[:, :, : self.span], self.v[:, :, : self.span]
 
 
+class PackedPrefill:
+    """A stand-in for ``KVCache`` in one forward over ragged prompts packed end to end into one row.
+
+    Token j of the packed row belongs to cache row ``rows[j]`` at slot ``slots[j]`` (its position in its
+    prompt). Each layer writes its K/V straight into those rows of ``cache`` and attends over the packed
+    K/V themselves under a block-diagonal causal mask (``mask``), so no padding is computed."""
+
+    def __init__(self, cache: KVCache, lens: list[int]):
+        self.cache = cache
+        self.rows = torch.repeat_interleave(torch.arange(len(lens)), torch.tensor(lens))[None]  # (1, N)
+        self.slots = torch.cat([torch.arange(n) for n in lens])[None]  # (1, N)
+
+    def mask(self) -> torch.Tensor:
+        """(1, N, N): token i sees token j iff both are of the same prompt and j <= i."""
+        same = self.rows[0, :, None] == self.rows[0, None, :]
+        return (same & (self.slots[0, None, :] <= self.slots[0, :, None]))[None]
+
+    def prepare(self, slots: torch.Tensor) -> None:
+        span = int(self.slots.max()) + 1
+        if span > self.cache.max_len:
+            raise ValueError(f"KV cache overflow: slot {span - 1} >= max_len {self.cache.max_len}")
+
+    def writer(self, layer: int, slots: torch.Tensor):
+        K, V, rows, sl = self.cache.k[layer], self.cache.v[layer], self.rows, self.slots
+
+        def write(k: torch.Tensor, v: torch.Tensor):  # (1, N, KV, hd) -> the packed (1, KV, N, hd) themselves
+            K[rows, :, sl] = k.to(K.dtype)
+            V[rows, :, sl] = v.to(V.dtype)
+            return k.transpose(1, 2), v.transpose(1, 2)
+        return write
+
+
 class KVCache:
     def __init__(self, n_layers: int, max_batch: int, n_kv: int, max_len: int, head_dim: int,
                  dtype: torch.dtype = torch.float32):

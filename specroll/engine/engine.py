@@ -21,7 +21,7 @@ import torch
 from .. import kernels
 from ..device import fast_bf16
 from ..models.decoder import Decoder, bf16_weights
-from .cache import KVCache, compaction_order
+from .cache import KVCache, PackedPrefill, compaction_order
 from .sampling import SamplingParams, sample
 
 
@@ -69,6 +69,8 @@ class Engine:
     arithmetic with bf16 weights streamed by the skinny kernel (``act_dtype`` says which).
     """
 
+    PACK_TOKENS = 512  # prompt tokens packed into one prefill forward (enough rows for the GEMMs' full rate)
+
     def __init__(self, model: Decoder, eos_ids=(), dtype: torch.dtype | None = None, prefill_chunk: int = 4096):
         self.model = model
         self.eos_ids = tuple(int(e) for e in (eos_ids if isinstance(eos_ids, (list, tuple)) else [eos_ids]))
@@ -77,7 +79,7 @@ class Engine:
         self.bf16_weights = (self.dtype == torch.bfloat16 and model.dtype == torch.float32 and not fast_bf16()
                              and kernels.skinny() is not None)
         self.act_dtype = torch.float32 if self.bf16_weights else self.dtype
-        self.prefill_chunk = prefill_chunk  # max prompt tokens per prefill forward
+        self.prefill_chunk = prefill_chunk  # max tokens per verification forward (drafters/reuse.py)
         self.policy_version = 0
         self._cache: KVCache | None = None
 
@@ -120,25 +122,29 @@ class Engine:
     def prefill(self, cache: KVCache, prompts: list[torch.Tensor], keep: list | None = None
                 ) -> tuple[torch.Tensor, torch.Tensor]:
         """Prefill rows 0..P-1 with ``prompts`` (ragged). Returns last-token (hidden (P, D), logits (P, V)).
-        ``keep``: a list that receives each prompt's hidden states at every position, (len_p, D)."""
+        ``keep``: a list that receives each prompt's hidden states at every position, (len_p, D).
+
+        Consecutive prompts are packed end to end into one row of up to ``PACK_TOKENS`` tokens
+        (``cache.PackedPrefill``: a block-diagonal causal mask, no padding computed); a longer prompt
+        gets a forward of its own."""
         P = len(prompts)
-        lens = torch.tensor([len(p) for p in prompts])
+        lens = [len(p) for p in prompts]
         hidden = torch.empty(P, self.model.cfg.hidden_size, dtype=self.act_dtype)
-        per = max(1, self.prefill_chunk // int(lens.max()))
-        for s in range(0, P, per):  # rows of a chunk are right-padded to the chunk's longest
-            rows = slice(s, min(P, s + per))
-            chunk = prompts[rows]
-            T = max(len(p) for p in chunk)
-            ids = torch.zeros(len(chunk), T, dtype=torch.long)
-            for j, p in enumerate(chunk):
-                ids[j, : len(p)] = p
-            sub = cache.view(rows)
-            pos = torch.arange(T).expand(len(chunk), T)
-            h = self.forward(sub, ids, pos, pos, sub.mask(T))
-            hidden[rows] = h[torch.arange(len(chunk)), lens[rows] - 1]
+        s = 0
+        while s < P:
+            e, total = s, 0
+            while e < P and (e == s or total + lens[e] <= self.PACK_TOKENS):
+                total += lens[e]
+                e += 1
+            packed = PackedPrefill(cache.view(slice(s, e)), lens[s:e])
+            ids = torch.cat(prompts[s:e])[None]
+            h = self.forward(packed, ids, packed.slots, packed.slots, packed.mask())[0]  # (N, D)
+            ends = torch.tensor(lens[s:e]).cumsum(0)
+            hidden[s:e] = h[ends - 1]
             if keep is not None:
-                keep.extend(h[j, : len(p)] for j, p in enumerate(chunk))
-        cache.lens[:P] = lens
+                keep.extend(h.split(lens[s:e]))
+            s = e
+        cache.lens[:P] = torch.tensor(lens)
         return hidden, self.model.logits(hidden)
 
     # -- the loop -----------------------------------------------------------------------------
