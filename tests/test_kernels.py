@@ -219,7 +219,7 @@ def test_fused_rope_attention_step_matches_eager(monkeypatch, arch, T, tree, B):
 
     class Spy:
         def __getattr__(self, name):
-            if name == "rope_attention":
+            if name in ("rope_attention", "decoder_layers"):  # the latter calls rope_attention from C++
                 calls.append(name)
             return getattr(real, name)
 
@@ -256,3 +256,41 @@ def test_cli_bench_engine_rows_on_a_tiny_model(tmp_path, monkeypatch):
         assert r["engine_tok_s"] > 0 and r["engine_fp32_tok_s"] > 0 and r["hf_tok_s"] is None
         assert r["over_fp32_engine"] == pytest.approx(r["engine_tok_s"] / r["engine_fp32_tok_s"])
         assert 0 < r["fraction_of_bound"] < 1
+
+
+@needs_kernel
+@pytest.mark.parametrize("bf16w", [False, True])
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+@pytest.mark.parametrize("T,tree,B", [(1, False, 4), (1, False, 1), (5, True, 4), (6, False, 1)])
+def test_decoder_layers_in_one_call_equal_the_python_layer_loop(monkeypatch, arch, T, tree, B, bf16w, isa):
+    """``kernels``' ``decoder_layers`` (the whole stack of a decode / verification step in C++) makes the calls
+    ``Block.forward`` makes, in the same order: the same hidden states and the same K/V in the cache, bit for
+    bit, with fp32 and bf16-weight panels, qkv biases (qwen2), trees and both instruction sets."""
+    from specroll.models import decoder
+    from specroll.models.tiny import tiny_hf_config
+
+    torch.manual_seed(1)
+    model = decoder.Decoder(decoder.DecoderConfig.from_hf(tiny_hf_config(arch))).eval()
+    if model.cfg.qkv_bias:
+        with torch.no_grad():
+            for layer in model.layers:
+                layer.qkv.bias.normal_()
+    calls = []
+    real = ext
+
+    class Spy:
+        def __getattr__(self, name):
+            if name == "decoder_layers":
+                calls.append(name)
+            return getattr(real, name)
+
+    monkeypatch.setattr(kernels, "skinny", lambda: Spy())
+    with torch.no_grad(), decoder.bf16_weights(bf16w):
+        fused = _step_outputs(model, 40, T, tree, seed=T, B=B)
+        n_calls = len(calls)  # the step, and the prompts' prefill when it is short enough (B = 1)
+        assert n_calls == (2 if B == 1 else 1), "the one-call stack was not used"
+        monkeypatch.setattr(decoder.Decoder, "_fused_weights", lambda self, x, cache: None)
+        loop = _step_outputs(model, 40, T, tree, seed=T, B=B)
+    assert len(calls) == n_calls
+    for a, b in zip(fused[:3], loop[:3]):
+        assert torch.equal(a, b)

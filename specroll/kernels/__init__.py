@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-SRCS = [Path(__file__).with_name(n) for n in ("skinny.cpp", "attention.cpp", "draft.cpp")]
+SRCS = [Path(__file__).with_name(n) for n in ("skinny.cpp", "attention.cpp", "draft.cpp", "layers.cpp")]
 CFLAGS = ["-O3", "-mavx2", "-mfma", "-fopenmp"]  # the build flags (benchmarks/ab_build.py builds other revisions alike)
 LDFLAGS = ["-fopenmp"]
 MAX_ROWS = 32  # up to here the kernel beat oneDNN on every SmolLM2 shape (1.0-2.2x); at 64 not always (BENCHMARKS.md)

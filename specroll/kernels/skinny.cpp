@@ -393,6 +393,11 @@ std::vector<torch::Tensor> rejection_chain(const torch::Tensor& logits, const to
                                            const torch::Tensor& valid, const torch::Tensor& q_logp,
                                            const torch::Tensor& q_vocab, const torch::Tensor& u,
                                            const torch::Tensor& u_final, double temperature);  // draft.cpp
+torch::Tensor decoder_layers(const torch::Tensor& x, const std::vector<torch::Tensor>& weights,
+                             const std::vector<int64_t>& dims, const torch::Tensor& cos, const torch::Tensor& sin,
+                             const torch::Tensor& k_cache, const torch::Tensor& v_cache, const torch::Tensor& slots,
+                             const c10::optional<torch::Tensor>& mask, int64_t nh, int64_t nkv, int64_t span,
+                             double scale, double eps);  // layers.cpp
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -416,4 +421,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "speculative sampling of sampled chains at a plain temperature (verify.rejection_chain)", py::arg("logits"),
         py::arg("tokens"), py::arg("valid"), py::arg("q_logp"), py::arg("q_vocab"), py::arg("u"), py::arg("u_final"),
         py::arg("temperature"));
+  m.def("decoder_layers", &specroll::decoder_layers,
+        "a decode / verification step through every decoder layer (Decoder.forward's layer loop)", py::arg("x"),
+        py::arg("weights"), py::arg("dims"), py::arg("cos"), py::arg("sin"), py::arg("k_cache"), py::arg("v_cache"),
+        py::arg("slots"), py::arg("mask"), py::arg("nh"), py::arg("nkv"), py::arg("span"), py::arg("scale"),
+        py::arg("eps"));
 }

@@ -374,10 +374,39 @@ class Decoder(nn.Module):
         m = self.fold_mask(mask)
         if cache is not None:
             cache.prepare(slots)
+        weights = self._fused_weights(x, cache)
+        if weights is not None:  # the whole layer stack in one C++ call (kernels/layers.cpp)
+            cfg = self.cfg
+            x = kernels.skinny().decoder_layers(
+                x, weights, [cfg.hidden_size, self.layers[0].qkv.out_features, 2 * cfg.intermediate_size], cos, sin,
+                cache.k, cache.v, slots, m, cfg.num_heads, cfg.num_kv_heads, cache._span, cfg.head_dim ** -0.5,
+                cfg.rms_eps)
+            return self.norm(x)
         for i, layer in enumerate(self.layers):
             kv = None if cache is None else cache.writer(i, slots)
             x = layer(x, cos, sin, kv, m)
         return self.norm(x)
+
+    def _fused_weights(self, x: torch.Tensor, cache) -> list[torch.Tensor] | None:
+        """The packed weights of every layer for ``kernels``' ``decoder_layers``, or None where the Python loop
+        must run: autograd on, not fp32 activations, no kernels, q/k norms, more rows than the skinny kernel
+        takes (``kernels.MAX_ROWS``), more folded queries than the attention kernel's (``MAX_KERNEL_QUERIES``),
+        or no ``KVCache`` (a cache-free pass, a packed prefill). Each layer then runs exactly the kernel calls
+        ``Block.forward`` makes for such a step, without Python between them."""
+        cfg = self.cfg
+        B, T, _ = x.shape
+        if (x.dtype != torch.float32 or torch.is_grad_enabled() or cfg.qk_norm or B * T > kernels.MAX_ROWS
+                or cfg.num_heads // cfg.num_kv_heads * T > MAX_KERNEL_QUERIES or not isinstance(getattr(cache, "k", None), torch.Tensor)
+                or cache.k.dim() != 5 or cache.k.dtype != torch.float32 or kernels.skinny() is None):
+            return None
+        kind = "skinny_bf16" if bf16_weights_on() else "skinny"
+        empty = torch.empty(0)
+        out = []
+        for layer in self.layers:
+            qkv, qkv_b = layer.qkv._pack(kind)
+            out += [layer.attn_norm.weight, qkv, empty if qkv_b is None else qkv_b, layer.o._pack(kind)[0],
+                    layer.mlp_norm.weight, layer.gate_up._pack(kind)[0], layer.down._pack(kind)[0]]
+        return out
 
     def fold_mask(self, mask: torch.Tensor | None) -> torch.Tensor | None:
         """``fold_mask`` for this model's GQA grouping; None if every query sees every key."""
