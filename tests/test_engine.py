@@ -187,18 +187,19 @@ def test_bf16_rollout_close_to_fp32():
 
 
 def test_bf16_weight_mode_equals_fp32_on_rounded_weights():
-    """On a CPU without native bf16 a bf16 engine streams bf16 weights with fp32 arithmetic: it must give
-    what the fp32 engine gives on a copy of the model with its weights rounded to bf16 (greedy tokens equal,
-    policy logprobs within 1e-4), and leave the model's fp32 weights alone."""
+    """On a CPU without fast bf16 a bf16 engine streams bf16 weights with fp32 arithmetic and keeps a bf16 KV
+    cache: it must give what the fp32 engine gives on a copy of the model with its weights rounded to bf16
+    and the same bf16 cache (greedy tokens equal, policy logprobs within 1e-4), and leave the model's fp32
+    weights alone."""
     from specroll import kernels
     from specroll.device import fast_bf16
 
     if fast_bf16() or kernels.skinny() is None:
-        pytest.skip("the bf16 weight mode is for CPUs without native bf16, with the kernels built")
+        pytest.skip("the bf16 weight mode is for CPUs without fast bf16, with the kernels built")
     _, model = tiny_hf("llama")
     before = {k: v.clone() for k, v in model.state_dict().items()}
     eng = Engine(model, eos_ids=[], dtype=torch.bfloat16)
-    assert eng.bf16_weights and eng.act_dtype == torch.float32
+    assert eng.bf16_weights and eng.act_dtype == torch.float32 and eng.kv_dtype == torch.bfloat16
     rounded = copy.deepcopy(model)  # every linear's weight rounded; the embedding lookup stays fp32
     rounded.lm_head.weight = torch.nn.Parameter(rounded.lm_head.weight.detach().clone())  # untie
     with torch.no_grad():
@@ -207,7 +208,9 @@ def test_bf16_weight_mode_equals_fp32_on_rounded_weights():
                 mod.weight.copy_(mod.weight.bfloat16().float())
     p = SamplingParams(temperature=0.0, max_new_tokens=12)
     a = eng.generate(PROMPTS, p, n=1)
-    b = Engine(rounded, eos_ids=[]).generate(PROMPTS, p, n=1)
+    ref = Engine(rounded, eos_ids=[])
+    ref.kv_dtype = torch.bfloat16
+    b = ref.generate(PROMPTS, p, n=1)
     for x, y in zip(a, b):
         assert x.completion_ids.tolist() == y.completion_ids.tolist()
         torch.testing.assert_close(x.logprobs, y.logprobs, atol=1e-4, rtol=0)

@@ -177,13 +177,13 @@ def test_attention_kernel_rejects_bad_input():
         ext.attention(q, k, k, torch.ones(1, 1, 3, 5), 1.0)
 
 
-def _step_outputs(model, cache_len: int, T: int, tree: bool, seed: int, B: int = 4):
+def _step_outputs(model, cache_len: int, T: int, tree: bool, seed: int, B: int = 4, kv=torch.float32):
     """One cached forward of T new tokens per row after ragged prompts: (hidden, cache K, cache V)."""
     from specroll.engine.cache import KVCache
 
     g = torch.Generator().manual_seed(seed)
     cfg = model.cfg
-    cache = KVCache.for_model(cfg, B, cache_len, torch.float32)
+    cache = KVCache.for_model(cfg, B, cache_len, kv)
     cache.reset(B)
     lens = torch.tensor([5, 9, 1, 12])[:B]
     P = int(lens.max())
@@ -202,13 +202,16 @@ def _step_outputs(model, cache_len: int, T: int, tree: bool, seed: int, B: int =
 
 
 @needs_kernel
+@pytest.mark.parametrize("kv", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("B", [4, 1])
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
 @pytest.mark.parametrize("T,tree", [(1, False), (4, False), (6, True)])
-def test_fused_rope_attention_step_matches_eager(monkeypatch, arch, T, tree, B):
+def test_fused_rope_attention_step_matches_eager(monkeypatch, arch, T, tree, B, kv):
     """A decode / tree-verification forward through ``rope_attention`` gives the eager path's hidden states
     and writes the same K/V into the cache (committed slots and new slots alike). At batch 1 with several
-    tokens the kernel splits each head's queries between the threads (after writing every k / v)."""
+    tokens the kernel splits each head's queries between the threads (after writing every k / v). With a
+    bf16 cache (the bf16 engine's) both round K/V to bf16 on the write; the eager path then attends with SDPA
+    over the widened values, the kernel widens them as it reads."""
     from specroll.models import decoder
     from specroll.models.tiny import tiny_hf_config
 
@@ -225,12 +228,13 @@ def test_fused_rope_attention_step_matches_eager(monkeypatch, arch, T, tree, B):
 
     monkeypatch.setattr(kernels, "skinny", lambda: Spy())
     with torch.no_grad():
-        fused = _step_outputs(model, 40, T, tree, seed=T, B=B)
+        fused = _step_outputs(model, 40, T, tree, seed=T, B=B, kv=kv)
         assert calls, "the fused kernel was not used"
         monkeypatch.setattr(decoder, "MAX_KERNEL_QUERIES", 0)
         calls.clear()
-        eager = _step_outputs(model, 40, T, tree, seed=T, B=B)
+        eager = _step_outputs(model, 40, T, tree, seed=T, B=B, kv=kv)
         assert not calls
+    assert fused[1].dtype == kv
     h, K, V, lens = fused
     torch.testing.assert_close(h, eager[0], atol=1e-5, rtol=1e-5)
     for b, n in enumerate(lens.tolist()):  # slots beyond a row's prompt + T new tokens are never written

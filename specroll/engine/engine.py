@@ -65,8 +65,8 @@ class Engine:
 
     ``dtype``: rollout precision (default: the weights' dtype). ``bfloat16`` of fp32 weights runs bf16
     rollouts through bf16 copies of the weights: on a CPU with AMX (``device.fast_bf16``), bf16 activations and KV
-    cache with oneDNN-packed weights; elsewhere (``bf16_weights``) fp32 activations, KV cache and
-    arithmetic with bf16 weights streamed by the skinny kernel (``act_dtype`` says which).
+    cache with oneDNN-packed weights; elsewhere (``bf16_weights``) fp32 activations and arithmetic with
+    bf16 weights streamed by the skinny kernel and a bf16 KV cache (``act_dtype`` and ``kv_dtype`` say which).
     """
 
     PACK_TOKENS = 512  # prompt tokens packed into one prefill forward (enough rows for the GEMMs' full rate)
@@ -79,6 +79,9 @@ class Engine:
         self.bf16_weights = (self.dtype == torch.bfloat16 and model.dtype == torch.float32 and not fast_bf16()
                              and kernels.skinny() is not None)
         self.act_dtype = torch.float32 if self.bf16_weights else self.dtype
+        # the bf16 weight mode keeps its KV cache in bf16 too (half the bytes attention reads every step;
+        # the attention kernel widens them to fp32); elsewhere the cache is in the activations' dtype
+        self.kv_dtype = torch.bfloat16 if self.bf16_weights else self.act_dtype
         self.prefill_chunk = prefill_chunk  # max tokens per verification forward (drafters/reuse.py)
         self.policy_version = 0
         self._cache: KVCache | None = None
@@ -86,8 +89,8 @@ class Engine:
     # -- helpers ------------------------------------------------------------------------------
     def _get_cache(self, batch: int, length: int) -> KVCache:
         c = self._cache
-        if c is None or c.max_batch < batch or c.max_len < length or c.k.dtype != self.act_dtype:
-            c = KVCache.for_model(self.model.cfg, batch, length, self.act_dtype)
+        if c is None or c.max_batch < batch or c.max_len < length or c.k.dtype != self.kv_dtype:
+            c = KVCache.for_model(self.model.cfg, batch, length, self.kv_dtype)
             self._cache = c
         c.reset(batch)
         return c

@@ -162,7 +162,7 @@ def _prefilled_cache(engine, batch: int, context: int, tokens: int, gen: torch.G
     from .cache import KVCache
 
     cfg = engine.model.cfg
-    cache = KVCache.for_model(cfg, batch, context + tokens, engine.act_dtype)
+    cache = KVCache.for_model(cfg, batch, context + tokens, engine.kv_dtype)
     cache.reset(batch)
     prompts = [torch.randint(cfg.vocab_size, (context,), generator=gen) for _ in range(batch)]
     with engine.precision():

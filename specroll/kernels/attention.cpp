@@ -51,6 +51,19 @@ inline void axpy(float a, const float* __restrict x, float* __restrict y, int64_
   for (; d < n; d++) y[d] += a * x[d];
 }
 
+// Eight keys / values of a cache row as fp32: fp32 caches load directly, bf16 caches (the bf16 engine's: half
+// the bytes to read at every step) widen by a shift into the high half of each lane.
+inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 load8(const uint16_t* p) {
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))), 16));
+}
+template <typename KT>
+inline float dot8(const float* __restrict a, const KT* __restrict b, int64_t n) {  // n % 8 == 0
+  __m256 acc = _mm256_setzero_ps();
+  for (int64_t d = 0; d < n; d += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(a + d), load8(b + d), acc);
+  return hsum(acc);
+}
+
 // e^x for x <= 0 (scores minus their row max), 8 lanes: x = n ln2 + r with |r| <= ln2 / 2, e^r by its
 // Taylor series to r^7 (relative error < 1e-8 there), 2^n through the exponent bits. e^x for x < -87
 // (below float's normal range) is 0; -inf gives 0.
@@ -86,17 +99,17 @@ inline __m256 hsum8(__m256 v0, __m256 v1, __m256 v2, __m256 v3, __m256 v4, __m25
 // Raw scores p[i * S + s] = q_i . k_s for QB queries against every key, D % 8 == 0: two keys per step against
 // QB query rows read from L1, so 2 QB independent FMA chains hide the FMA latency and each key row is loaded
 // once per query block (a dot product per (query, key) pair, with its own horizontal sum, cost ~3x more).
-template <int QB>
-void scores_block(const float* __restrict q, int64_t D, const float* kb, int64_t kst, int64_t S, float* __restrict p) {
+template <int QB, typename KT>
+void scores_block(const float* __restrict q, int64_t D, const KT* kb, int64_t kst, int64_t S, float* __restrict p) {
   int64_t s = 0;
   for (; s + 2 <= S; s += 2) {
-    const float* k0 = kb + s * kst;
-    const float* k1 = k0 + kst;
+    const KT* k0 = kb + s * kst;
+    const KT* k1 = k0 + kst;
     __m256 a[4][2];
 #pragma GCC unroll 4
     for (int i = 0; i < QB; i++) a[i][0] = a[i][1] = _mm256_setzero_ps();
     for (int64_t d = 0; d < D; d += 8) {
-      const __m256 x0 = _mm256_loadu_ps(k0 + d), x1 = _mm256_loadu_ps(k1 + d);
+      const __m256 x0 = load8(k0 + d), x1 = load8(k1 + d);
 #pragma GCC unroll 4
       for (int i = 0; i < QB; i++) {
         const __m256 qi = _mm256_loadu_ps(q + i * D + d);
@@ -112,21 +125,21 @@ void scores_block(const float* __restrict q, int64_t D, const float* kb, int64_t
     for (int i = 0; i < QB; i++) p[i * S + s] = r[2 * i], p[i * S + s + 1] = r[2 * i + 1];
   }
   for (; s < S; s++)
-    for (int i = 0; i < QB; i++) p[i * S + s] = dot(q + i * D, kb + s * kst, D);
+    for (int i = 0; i < QB; i++) p[i * S + s] = dot8(q + i * D, kb + s * kst, D);
 }
 
 // out[i] += sum_s p[i * S + s] v_s for QB queries, D % 8 == 0: 16 (or 8) output columns of the QB rows stay in
 // registers while the keys stream by.
-template <int QB>
-void pv_block(const float* __restrict p, int64_t S, const float* vb, int64_t vst, int64_t D, float* __restrict out) {
+template <int QB, typename KT>
+void pv_block(const float* __restrict p, int64_t S, const KT* vb, int64_t vst, int64_t D, float* __restrict out) {
   int64_t d = 0;
   for (; d + 16 <= D; d += 16) {
     __m256 a[4][2];
 #pragma GCC unroll 4
     for (int i = 0; i < QB; i++) a[i][0] = a[i][1] = _mm256_setzero_ps();
     for (int64_t s = 0; s < S; s++) {
-      const float* v = vb + s * vst + d;
-      const __m256 v0 = _mm256_loadu_ps(v), v1 = _mm256_loadu_ps(v + 8);
+      const KT* v = vb + s * vst + d;
+      const __m256 v0 = load8(v), v1 = load8(v + 8);
 #pragma GCC unroll 4
       for (int i = 0; i < QB; i++) {
         const __m256 w = _mm256_broadcast_ss(p + i * S + s);
@@ -145,7 +158,7 @@ void pv_block(const float* __restrict p, int64_t S, const float* vb, int64_t vst
 #pragma GCC unroll 4
     for (int i = 0; i < QB; i++) a[i] = _mm256_setzero_ps();
     for (int64_t s = 0; s < S; s++) {
-      const __m256 v0 = _mm256_loadu_ps(vb + s * vst + d);
+      const __m256 v0 = load8(vb + s * vst + d);
 #pragma GCC unroll 4
       for (int i = 0; i < QB; i++) a[i] = _mm256_fmadd_ps(_mm256_broadcast_ss(p + i * S + s), v0, a[i]);
     }
@@ -170,13 +183,15 @@ void for_blocks(int64_t Q, F f) {
 // One (row, KV head): out (Q, D) = softmax(scale q K^T over the visible keys) V, with q (Q, D) contiguous,
 // K / V rows at ``kb + s * kst`` / ``vb + s * vst`` for s < S, and mask row i at ``mrow + i * mq`` (nullptr:
 // all visible). ``p`` holds Q * S floats, ``mx`` and ``sum`` Q each. ``out`` must be zeroed.
-void attend_one(const float* __restrict qb, int64_t Q, int64_t D, const float* kb, int64_t kst, const float* vb,
+// KT: float, or uint16_t for a bf16 cache (then D % 8 == 0, the blocked path).
+template <typename KT>
+void attend_one(const float* __restrict qb, int64_t Q, int64_t D, const KT* kb, int64_t kst, const KT* vb,
                 int64_t vst, int64_t S, const bool* mrow, int64_t mq, float sc, float* __restrict out,
                 float* __restrict p, float* __restrict mx, float* __restrict sum) {
   const float ninf = -std::numeric_limits<float>::infinity();
-  const bool blocked = D % 8 == 0;
+  const bool blocked = std::is_same<KT, uint16_t>::value || D % 8 == 0;
   if (blocked) {  // raw scores by query blocks, then the scale and the mask
-    for_blocks(Q, [&](auto qb_, int64_t i0) { scores_block<decltype(qb_)::value>(qb + i0 * D, D, kb, kst, S, p + i0 * S); });
+    for_blocks(Q, [&](auto qb_, int64_t i0) { scores_block<decltype(qb_)::value, KT>(qb + i0 * D, D, kb, kst, S, p + i0 * S); });
     for (int64_t i = 0; i < Q; i++) {
       float* pr = p + i * S;
       const bool* m = mrow ? mrow + i * mq : nullptr;
@@ -188,7 +203,7 @@ void attend_one(const float* __restrict qb, int64_t Q, int64_t D, const float* k
       }
       mx[i] = best;
     }
-  } else {
+  } else if constexpr (std::is_same<KT, float>::value) {
     std::fill(mx, mx + Q, ninf);
     for (int64_t s = 0; s < S; s++) {
       const float* kr = kb + s * kst;
@@ -222,8 +237,8 @@ void attend_one(const float* __restrict qb, int64_t Q, int64_t D, const float* k
     sum[i] = z;
   }
   if (blocked) {
-    for_blocks(Q, [&](auto qb_, int64_t i0) { pv_block<decltype(qb_)::value>(p + i0 * S, S, vb, vst, D, out + i0 * D); });
-  } else {
+    for_blocks(Q, [&](auto qb_, int64_t i0) { pv_block<decltype(qb_)::value, KT>(p + i0 * S, S, vb, vst, D, out + i0 * D); });
+  } else if constexpr (std::is_same<KT, float>::value) {
     for (int64_t s = 0; s < S; s++) {
       const float* vr = vb + s * vst;
       for (int64_t i = 0; i < Q; i++) {
@@ -298,13 +313,11 @@ torch::Tensor attention(const torch::Tensor& q_in, const torch::Tensor& k, const
 //   k_cache, v_cache: (B, KV, S_max, D) with unit stride along D; slots: (B, T) long;
 //   mask: None or bool broadcastable to (B, 1, G T, span), folded as ``decoder.fold_mask`` (row g T + t).
 // Returns (B, T, NH D), the heads in HF order, ready for the output projection.
-torch::Tensor rope_attention(const torch::Tensor& qkv_in, const torch::Tensor& cos, const torch::Tensor& sin,
-                             const torch::Tensor& k_cache, const torch::Tensor& v_cache, const torch::Tensor& slots,
-                             const c10::optional<torch::Tensor>& mask, int64_t NH, int64_t KV, int64_t span,
-                             double scale) {
-  TORCH_CHECK(qkv_in.scalar_type() == torch::kFloat32 && k_cache.scalar_type() == torch::kFloat32 &&
-                  v_cache.scalar_type() == torch::kFloat32 && cos.scalar_type() == torch::kFloat32 &&
-                  sin.scalar_type() == torch::kFloat32, "rope_attention: fp32 only");
+template <typename KT>
+torch::Tensor rope_attention_impl(const torch::Tensor& qkv_in, const torch::Tensor& cos, const torch::Tensor& sin,
+                                  const torch::Tensor& k_cache, const torch::Tensor& v_cache, const torch::Tensor& slots,
+                                  const c10::optional<torch::Tensor>& mask, int64_t NH, int64_t KV, int64_t span,
+                                  double scale) {
   TORCH_CHECK(qkv_in.dim() == 3 && k_cache.dim() == 4 && v_cache.sizes() == k_cache.sizes(), "rope_attention: bad shapes");
   const int64_t B = qkv_in.size(0), T = qkv_in.size(1), D = k_cache.size(3), G = NH / KV, Q = G * T;
   TORCH_CHECK(qkv_in.size(2) == (NH + 2 * KV) * D && k_cache.size(0) >= B && k_cache.size(1) == KV &&
@@ -323,25 +336,34 @@ torch::Tensor rope_attention(const torch::Tensor& qkv_in, const torch::Tensor& c
   const float* xs = qkv.data_ptr<float>();
   const float* cs = c.data_ptr<float>();
   const float* ss = sn.data_ptr<float>();
-  float* kc = k_cache.data_ptr<float>();
-  float* vc = v_cache.data_ptr<float>();
+  KT* kc = reinterpret_cast<KT*>(k_cache.data_ptr());
+  KT* vc = reinterpret_cast<KT*>(v_cache.data_ptr());
   float* os = out.data_ptr<float>();
   const int64_t W = (NH + 2 * KV) * D, h2 = D / 2;
   auto rope = [&](const float* x, const float* cr, const float* sr, float* y) {
     for (int64_t d = 0; d < h2; d++) y[d] = x[d] * cr[d] + x[d + h2] * sr[d];
     for (int64_t d = h2; d < D; d++) y[d] = x[d] * cr[d] + x[d - h2] * sr[d];
   };
+  auto store = [&](const float* x, KT* y) {  // into the cache: as is, or rounded to bf16 (nearest even)
+    if constexpr (std::is_same<KT, float>::value) {
+      std::copy(x, x + D, y);
+    } else {
+      for (int64_t d = 0; d < D; d++) y[d] = c10::BFloat16(x[d]).x;
+    }
+  };
   // task (b, h): RoPE of its q and k heads into ``qb`` (Q, D), the k / v writes into the cache
   auto prepare = [&](int64_t b, int64_t h, float* qb) {
-    float* kb = kc + b * k_cache.stride(0) + h * k_cache.stride(1);
-    float* vb = vc + b * v_cache.stride(0) + h * v_cache.stride(1);
+    KT* kb = kc + b * k_cache.stride(0) + h * k_cache.stride(1);
+    KT* vb = vc + b * v_cache.stride(0) + h * v_cache.stride(1);
+    std::vector<float> kr(D);
     for (int64_t t = 0; t < T; t++) {
       const float* x = xs + (b * T + t) * W;
       const float* cr = cs + b * c.stride(0) + t * c.stride(1);
       const float* sr = ss + b * sn.stride(0) + t * sn.stride(1);
       const int64_t slot = sp[b * T + t];
-      rope(x + (NH + h) * D, cr, sr, kb + slot * k_cache.stride(2));
-      std::copy(x + (NH + KV + h) * D, x + (NH + KV + h + 1) * D, vb + slot * v_cache.stride(2));
+      rope(x + (NH + h) * D, cr, sr, kr.data());
+      store(kr.data(), kb + slot * k_cache.stride(2));
+      store(x + (NH + KV + h) * D, vb + slot * v_cache.stride(2));
       for (int64_t g = 0; g < G; g++) rope(x + (h * G + g) * D, cr, sr, qb + (g * T + t) * D);
     }
   };
@@ -384,6 +406,19 @@ torch::Tensor rope_attention(const torch::Tensor& qkv_in, const torch::Tensor& c
     });
   }
   return out;
+}
+
+torch::Tensor rope_attention(const torch::Tensor& qkv_in, const torch::Tensor& cos, const torch::Tensor& sin,
+                             const torch::Tensor& k_cache, const torch::Tensor& v_cache, const torch::Tensor& slots,
+                             const c10::optional<torch::Tensor>& mask, int64_t NH, int64_t KV, int64_t span,
+                             double scale) {
+  const auto kt = k_cache.scalar_type();
+  TORCH_CHECK(qkv_in.scalar_type() == torch::kFloat32 && (kt == torch::kFloat32 || kt == torch::kBFloat16) &&
+                  v_cache.scalar_type() == kt && cos.scalar_type() == torch::kFloat32 &&
+                  sin.scalar_type() == torch::kFloat32, "rope_attention: fp32 activations, an fp32 or bf16 cache");
+  if (kt == torch::kFloat32) return rope_attention_impl<float>(qkv_in, cos, sin, k_cache, v_cache, slots, mask, NH, KV, span, scale);
+  TORCH_CHECK(k_cache.size(3) % 8 == 0, "rope_attention: a bf16 cache needs head_dim % 8 == 0");
+  return rope_attention_impl<uint16_t>(qkv_in, cos, sin, k_cache, v_cache, slots, mask, NH, KV, span, scale);
 }
 
 }  // namespace specroll

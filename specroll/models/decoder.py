@@ -267,10 +267,15 @@ MAX_KERNEL_QUERIES = 64  # folded queries per (row, KV head) up to which ``atten
 
 def fused_step(qkv: torch.Tensor, layer_kv, queries: int) -> bool:
     """Whether a layer's RoPE + cache write + attention can run as one kernel call: an fp32 step without
-    autograd over a KV-cache layer (``engine.cache.LayerWriter``) with at most ``MAX_KERNEL_QUERIES``
+    autograd over a KV-cache layer (``engine.cache.LayerWriter``, fp32 or bf16) with at most ``MAX_KERNEL_QUERIES``
     folded queries per (row, KV head), and the kernels built."""
     return (qkv.dtype == torch.float32 and queries <= MAX_KERNEL_QUERIES and hasattr(layer_kv, "slots")
-            and layer_kv.k.dtype == torch.float32 and not torch.is_grad_enabled() and kernels.skinny() is not None)
+            and kernel_cache(layer_kv.k) and not torch.is_grad_enabled() and kernels.skinny() is not None)
+
+
+def kernel_cache(k: torch.Tensor) -> bool:
+    """Whether the attention kernel reads this KV cache: fp32, or bf16 with head_dim % 8 == 0."""
+    return k.dtype == torch.float32 or (k.dtype == torch.bfloat16 and k.shape[-1] % 8 == 0)
 
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
@@ -397,7 +402,7 @@ class Decoder(nn.Module):
         B, T, _ = x.shape
         if (x.dtype != torch.float32 or torch.is_grad_enabled() or cfg.qk_norm or B * T > kernels.MAX_ROWS
                 or cfg.num_heads // cfg.num_kv_heads * T > MAX_KERNEL_QUERIES or not isinstance(getattr(cache, "k", None), torch.Tensor)
-                or cache.k.dim() != 5 or cache.k.dtype != torch.float32 or kernels.skinny() is None):
+                or cache.k.dim() != 5 or not kernel_cache(cache.k) or kernels.skinny() is None):
             return None
         kind = "skinny_bf16" if bf16_weights_on() else "skinny"
         empty = torch.empty(0)
