@@ -75,7 +75,7 @@ class Engine:
         self.model = model
         self.eos_ids = tuple(int(e) for e in (eos_ids if isinstance(eos_ids, (list, tuple)) else [eos_ids]))
         self.dtype = dtype or model.dtype
-        # bf16 on a CPU without fast bf16 arithmetic: bf16 weights, fp32 activations / KV cache / arithmetic
+        # bf16 on a CPU without fast bf16 arithmetic: bf16 weights, fp32 activations and arithmetic
         self.bf16_weights = (self.dtype == torch.bfloat16 and model.dtype == torch.float32 and not fast_bf16()
                              and kernels.skinny() is not None)
         self.act_dtype = torch.float32 if self.bf16_weights else self.dtype
