@@ -1,5 +1,6 @@
 // Skinny fp32 GEMM for decode-sized batches: y = x @ W^T (+ bias) (+ residual), x: (M, K) with M small;
-// W fp32, or bf16 (the bf16 weight mode of CPUs without native bf16: half the bytes, fp32 arithmetic).
+// W fp32, or bf16 (the bf16 weight mode of CPUs without fast bf16: half the bytes, fp32 arithmetic).
+// AVX2 loops below, AVX-512 ones further down, chosen at run time (``isa`` / ``set_isa``).
 //
 // Why hand-written: at a few rows a linear layer is a pass over its weights, so its speed is the read
 // bandwidth it reaches. oneDNN's AVX2 kernels reached 12-22 GB/s of the 32.5 GB/s this 2-core EPYC
@@ -188,10 +189,8 @@ bool cpu_avx512() {
 bool use512() { return g_isa != 0 && cpu_avx512(); }
 
 constexpr int MAX_MB512 = 16;        // rows in one block from memory (16 accumulators of AVX-512's 32 registers)
-constexpr int MAX_MB512_SPLIT = 12;
-#ifndef UNROLL512
-#define UNROLL512 8
-#endif  // rows per block when several share a chunk of the panel from L1
+constexpr int MAX_MB512_SPLIT = 12;  // rows per block when several share a chunk of the panel from L1
+constexpr int UNROLL512 = 8;         // up to this many rows, two k per iteration (2 x rows FMA chains)
 
 SPECROLL_T512 inline __m512 load512(const float* w) { return _mm512_loadu_ps(w); }
 SPECROLL_T512 inline __m512 load512(const uint16_t* w) {
@@ -200,8 +199,9 @@ SPECROLL_T512 inline __m512 load512(const uint16_t* w) {
   return _mm512_castsi512_ps(_mm512_mask_slli_epi32(hi, 0x00FF, raw, 16));                   // columns 0-7
 }
 
-// acc[m][0..16) += sum over k in [k0, k1) of x[m][k] * panel[k][0..16). One or two rows take two k per
-// iteration into separate accumulators (more FMA chains in flight than the rows alone give).
+// acc[m][0..16) += sum over k in [k0, k1) of x[m][k] * panel[k][0..16). Up to UNROLL512 rows take two k per
+// iteration into separate accumulators (more FMA chains in flight than the rows alone give: 4 rows went from
+// 1.76 to 1.11 ms over SmolLM2's shapes with bf16 panels, 2026-11-24, benchmarks/skinny_isa.py).
 template <int MB, typename W>
 SPECROLL_T512 void acc512(const float* __restrict x, int64_t ldx, const W* __restrict wp, int64_t k0, int64_t k1,
                           float* __restrict acc) {
