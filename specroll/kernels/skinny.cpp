@@ -143,6 +143,16 @@ inline const float* chunk(const uint16_t* wp, int64_t k0, int64_t k1, float* buf
   return buf;
 }
 
+// y[m][c] = acc[m][c] (+ bias[c]) (+ res[m][c]) for the nc real columns of a panel.
+inline void epilogue(const float* acc, int64_t M, float* y, int64_t ldy, int nc, const float* bias, const float* res) {
+  for (int64_t m = 0; m < M; m++) {
+    const float* a = acc + m * PW;
+    float* yr = y + m * ldy;
+    const float* rr = res ? res + m * ldy : nullptr;
+    for (int c = 0; c < nc; c++) yr[c] = a[c] + (bias ? bias[c] : 0.f) + (rr ? rr[c] : 0.f);
+  }
+}
+
 template <typename W>
 void panel(const float* x, int64_t M, int64_t K, const W* wp, float* y, int64_t ldy, int nc, const float* bias,
            const float* res, float* acc) {
@@ -164,12 +174,7 @@ void panel(const float* x, int64_t M, int64_t K, const W* wp, float* y, int64_t 
       m0 = m1;
     }
   }
-  for (int64_t m = 0; m < M; m++) {
-    const float* a = acc + m * PW;
-    float* yr = y + m * ldy;
-    const float* rr = res ? res + m * ldy : nullptr;
-    for (int c = 0; c < nc; c++) yr[c] = a[c] + (bias ? bias[c] : 0.f) + (rr ? rr[c] : 0.f);
-  }
+  epilogue(acc, M, y, ldy, nc, bias, res);
 }
 
 // ---- AVX-512, chosen at run time (the build flags stay AVX2: these functions carry their own target) ----
@@ -264,12 +269,7 @@ void panel512(const float* x, int64_t M, int64_t K, const W* wp, float* y, int64
       m0 = m1;
     }
   }
-  for (int64_t m = 0; m < M; m++) {
-    const float* a = acc + m * PW;
-    float* yr = y + m * ldy;
-    const float* rr = res ? res + m * ldy : nullptr;
-    for (int c = 0; c < nc; c++) yr[c] = a[c] + (bias ? bias[c] : 0.f) + (rr ? rr[c] : 0.f);
-  }
+  epilogue(acc, M, y, ldy, nc, bias, res);
 }
 
 }  // namespace
