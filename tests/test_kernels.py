@@ -298,3 +298,28 @@ def test_decoder_layers_in_one_call_equal_the_python_layer_loop(monkeypatch, arc
     assert len(calls) == n_calls
     for a, b in zip(fused[:3], loop[:3]):
         assert torch.equal(a, b)
+
+
+@needs_kernel
+def test_decoder_layers_weights_follow_in_place_updates_and_replaced_parameters(monkeypatch):
+    """The packed weight list ``decoder_layers`` gets is cached between steps; an optimizer-style in-place update
+    and a replaced parameter must both show in the next step (equal to the Python layer loop's)."""
+    from specroll.models import decoder
+    from specroll.models.tiny import tiny_hf_config
+
+    torch.manual_seed(2)
+    model = decoder.Decoder(decoder.DecoderConfig.from_hf(tiny_hf_config("llama"))).eval()
+    loop = lambda self, x, cache: None  # noqa: E731
+    real = decoder.Decoder._fused_weights
+    with torch.no_grad():
+        _step_outputs(model, 40, 1, False, seed=0)  # fills the cache of packed weights
+        for change in ("in_place", "replaced"):
+            if change == "in_place":
+                model.layers[0].gate_up.weight.mul_(1.5)
+            else:
+                model.layers[1].o.weight = torch.nn.Parameter(torch.randn_like(model.layers[1].o.weight))
+            fused = _step_outputs(model, 40, 1, False, seed=0)
+            monkeypatch.setattr(decoder.Decoder, "_fused_weights", loop)
+            ref = _step_outputs(model, 40, 1, False, seed=0)
+            monkeypatch.setattr(decoder.Decoder, "_fused_weights", real)
+            assert torch.equal(fused[0], ref[0]), change
