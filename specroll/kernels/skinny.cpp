@@ -32,6 +32,13 @@ constexpr int MAX_MB_SPLIT = 6;  // rows per block when there are several (the p
 #ifndef PREFETCH_K
 #define PREFETCH_K 64  // weight rows (64 B each) prefetched ahead
 #endif
+// The AVX-512 loops also prefetch into L2 this many panel rows ahead (32 KB of an fp32 panel). At 7 rows
+// the L1 prefetch alone left the DRAM stream short of lines in flight: all linears of a SmolLM2 forward
+// from DRAM (benchmarks/skinny_rows_dram.py shapes) took 22.0-23.9 ms with it and 19.5-20.5 with both
+// (1 row: 17.4-19.1 -> 16.3-17.3; no software prefetch at all: 32.7 at 7 rows), 2026-11-24, Xeon.
+#ifndef PREFETCH_FAR
+#define PREFETCH_FAR 512
+#endif
 
 // A weight panel row of 16 columns as two fp32 vectors (columns 0-7, 8-15): fp32 panels load directly. bf16
 // panels (the bf16 weight mode: half the bytes to stream) are packed with their columns interleaved
@@ -222,6 +229,8 @@ SPECROLL_T512 void acc512(const float* __restrict x, int64_t ldx, const W* __res
       const W* w = wp + k * PW;
       _mm_prefetch(reinterpret_cast<const char*>(w + PREFETCH_K * PW), _MM_HINT_T0);
       _mm_prefetch(reinterpret_cast<const char*>(w + (PREFETCH_K + 1) * PW), _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<const char*>(w + PREFETCH_FAR * PW), _MM_HINT_T1);
+      _mm_prefetch(reinterpret_cast<const char*>(w + (PREFETCH_FAR + 1) * PW), _MM_HINT_T1);
       const __m512 w0 = load512(w), w1 = load512(w + PW);
 #pragma GCC unroll 16
       for (int m = 0; m < MB; m++) {
@@ -235,6 +244,7 @@ SPECROLL_T512 void acc512(const float* __restrict x, int64_t ldx, const W* __res
   for (; k < k1; k++) {
     const W* w = wp + k * PW;
     _mm_prefetch(reinterpret_cast<const char*>(w + PREFETCH_K * PW), _MM_HINT_T0);
+    _mm_prefetch(reinterpret_cast<const char*>(w + PREFETCH_FAR * PW), _MM_HINT_T1);
     const __m512 w0 = load512(w);
 #pragma GCC unroll 16
     for (int m = 0; m < MB; m++) a[m] = _mm512_fmadd_ps(_mm512_set1_ps(x[m * ldx + k]), w0, a[m]);
