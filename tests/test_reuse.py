@@ -154,6 +154,36 @@ def test_cut_index_matches_a_loop():
     assert cut_index(acc, lens).tolist() == want
 
 
+def _all_splits(n: int):
+    """Every split of rows [0, n) into consecutive non-empty runs, as lists of (s, e)."""
+    if n == 0:
+        yield []
+        return
+    for s in range(n):
+        for rest in _all_splits(s):
+            yield rest + [(s, n)]
+
+
+def test_stage_chunks_is_the_cheapest_split():
+    g = torch.Generator().manual_seed(5)
+    for trial in range(60):
+        n = int(torch.randint(1, 8, (1,), generator=g))
+        need = sorted(torch.randint(1, 33, (n,), generator=g).tolist(), reverse=trial % 3 > 0)
+        budget, over = int(torch.randint(8, 200, (1,), generator=g)), int(torch.randint(0, 40, (1,), generator=g))
+        got = reuse.stage_chunks(need, budget, over)
+        assert [r for s, e, _ in got for r in range(s, e)] == list(range(n))  # every row once, in order
+        assert all(T == max(need[s:e]) for s, e, T in got)
+        assert all((e - s) * T <= budget or e - s == 1 for s, e, T in got)
+
+        def cost(split):
+            return sum((e - s) * max(need[s:e]) + over for s, e in split)
+
+        ok = [sp for sp in _all_splits(n) if all((e - s) * max(need[s:e]) <= budget or e - s == 1 for s, e in sp)]
+        assert cost([(s, e) for s, e, _ in got]) == min(map(cost, ok))
+    assert reuse.stage_chunks([], 64) == []
+    assert reuse.stage_chunks([16] * 8, 4096) == [(0, 8, 16)]  # equal drafts: one forward
+
+
 def test_residual_removes_the_rejected_token_and_renormalises():
     logp = torch.log_softmax(torch.randn(3, 6, generator=torch.Generator().manual_seed(3)), -1)
     logp[2] = float("-inf")

@@ -58,6 +58,7 @@ MODES = ("lenient", "exact", "off")
 LENIENCE_DEFAULT = math.exp(0.5)
 _ENTRY_OVERHEAD = 64  # bytes charged per stored entry on top of its token data
 _LOGIT_BUDGET = 1 << 23  # max (tokens x vocab) fp32 logits materialised at once in verification
+FORWARD_OVERHEAD = 32  # a verification forward's fixed cost in token-equivalents (``stage_chunks``)
 
 
 # --- configuration ------------------------------------------------------------------------------
@@ -263,6 +264,37 @@ def truncate_drafts(ids: torch.Tensor, lengths: torch.Tensor, stop: torch.Tensor
     return n, has & (first <= n)
 
 
+def stage_chunks(need: list[int], max_tokens: int, overhead: int = FORWARD_OVERHEAD) -> list[tuple[int, int, int]]:
+    """Split the live rows of a verification stage into forwards ``(s, e, T)``: rows ``[s, e)`` padded to
+    ``T`` tokens each, at most ``max_tokens`` tokens per forward (a single row may exceed it).
+
+    ``need`` is each row's draft tokens in this stage. Chosen by dynamic programming to minimise the padded
+    tokens computed plus ``overhead`` token-equivalents per forward, over consecutive rows (the drafter keeps
+    rows sorted by draft length, so similar lengths are neighbours). One forward padded to the longest draft
+    computed 1,536 tokens for 1,218 real ones in a stage-2 batch of 32 SmolLM2 rows (2026-11-24).
+    """
+    n = len(need)
+    if n == 0:
+        return []
+    best = [0.0] + [math.inf] * n  # best[e]: least cost of rows [0, e)
+    cut = [0] * (n + 1)
+    for e in range(1, n + 1):
+        T = 0
+        for s in range(e - 1, -1, -1):
+            T = max(T, need[s])
+            if s < e - 1 and (e - s) * T > max_tokens:
+                break
+            c = best[s] + (e - s) * T + overhead
+            if c < best[e]:
+                best[e], cut[e] = c, s
+    out, e = [], n
+    while e:
+        s = cut[e]
+        out.append((s, e, max(need[s:e])))
+        e = s
+    return out[::-1]
+
+
 # --- the drafter -------------------------------------------------------------------------------
 
 @dataclass
@@ -398,16 +430,16 @@ class ReuseDrafter:
         after a stage only rows that accepted all of it (and have draft left) go on, so a row rejected
         early does not pay for its whole draft. Each stage extends the kept KV cache (the continuation's
         prefill), emits the accepted tokens and leaves the next-token logits in ``st``. Live rows
-        ``[0, alive)`` are the ones still verifying; they stay first in the batch."""
+        ``[0, alive)`` are the ones still verifying; they stay first in the batch. A stage's rows go in
+        forwards of similar draft lengths (``stage_chunks``), so short drafts are not padded to long ones."""
         alive = int((rows["lens"] > 0).sum())
         start, block = 0, self.verify_block or st.params.max_new_tokens
         while alive:
-            T = min(block, int(rows["lens"][:alive].max()) - start)
-            per = max(1, engine.prefill_chunk // T)
-            for s in range(0, alive, per):
-                self._verify_chunk(engine, st, rows, s, min(alive, s + per), start, T)
-            go_on = (rows["n_acc"][:alive] == start + T) & (rows["lens"][:alive] > start + T)
-            alive, start, block = self._keep_first(st, rows, go_on), start + T, 2 * block
+            need = (rows["lens"][:alive] - start).clamp(0, block)  # draft tokens of this stage, per live row
+            for s, e, T in stage_chunks(need.tolist(), engine.prefill_chunk):
+                self._verify_chunk(engine, st, rows, s, e, start, T)
+            go_on = (rows["n_acc"][:alive] == start + need) & (rows["lens"][:alive] > start + need)  # need == block
+            alive, start, block = self._keep_first(st, rows, go_on), start + block, 2 * block
 
     @staticmethod
     def _keep_first(st, rows: dict, first: torch.Tensor) -> int:
