@@ -64,7 +64,8 @@ def main() -> None:
         x = torch.randn(8, 576)
         w = model.layers[0].gate_up._pack("skinny")[0]
         torch.testing.assert_close(old.linear(x, w, w.shape[0] * 16, None, None, None, 1e-5, False),
-                                   new.linear(x, w, w.shape[0] * 16, None, None, None, 1e-5, False))
+                                   new.linear(x, w, w.shape[0] * 16, None, None, None, 1e-5, False),
+                                   rtol=1e-5, atol=1e-4)  # the two builds may sum K in different orders
         times: dict = {}
         for rep in range(args.reps):
             order = (("old", old), ("new", new)) if rep % 2 else (("new", new), ("old", old))

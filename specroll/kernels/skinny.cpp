@@ -10,7 +10,7 @@
 //
 // Layout: W is packed once into panels of 16 output columns, (P, K, 16) with P = ceil(N / 16), so a
 // panel is one contiguous stream. Each thread takes a range of panels. Up to 8 rows walk a panel in one
-// block straight from memory; more rows go in blocks of up to 6 (2 x 6 accumulators + 2 weight registers
+// block straight from memory (on AVX-512 two neighbouring panels at a time, ``acc512x2``); more rows go in blocks of up to 6 (2 x 6 accumulators + 2 weight registers
 // + 1 broadcast fit AVX2's 16), each consuming a chunk of the panel before the next is read. 7 or 8 rows
 // in one block spill a few accumulators to L1, which costs less than a second pass whose compute leaves
 // the memory stream idle: a 7-token verification forward + logits of SmolLM2 at batch 1 ran 1.03-1.06x
@@ -262,6 +262,55 @@ struct Acc512 {
       acc512<14, W>, acc512<15, W>, acc512<16, W>};
 };
 
+// Two neighbouring panels for up to MAX_MB rows in one pass over K: each broadcast of x feeds two FMAs (one per
+// panel), so a k step issues MB + 2 loads for 2 x MB FMAs, and each thread keeps two weight streams in flight.
+// All linears of a SmolLM2 forward from DRAM (benchmarks/skinny_rows_dram.py shapes) at 7 / 8 rows: 22.2-23.1 /
+// 23.4-24.4 ms one panel at a time, 19.9-20.7 / 20.5-21.4 two at a time; 1 and 4 rows within noise or better
+// (2026-11-24, Xeon, one process, alternating).
+template <int MB, typename W>
+SPECROLL_T512 void acc512x2(const float* __restrict x, int64_t ldx, const W* __restrict wa, const W* __restrict wb,
+                            int64_t K, float* __restrict acc) {
+  __m512 a[MB], b[MB];
+#pragma GCC unroll 16
+  for (int m = 0; m < MB; m++) a[m] = _mm512_setzero_ps(), b[m] = _mm512_setzero_ps();
+  for (int64_t k = 0; k < K; k++) {
+    const W* pa = wa + k * PW;
+    const W* pb = wb + k * PW;
+    _mm_prefetch(reinterpret_cast<const char*>(pa + PREFETCH_K * PW), _MM_HINT_T0);
+    _mm_prefetch(reinterpret_cast<const char*>(pb + PREFETCH_K * PW), _MM_HINT_T0);
+    _mm_prefetch(reinterpret_cast<const char*>(pa + PREFETCH_FAR * PW), _MM_HINT_T1);
+    _mm_prefetch(reinterpret_cast<const char*>(pb + PREFETCH_FAR * PW), _MM_HINT_T1);
+    const __m512 w0 = load512(pa), w1 = load512(pb);
+#pragma GCC unroll 16
+    for (int m = 0; m < MB; m++) {
+      const __m512 xb = _mm512_set1_ps(x[m * ldx + k]);
+      a[m] = _mm512_fmadd_ps(xb, w0, a[m]);
+      b[m] = _mm512_fmadd_ps(xb, w1, b[m]);
+    }
+  }
+#pragma GCC unroll 16
+  for (int m = 0; m < MB; m++) _mm512_storeu_ps(acc + m * PW, a[m]), _mm512_storeu_ps(acc + (MB + m) * PW, b[m]);
+}
+
+template <typename W>
+struct Acc512x2 {
+  using Fn = void (*)(const float*, int64_t, const W*, const W*, int64_t, float*);
+  static constexpr Fn table[MAX_MB + 1] = {nullptr, acc512x2<1, W>, acc512x2<2, W>, acc512x2<3, W>, acc512x2<4, W>,
+                                           acc512x2<5, W>, acc512x2<6, W>, acc512x2<7, W>, acc512x2<8, W>};
+};
+
+// Panels p and p + 1 for M <= MAX_MB rows (``acc512x2``); acc holds 2 x M x 16 floats.
+template <typename W>
+void panels512x2(const float* x, int64_t M, int64_t K, const W* wp, float* y, int64_t N, int64_t p,
+                 const float* bias, const float* res, float* acc) {
+  Acc512x2<W>::table[M](x, K, wp + p * K * PW, wp + (p + 1) * K * PW, K, acc);
+  for (int64_t q = 0; q < 2; q++) {
+    const int64_t c0 = (p + q) * PW;
+    epilogue(acc + q * M * PW, M, y + c0, N, (int)std::min<int64_t>(PW, N - c0), bias ? bias + c0 : nullptr,
+             res ? res + c0 : nullptr);
+  }
+}
+
 // One panel for all M rows on AVX-512: up to MAX_MB512 rows in one block straight from memory, more in blocks
 // that each consume a chunk of the panel (then in L1) before the next chunk is read.
 template <typename W>
@@ -366,8 +415,16 @@ torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& wp, int64_t N,
   for (int64_t s0 = 0; s0 < M; s0 += MSLAB) {
     const int64_t Ms = std::min(MSLAB, M - s0);
     at::parallel_for(0, P, 8, [&](int64_t p0, int64_t p1) {
-      std::vector<float> acc(Ms * PW);
+      std::vector<float> acc(2 * Ms * PW);
       for (int64_t p = p0; p < p1; p++) {
+        if (v512 && Ms <= MAX_MB && p + 1 < p1) {  // two panels in one pass
+          const float* xp = xs + s0 * K;
+          const float* rp = rs ? rs + s0 * N : nullptr;
+          if (bf16) panels512x2(xp, Ms, K, wh, ys + s0 * N, N, p, bs, rp, acc.data());
+          else panels512x2(xp, Ms, K, ws, ys + s0 * N, N, p, bs, rp, acc.data());
+          p++;
+          continue;
+        }
         const int nc = (int)std::min<int64_t>(PW, N - p * PW);
         float* yp = ys + s0 * N + p * PW;
         const float* bp = bs ? bs + p * PW : nullptr;
