@@ -9,13 +9,15 @@
 // GFLOP/s in cache at 4+ rows (the 2048^2 matmul peak measured 176). Beyond 32 rows the caller uses oneDNN.
 //
 // Layout: W is packed once into panels of 16 output columns, (P, K, 16) with P = ceil(N / 16), so a
-// panel is one contiguous stream. Each thread takes a range of panels. Up to 8 rows walk a panel in one
-// block straight from memory (on AVX-512 two neighbouring panels at a time, ``acc512x2``); more rows go in blocks of up to 6 (2 x 6 accumulators + 2 weight registers
-// + 1 broadcast fit AVX2's 16), each consuming a chunk of the panel before the next is read. 7 or 8 rows
-// in one block spill a few accumulators to L1, which costs less than a second pass whose compute leaves
-// the memory stream idle: a 7-token verification forward + logits of SmolLM2 at batch 1 ran 1.03-1.06x
-// faster and a batch-8 decode step 1.04-1.06x than with blocks of 3 + 4 / 4 + 4 (2026-11-24, one process,
-// alternating; benchmarks/ab_build.py); past 8 rows in one block the spills make a block slower than two.
+// panel is one contiguous stream. Each thread takes a range of panels. AVX2: up to 8 rows walk a panel in
+// one block straight from memory; more rows go in blocks of up to 6 (2 x 6 accumulators + 2 weight
+// registers + 1 broadcast fit AVX2's 16), each consuming a chunk of the panel before the next is read. 7 or
+// 8 rows in one block spill a few accumulators to L1, which costs less than a second pass whose compute
+// leaves the memory stream idle: a 7-token verification forward + logits of SmolLM2 at batch 1 ran
+// 1.03-1.06x faster and a batch-8 decode step 1.04-1.06x than with blocks of 3 + 4 / 4 + 4 (2026-11-24, one
+// process, alternating; benchmarks/ab_build.py); past 8 rows in one block the spills make a block slower
+// than two. AVX-512: up to 16 rows walk two neighbouring panels at a time (``acc512x2``), more rows go in
+// blocks of up to 12 (``panel512``).
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <immintrin.h>
@@ -262,11 +264,12 @@ struct Acc512 {
       acc512<14, W>, acc512<15, W>, acc512<16, W>};
 };
 
-// Two neighbouring panels for up to MAX_MB rows in one pass over K: each broadcast of x feeds two FMAs (one per
-// panel), so a k step issues MB + 2 loads for 2 x MB FMAs, and each thread keeps two weight streams in flight.
-// All linears of a SmolLM2 forward from DRAM (benchmarks/skinny_rows_dram.py shapes) at 7 / 8 rows: 22.2-23.1 /
-// 23.4-24.4 ms one panel at a time, 19.9-20.7 / 20.5-21.4 two at a time; 1 and 4 rows within noise or better
-// (2026-11-24, Xeon, one process, alternating).
+// Two neighbouring panels for up to MAX_MB512 rows in one pass over K: each broadcast of x feeds two FMAs (one
+// per panel), so a k step issues MB + 2 loads for 2 x MB FMAs, and each thread keeps two weight streams in
+// flight. All linears of a SmolLM2 forward from DRAM (benchmarks/skinny_rows_dram.py shapes), one panel at a
+// time -> two: 7 rows 22.2-23.1 -> 19.9-20.7 ms, 8 rows 23.4-24.4 -> 20.5-21.4, 12 rows 20.8-24.0 -> 18.8-20.8,
+// 16 rows 23.1-25.8 -> 20.8-22.0 (past 14 rows the accumulators spill a little, still faster than two passes
+// of fewer rows); 1 and 4 rows within noise or better (2026-11-24, Xeon, one process, alternating).
 template <int MB, typename W>
 SPECROLL_T512 void acc512x2(const float* __restrict x, int64_t ldx, const W* __restrict wa, const W* __restrict wb,
                             int64_t K, float* __restrict acc) {
@@ -295,11 +298,13 @@ SPECROLL_T512 void acc512x2(const float* __restrict x, int64_t ldx, const W* __r
 template <typename W>
 struct Acc512x2 {
   using Fn = void (*)(const float*, int64_t, const W*, const W*, int64_t, float*);
-  static constexpr Fn table[MAX_MB + 1] = {nullptr, acc512x2<1, W>, acc512x2<2, W>, acc512x2<3, W>, acc512x2<4, W>,
-                                           acc512x2<5, W>, acc512x2<6, W>, acc512x2<7, W>, acc512x2<8, W>};
+  static constexpr Fn table[MAX_MB512 + 1] = {
+      nullptr, acc512x2<1, W>, acc512x2<2, W>, acc512x2<3, W>, acc512x2<4, W>, acc512x2<5, W>, acc512x2<6, W>,
+      acc512x2<7, W>, acc512x2<8, W>, acc512x2<9, W>, acc512x2<10, W>, acc512x2<11, W>, acc512x2<12, W>,
+      acc512x2<13, W>, acc512x2<14, W>, acc512x2<15, W>, acc512x2<16, W>};
 };
 
-// Panels p and p + 1 for M <= MAX_MB rows (``acc512x2``); acc holds 2 x M x 16 floats.
+// Panels p and p + 1 for M <= MAX_MB512 rows (``acc512x2``); acc holds 2 x M x 16 floats.
 template <typename W>
 void panels512x2(const float* x, int64_t M, int64_t K, const W* wp, float* y, int64_t N, int64_t p,
                  const float* bias, const float* res, float* acc) {
@@ -417,7 +422,7 @@ torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& wp, int64_t N,
     at::parallel_for(0, P, 8, [&](int64_t p0, int64_t p1) {
       std::vector<float> acc(2 * Ms * PW);
       for (int64_t p = p0; p < p1; p++) {
-        if (v512 && Ms <= MAX_MB && p + 1 < p1) {  // two panels in one pass
+        if (v512 && Ms <= MAX_MB512 && p + 1 < p1) {  // two panels in one pass
           const float* xp = xs + s0 * K;
           const float* rp = rs ? rs + s0 * N : nullptr;
           if (bf16) panels512x2(xp, Ms, K, wh, ys + s0 * N, N, p, bs, rp, acc.data());
