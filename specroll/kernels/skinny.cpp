@@ -16,8 +16,8 @@
 // leaves the memory stream idle: a 7-token verification forward + logits of SmolLM2 at batch 1 ran
 // 1.03-1.06x faster and a batch-8 decode step 1.04-1.06x than with blocks of 3 + 4 / 4 + 4 (2026-11-24, one
 // process, alternating; benchmarks/ab_build.py); past 8 rows in one block the spills make a block slower
-// than two. AVX-512: up to 16 rows walk two neighbouring panels at a time (``acc512x2``), more rows go in
-// blocks of up to 12 (``panel512``).
+// than two. AVX-512: two neighbouring panels at a time (``acc512x2``), in row blocks of up to 16; a thread's
+// last odd panel alone (``panel512``).
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <immintrin.h>
@@ -304,10 +304,23 @@ struct Acc512x2 {
       acc512x2<13, W>, acc512x2<14, W>, acc512x2<15, W>, acc512x2<16, W>};
 };
 
-// Panels p and p + 1 for M <= MAX_MB512 rows (``acc512x2``); acc holds 2 x M x 16 floats.
+// Panels p and p + 1 for M rows (``acc512x2``), in row blocks of near-equal size up to MAX_MB512: the first
+// block streams the two panels from memory, later ones re-read them from L2 (2 x K x 64 B: 72-192 KB on
+// SmolLM2). All linears of a SmolLM2 forward from DRAM at 20 / 32 / 48 rows: 32.7-34.5 / 46.1-49.0 /
+// 61.0-64.1 ms with ``panel512``'s blocks of 12 over L1 chunks of one panel, 28.2-29.8 / 37.1-44.9 / 52.0-54.7
+// this way (2026-11-24, Xeon, one process, alternating). acc holds 2 x 16 x 16 floats.
 template <typename W>
 void panels512x2(const float* x, int64_t M, int64_t K, const W* wp, float* y, int64_t N, int64_t p,
                  const float* bias, const float* res, float* acc) {
+  if (M > MAX_MB512) {
+    const int64_t nb = (M + MAX_MB512 - 1) / MAX_MB512;
+    for (int64_t b = 0, m0 = 0; b < nb; b++) {
+      const int64_t m1 = M * (b + 1) / nb;
+      panels512x2(x + m0 * K, m1 - m0, K, wp, y + m0 * N, N, p, bias, res ? res + m0 * N : nullptr, acc);
+      m0 = m1;
+    }
+    return;
+  }
   Acc512x2<W>::table[M](x, K, wp + p * K * PW, wp + (p + 1) * K * PW, K, acc);
   for (int64_t q = 0; q < 2; q++) {
     const int64_t c0 = (p + q) * PW;
@@ -420,9 +433,9 @@ torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& wp, int64_t N,
   for (int64_t s0 = 0; s0 < M; s0 += MSLAB) {
     const int64_t Ms = std::min(MSLAB, M - s0);
     at::parallel_for(0, P, 8, [&](int64_t p0, int64_t p1) {
-      std::vector<float> acc(2 * Ms * PW);
+      std::vector<float> acc(std::max<int64_t>(Ms, 2 * MAX_MB512) * PW);
       for (int64_t p = p0; p < p1; p++) {
-        if (v512 && Ms <= MAX_MB512 && p + 1 < p1) {  // two panels in one pass
+        if (v512 && p + 1 < p1) {  // two panels in one pass
           const float* xp = xs + s0 * K;
           const float* rp = rs ? rs + s0 * N : nullptr;
           if (bf16) panels512x2(xp, Ms, K, wh, ys + s0 * N, N, p, bs, rp, acc.data());
