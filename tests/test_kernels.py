@@ -74,12 +74,13 @@ def test_skinny_takes_views_and_leading_dims():
 
 
 def test_fast_linear_dispatch(monkeypatch):
-    """Rows <= MAX_ROWS in fp32 without grad go to the kernel (when built); results equal F.linear either way,
+    """Rows <= max_rows() in fp32 without grad go to the kernel (when built); results equal F.linear either way,
     and an optimizer-style in-place update re-packs."""
     calls = []
     if ext is not None:
         class Spy:
             pack = staticmethod(ext.pack)
+            isa = staticmethod(ext.isa)
 
             @staticmethod
             def linear(*a):
@@ -88,12 +89,13 @@ def test_fast_linear_dispatch(monkeypatch):
 
         monkeypatch.setattr(kernels, "skinny", lambda: Spy)
     lin = FastLinear(32, 20, bias=True)
-    for rows in (1, kernels.MAX_ROWS, kernels.MAX_ROWS + 1):
+    cap = kernels.max_rows() or kernels.MAX_ROWS
+    for rows in (1, cap, cap + 1):
         x = torch.randn(rows, 32)
         with torch.no_grad():
             torch.testing.assert_close(lin(x), F.linear(x, lin.weight, lin.bias), atol=1e-5, rtol=1e-5)
     if ext is not None:
-        assert [s[0] for s in calls] == [1, kernels.MAX_ROWS]
+        assert [s[0] for s in calls] == [1, cap]
     with torch.no_grad():
         lin.weight.mul_(2.0)
         x = torch.randn(3, 32)
@@ -237,9 +239,12 @@ def test_fused_rope_attention_step_matches_eager(monkeypatch, arch, T, tree, B, 
     assert fused[1].dtype == kv
     h, K, V, lens = fused
     torch.testing.assert_close(h, eager[0], atol=1e-5, rtol=1e-5)
+    # the two paths' fp32 K/V differ in the last bits (attention kernel vs SDPA in the prompt's pass), so a bf16
+    # cache may round an element one bf16 step apart (2^-8 relative): allow exactly that, no more
+    tol = dict(atol=1e-5, rtol=1e-5) if kv == torch.float32 else dict(atol=1e-5, rtol=2 ** -7)
     for b, n in enumerate(lens.tolist()):  # slots beyond a row's prompt + T new tokens are never written
-        torch.testing.assert_close(K[:, b, :, : n + T], eager[1][:, b, :, : n + T], atol=1e-5, rtol=1e-5)
-        torch.testing.assert_close(V[:, b, :, : n + T], eager[2][:, b, :, : n + T], atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(K[:, b, :, : n + T], eager[1][:, b, :, : n + T], **tol)
+        torch.testing.assert_close(V[:, b, :, : n + T], eager[2][:, b, :, : n + T], **tol)
 
 
 def test_cli_bench_engine_rows_on_a_tiny_model(tmp_path, monkeypatch):
@@ -291,8 +296,9 @@ def test_decoder_layers_in_one_call_equal_the_python_layer_loop(monkeypatch, arc
     monkeypatch.setattr(kernels, "skinny", lambda: Spy())
     with torch.no_grad(), decoder.bf16_weights(bf16w):
         fused = _step_outputs(model, 40, T, tree, seed=T, B=B)
-        n_calls = len(calls)  # the step, and the prompts' prefill when it is short enough (B = 1)
-        assert n_calls == (2 if B == 1 else 1), "the one-call stack was not used"
+        n_calls = len(calls)  # the step, and the prompts' prefill when it has few enough rows (B x 12 or 5)
+        prefill_rows = B * (12 if B > 1 else 5)
+        assert n_calls == 1 + (prefill_rows <= kernels.max_rows()), "the one-call stack was not used"
         monkeypatch.setattr(decoder.Decoder, "_fused_weights", lambda self, x, cache: None)
         loop = _step_outputs(model, 40, T, tree, seed=T, B=B)
     assert len(calls) == n_calls

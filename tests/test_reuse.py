@@ -175,7 +175,7 @@ def test_stage_chunks_is_the_cheapest_split():
         assert all(T == max(need[s:e]) for s, e, T in got)
         assert all((e - s) * T <= budget or e - s == 1 for s, e, T in got)
 
-        def cost(split):
+        def cost(split, need=need, over=over):
             return sum((e - s) * max(need[s:e]) + over for s, e in split)
 
         ok = [sp for sp in _all_splits(n) if all((e - s) * max(need[s:e]) <= budget or e - s == 1 for s, e in sp)]

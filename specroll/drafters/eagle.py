@@ -435,11 +435,11 @@ class EagleDrafter:
     def _fusable(self, params: SamplingParams | None) -> bool:
         """Whether this step's sampled chain can run as one ``draft_chain`` kernel call: a sampled chain at a
         plain temperature (no top-k / top-p), fp32 activations, a head without q/k norm, the kernels built, and
-        few enough pairs to feed that the skinny GEMM is the right kernel (``kernels.MAX_ROWS``)."""
+        few enough pairs to feed that the skinny GEMM is the right kernel (``kernels.max_rows()``)."""
         if not (self.fused and self.sampled and params is not None and not params.greedy and not params.top_k
                 and params.top_p == 1.0 and self.dtype == torch.float32 and not self.head.cfg.qk_norm):
             return False
-        return kernels.skinny() is not None and self.chain_n.numel() * int(self.chain_n.max()) <= kernels.MAX_ROWS
+        return kernels.skinny() is not None and self.chain_n.numel() * int(self.chain_n.max()) <= kernels.max_rows()
 
     def _fused_chain(self, root_pos, L: int, params: SamplingParams, gen) -> DraftTree:
         """``_advance_chain`` + ``_sample_chain`` in one kernel call (``specroll/kernels/draft.cpp``); the same

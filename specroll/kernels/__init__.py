@@ -24,7 +24,10 @@ import torch
 SRCS = [Path(__file__).with_name(n) for n in ("skinny.cpp", "attention.cpp", "draft.cpp", "layers.cpp")]
 CFLAGS = ["-O3", "-mavx2", "-mfma", "-fopenmp"]  # the build flags (benchmarks/ab_build.py builds other revisions alike)
 LDFLAGS = ["-fopenmp"]
-MAX_ROWS = 32  # up to here the kernel beat oneDNN on every SmolLM2 shape (1.0-2.2x); at 64 not always (BENCHMARKS.md)
+MAX_ROWS = 32  # AVX2: up to here the kernel beat oneDNN on every SmolLM2 shape (1.0-2.2x); at 64 not always (BENCHMARKS.md)
+# AVX-512 (two panels at a time): all linears of a SmolLM2 forward from DRAM, kernel vs oneDNN's prepacked
+# linear, 32 / 64 / 96 / 128 / 256 rows: 1.16-1.32x / 1.24-1.25x / 1.10-1.11x / 1.01-1.03x / 0.95-0.96x (2026-11-24, Xeon)
+MAX_ROWS_AVX512 = 96
 
 
 def _build_dir() -> Path:
@@ -59,3 +62,12 @@ def skinny():
         warnings.warn(f"specroll: the CPU kernels could not be built ({type(e).__name__}: {str(e)[:200]}); "
                       "using oneDNN and SDPA instead (set SPECROLL_KERNELS=0 to silence)", stacklevel=2)
         return None
+
+
+def max_rows() -> int:
+    """The most rows the skinny kernel takes (more go to oneDNN) for the instruction set it runs; 0 without it."""
+    ext = skinny()
+    if ext is None:
+        return 0
+    isa = getattr(ext, "isa", None)
+    return MAX_ROWS_AVX512 if isa is not None and isa() == "avx512" else MAX_ROWS

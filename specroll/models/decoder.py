@@ -129,7 +129,7 @@ _BF16_WEIGHTS = contextvars.ContextVar("specroll_bf16_weights", default=False)
 
 @contextlib.contextmanager
 def bf16_weights(on: bool = True):
-    """Within this block, fp32 no-grad linears of up to ``kernels.MAX_ROWS`` rows (decode and verification
+    """Within this block, fp32 no-grad linears of up to ``kernels.max_rows()`` rows (decode and verification
     steps) stream bf16 copies of their weights through the skinny kernel (fp32 arithmetic, half the
     bytes): the bf16 rollout mode of CPUs without native bf16. Larger inputs (prefills) are compute-bound,
     where bf16 bytes buy nothing, and keep the fp32 weights on oneDNN. No effect where the kernel is
@@ -193,7 +193,7 @@ class FastLinear(nn.Linear):
             x = self._prologue(x, norm, gated)
             y = F.linear(x, self.weight.to(x.dtype), None if self.bias is None else self.bias.to(x.dtype))
             return y if residual is None else residual + y
-        if x.dtype == torch.float32 and x.numel() <= kernels.MAX_ROWS * x.shape[-1] and kernels.skinny() is not None:
+        if x.dtype == torch.float32 and x.numel() <= kernels.max_rows() * x.shape[-1]:
             packed, b = self._pack("skinny_bf16" if bf16_weights_on() else "skinny")
             g = None if norm is None else norm.weight.float()
             return kernels.skinny().linear(x, packed, self.out_features, b, residual, g,
@@ -395,12 +395,12 @@ class Decoder(nn.Module):
     def _fused_weights(self, x: torch.Tensor, cache) -> list[torch.Tensor] | None:
         """The packed weights of every layer for ``kernels``' ``decoder_layers``, or None where the Python loop
         must run: autograd on, not fp32 activations, no kernels, q/k norms, more rows than the skinny kernel
-        takes (``kernels.MAX_ROWS``), more folded queries than the attention kernel's (``MAX_KERNEL_QUERIES``),
+        takes (``kernels.max_rows()``), more folded queries than the attention kernel's (``MAX_KERNEL_QUERIES``),
         or no ``KVCache`` (a cache-free pass, a packed prefill). Each layer then runs exactly the kernel calls
         ``Block.forward`` makes for such a step, without Python between them."""
         cfg = self.cfg
         B, T, _ = x.shape
-        if (x.dtype != torch.float32 or torch.is_grad_enabled() or cfg.qk_norm or B * T > kernels.MAX_ROWS
+        if (x.dtype != torch.float32 or torch.is_grad_enabled() or cfg.qk_norm or B * T > kernels.max_rows()
                 or cfg.num_heads // cfg.num_kv_heads * T > MAX_KERNEL_QUERIES or not isinstance(getattr(cache, "k", None), torch.Tensor)
                 or cache.k.dim() != 5 or not kernel_cache(cache.k) or kernels.skinny() is None):
             return None
