@@ -3,10 +3,13 @@
 Both sample at T = 1 from the same prompts with every row forced to the same length, so tokens/s
 compare like for like. HF ``generate`` always runs in fp32 (the baseline the issue names); the
 engine runs in ``--dtype``. In bf16 mode the fp32 engine is measured too, giving the bf16/fp32 ratio
-from the same run. The roofline bound uses ceilings measured in this run, in the bench's dtype:
-``bound_tok_s = batch / max(weight_bytes / read_bw, 2 * params * batch / matmul_rate)``. In the bf16
-weight mode of CPUs without native bf16 (``Engine.bf16_weights``) the bytes are bf16 and the matmul
-rate is fp32's, the arithmetic the engine does.
+from the same run. The roofline bound uses ceilings measured in this run:
+``bound_tok_s = batch / max(weight_bytes / read_bw, 2 * params * batch / matmul_rate)``, with the
+weights' bytes in the bench's dtype, the matmul rate in the dtype of the engine's arithmetic (fp32 in
+the bf16 weight mode of CPUs without native bf16, ``Engine.bf16_weights``) and the read bandwidth from
+an fp32 reduction: a bf16 ``sum`` read 18.1 GB/s on a Xeon whose skinny kernel streamed 540 MB of fp32
+weights at 27-33 GB/s, so the bf16 engine read 99-107% of its "bound" at batch 1 (2026-11-24,
+benchmarks/engine_s13). Weights that stay in a large L3 between steps can still beat a DRAM bound.
 """
 
 from __future__ import annotations
@@ -74,8 +77,8 @@ def run_bench(model_name: str, batch_sizes: list[int], M: int, dtype_name: str, 
     systems = {"engine": Engine(model, eos_ids=eos, dtype=dtype)}
     # the bf16 weight mode (no native bf16) streams bf16 bytes but does its arithmetic in fp32
     arith = torch.float32 if systems["engine"].bf16_weights else dtype
-    log(f"measuring ceilings (read {dtype_name}, matmul {DTYPE_NAME[arith]}) ...")
-    bw, mm = measure_read_bandwidth(dtype), measure_matmul_rate(arith)
+    log(f"measuring ceilings (read bandwidth, matmul {DTYPE_NAME[arith]}) ...")
+    bw, mm = measure_read_bandwidth(torch.float32), measure_matmul_rate(arith)
     wb, params = weight_bytes(model, dtype), model.num_params()
     if dtype != torch.float32:
         systems["engine_fp32"] = Engine(model, eos_ids=eos, dtype=torch.float32)
