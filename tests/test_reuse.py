@@ -184,6 +184,39 @@ def test_stage_chunks_is_the_cheapest_split():
     assert reuse.stage_chunks([16] * 8, 4096) == [(0, 8, 16)]  # equal drafts: one forward
 
 
+def test_first_block_follows_the_last_acceptance():
+    assert reuse.first_block(None, 16) == 16  # nothing seen yet: the configured block
+    assert [reuse.first_block(c, 16) for c in (0.0, 0.4, 1.0, 1.5, 3.0, 7.6, 40.0)] == [2, 2, 4, 4, 8, 16, 16]
+    assert reuse.first_block(1.0, 0) == 0 and reuse.first_block(1.0, 3) == 3  # 0 = whole drafts; never above
+
+
+def test_first_stage_shrinks_after_a_call_that_accepted_little(monkeypatch):
+    eng = Engine(small_model(2), eos_ids=[])
+    params = SamplingParams(temperature=1.0, max_new_tokens=12, seed=0)
+    first = eng.generate(PROMPTS, params, n=4)
+    d = ReuseDrafter(mode="exact", seed=1, verify_block=8)
+    g = torch.Generator().manual_seed(3)
+    blocks = []
+    real = ReuseDrafter._verify_chunk
+
+    def spy(self, engine, st, rows, s, e, start, T):
+        if start == 0:
+            blocks.append(T)
+        return real(self, engine, st, rows, s, e, start, T)
+
+    monkeypatch.setattr(ReuseDrafter, "_verify_chunk", spy)
+    for call in range(2):
+        for r in first:  # drafts of random tokens: exact mode keeps almost none of them
+            ids = torch.randint(0, 50, (12,), generator=g)
+            d.store.put(r.prompt_ids, r.sample_index, ids, torch.full((12,), -3.0))
+        blocks.clear()
+        prev = d._last_cut
+        eng.generate(PROMPTS, params, n=4, drafter=d)
+        if call == 0:
+            assert prev is None and blocks and max(blocks) == 8 and d._last_cut < 1.5
+    assert max(blocks) == reuse.first_block(prev, 8) <= 4
+
+
 def test_residual_removes_the_rejected_token_and_renormalises():
     logp = torch.log_softmax(torch.randn(3, 6, generator=torch.Generator().manual_seed(3)), -1)
     logp[2] = float("-inf")
