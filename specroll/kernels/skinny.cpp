@@ -36,7 +36,7 @@ constexpr int MAX_MB_SPLIT = 6;  // rows per block when there are several (the p
 #endif
 // The AVX-512 loops also prefetch into L2 this many panel rows ahead (32 KB of an fp32 panel). At 7 rows
 // the L1 prefetch alone left the DRAM stream short of lines in flight: all linears of a SmolLM2 forward
-// from DRAM (benchmarks/skinny_rows_dram.py shapes) took 22.0-23.9 ms with it and 19.5-20.5 with both
+// from DRAM (benchmarks/skinny_rows_dram.py shapes) took 22.0-23.9 ms with it and 20.2-22.0 with both
 // (1 row: 17.4-19.1 -> 16.3-17.3; no software prefetch at all: 32.7 at 7 rows), 2026-11-24, Xeon.
 #ifndef PREFETCH_FAR
 #define PREFETCH_FAR 512
@@ -268,7 +268,7 @@ struct Acc512 {
 // per panel), so a k step issues MB + 2 loads for 2 x MB FMAs, and each thread keeps two weight streams in
 // flight. All linears of a SmolLM2 forward from DRAM (benchmarks/skinny_rows_dram.py shapes), one panel at a
 // time -> two: 7 rows 22.2-23.1 -> 19.9-20.7 ms, 8 rows 23.4-24.4 -> 20.5-21.4, 12 rows 20.8-24.0 -> 18.8-20.8,
-// 16 rows 23.1-25.8 -> 20.8-22.0 (past 14 rows the accumulators spill a little, still faster than two passes
+// 16 rows 23.8-25.8 -> 20.8-22.0 (past 14 rows the accumulators spill a little, still faster than two passes
 // of fewer rows); 1 and 4 rows within noise or better (2026-11-24, Xeon, one process, alternating).
 template <int MB, typename W>
 SPECROLL_T512 void acc512x2(const float* __restrict x, int64_t ldx, const W* __restrict wa, const W* __restrict wb,
