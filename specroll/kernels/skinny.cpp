@@ -16,8 +16,7 @@
 // leaves the memory stream idle: a 7-token verification forward + logits of SmolLM2 at batch 1 ran
 // 1.03-1.06x faster and a batch-8 decode step 1.04-1.06x than with blocks of 3 + 4 / 4 + 4 (2026-11-24, one
 // process, alternating; benchmarks/ab_build.py); past 8 rows in one block the spills make a block slower
-// than two. AVX-512: two neighbouring panels at a time (``acc512x2``), in row blocks of up to 16; a thread's
-// last odd panel alone (``panel512``).
+// than two. AVX-512: two neighbouring panels at a time (``acc512x2``), in row blocks of up to 16.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <immintrin.h>
@@ -202,9 +201,7 @@ bool cpu_avx512() {
 }
 bool use512() { return g_isa != 0 && cpu_avx512(); }
 
-constexpr int MAX_MB512 = 16;        // rows in one block from memory (16 accumulators of AVX-512's 32 registers)
-constexpr int MAX_MB512_SPLIT = 12;  // rows per block when several share a chunk of the panel from L1
-constexpr int UNROLL512 = 8;         // up to this many rows, two k per iteration (2 x rows FMA chains)
+constexpr int MAX_MB512 = 16;  // rows in one block (2 x 16 accumulators: a few spill from AVX-512's 32 registers)
 
 SPECROLL_T512 inline __m512 load512(const float* w) { return _mm512_loadu_ps(w); }
 SPECROLL_T512 inline __m512 load512(const uint16_t* w) {
@@ -212,57 +209,6 @@ SPECROLL_T512 inline __m512 load512(const uint16_t* w) {
   const __m512i hi = _mm512_and_si512(raw, _mm512_set1_epi32(static_cast<int>(0xFFFF0000u)));  // columns 8-15
   return _mm512_castsi512_ps(_mm512_mask_slli_epi32(hi, 0x00FF, raw, 16));                   // columns 0-7
 }
-
-// acc[m][0..16) += sum over k in [k0, k1) of x[m][k] * panel[k][0..16). Up to UNROLL512 rows take two k per
-// iteration into separate accumulators (more FMA chains in flight than the rows alone give: 4 rows went from
-// 1.76 to 1.11 ms over SmolLM2's shapes with bf16 panels, 2026-11-24, benchmarks/skinny_isa.py).
-template <int MB, typename W>
-SPECROLL_T512 void acc512(const float* __restrict x, int64_t ldx, const W* __restrict wp, int64_t k0, int64_t k1,
-                          float* __restrict acc) {
-  __m512 a[MB];
-#pragma GCC unroll 16
-  for (int m = 0; m < MB; m++) a[m] = _mm512_loadu_ps(acc + m * PW);
-  int64_t k = k0;
-  if constexpr (MB <= UNROLL512) {
-    __m512 c[MB];
-#pragma GCC unroll 16
-    for (int m = 0; m < MB; m++) c[m] = _mm512_setzero_ps();
-    for (; k + 2 <= k1; k += 2) {
-      const W* w = wp + k * PW;
-      _mm_prefetch(reinterpret_cast<const char*>(w + PREFETCH_K * PW), _MM_HINT_T0);
-      _mm_prefetch(reinterpret_cast<const char*>(w + (PREFETCH_K + 1) * PW), _MM_HINT_T0);
-      _mm_prefetch(reinterpret_cast<const char*>(w + PREFETCH_FAR * PW), _MM_HINT_T1);
-      _mm_prefetch(reinterpret_cast<const char*>(w + (PREFETCH_FAR + 1) * PW), _MM_HINT_T1);
-      const __m512 w0 = load512(w), w1 = load512(w + PW);
-#pragma GCC unroll 16
-      for (int m = 0; m < MB; m++) {
-        a[m] = _mm512_fmadd_ps(_mm512_set1_ps(x[m * ldx + k]), w0, a[m]);
-        c[m] = _mm512_fmadd_ps(_mm512_set1_ps(x[m * ldx + k + 1]), w1, c[m]);
-      }
-    }
-#pragma GCC unroll 16
-    for (int m = 0; m < MB; m++) a[m] = _mm512_add_ps(a[m], c[m]);
-  }
-  for (; k < k1; k++) {
-    const W* w = wp + k * PW;
-    _mm_prefetch(reinterpret_cast<const char*>(w + PREFETCH_K * PW), _MM_HINT_T0);
-    _mm_prefetch(reinterpret_cast<const char*>(w + PREFETCH_FAR * PW), _MM_HINT_T1);
-    const __m512 w0 = load512(w);
-#pragma GCC unroll 16
-    for (int m = 0; m < MB; m++) a[m] = _mm512_fmadd_ps(_mm512_set1_ps(x[m * ldx + k]), w0, a[m]);
-  }
-#pragma GCC unroll 16
-  for (int m = 0; m < MB; m++) _mm512_storeu_ps(acc + m * PW, a[m]);
-}
-
-template <typename W>
-struct Acc512 {
-  using Fn = void (*)(const float*, int64_t, const W*, int64_t, int64_t, float*);
-  static constexpr Fn table[MAX_MB512 + 1] = {
-      nullptr, acc512<1, W>, acc512<2, W>, acc512<3, W>, acc512<4, W>, acc512<5, W>, acc512<6, W>,
-      acc512<7, W>, acc512<8, W>, acc512<9, W>, acc512<10, W>, acc512<11, W>, acc512<12, W>, acc512<13, W>,
-      acc512<14, W>, acc512<15, W>, acc512<16, W>};
-};
 
 // Two neighbouring panels for up to MAX_MB512 rows in one pass over K: each broadcast of x feeds two FMAs (one
 // per panel), so a k step issues MB + 2 loads for 2 x MB FMAs, and each thread keeps two weight streams in
@@ -304,49 +250,31 @@ struct Acc512x2 {
       acc512x2<13, W>, acc512x2<14, W>, acc512x2<15, W>, acc512x2<16, W>};
 };
 
-// Panels p and p + 1 for M rows (``acc512x2``), in row blocks of near-equal size up to MAX_MB512: the first
-// block streams the two panels from memory, later ones re-read them from L2 (2 x K x 64 B: 72-192 KB on
-// SmolLM2). All linears of a SmolLM2 forward from DRAM at 20 / 32 / 48 rows: 32.7-34.5 / 46.1-49.0 /
-// 61.0-64.1 ms with ``panel512``'s blocks of 12 over L1 chunks of one panel, 28.2-29.8 / 37.1-44.9 / 52.0-54.7
-// this way (2026-11-24, Xeon, one process, alternating). acc holds 2 x 16 x 16 floats.
+// Panels p and q (q = p + 1, or q = p for a thread's odd last panel, computed twice and written once) for M
+// rows (``acc512x2``), in row blocks of near-equal size up to MAX_MB512: the first block streams the panels
+// from memory, later ones re-read them from L2 (2 x K x 64 B: 72-192 KB on SmolLM2). All linears of a SmolLM2
+// forward from DRAM at 20 / 32 / 48 rows: 32.7-34.5 / 46.1-49.0 / 61.0-64.1 ms with the earlier one-panel loop's
+// blocks of 12 over L1 chunks of a panel, 28.2-29.8 / 37.1-44.9 / 52.0-54.7 this way (2026-11-24, Xeon, one
+// process, alternating). One loop for every panel also sums every output column in the same order.
+// acc holds 2 x 16 x 16 floats.
 template <typename W>
-void panels512x2(const float* x, int64_t M, int64_t K, const W* wp, float* y, int64_t N, int64_t p,
+void panels512x2(const float* x, int64_t M, int64_t K, const W* wp, float* y, int64_t N, int64_t p, int64_t q,
                  const float* bias, const float* res, float* acc) {
   if (M > MAX_MB512) {
     const int64_t nb = (M + MAX_MB512 - 1) / MAX_MB512;
     for (int64_t b = 0, m0 = 0; b < nb; b++) {
       const int64_t m1 = M * (b + 1) / nb;
-      panels512x2(x + m0 * K, m1 - m0, K, wp, y + m0 * N, N, p, bias, res ? res + m0 * N : nullptr, acc);
+      panels512x2(x + m0 * K, m1 - m0, K, wp, y + m0 * N, N, p, q, bias, res ? res + m0 * N : nullptr, acc);
       m0 = m1;
     }
     return;
   }
-  Acc512x2<W>::table[M](x, K, wp + p * K * PW, wp + (p + 1) * K * PW, K, acc);
-  for (int64_t q = 0; q < 2; q++) {
-    const int64_t c0 = (p + q) * PW;
-    epilogue(acc + q * M * PW, M, y + c0, N, (int)std::min<int64_t>(PW, N - c0), bias ? bias + c0 : nullptr,
+  Acc512x2<W>::table[M](x, K, wp + p * K * PW, wp + q * K * PW, K, acc);
+  for (int64_t i = 0; i < (q == p ? 1 : 2); i++) {
+    const int64_t c0 = (p + i) * PW;
+    epilogue(acc + i * M * PW, M, y + c0, N, (int)std::min<int64_t>(PW, N - c0), bias ? bias + c0 : nullptr,
              res ? res + c0 : nullptr);
   }
-}
-
-// One panel for all M rows on AVX-512: up to MAX_MB512 rows in one block straight from memory, more in blocks
-// that each consume a chunk of the panel (then in L1) before the next chunk is read.
-template <typename W>
-void panel512(const float* x, int64_t M, int64_t K, const W* wp, float* y, int64_t ldy, int nc, const float* bias,
-              const float* res, float* acc) {
-  const int64_t nb = M <= MAX_MB512 ? 1 : (M + MAX_MB512_SPLIT - 1) / MAX_MB512_SPLIT;
-  const int64_t kc = nb == 1 ? K : KC;
-  std::fill(acc, acc + M * PW, 0.f);
-  for (int64_t k0 = 0; k0 < K; k0 += kc) {
-    const int64_t k1 = std::min(K, k0 + kc);
-    int64_t m0 = 0;
-    for (int64_t blk = 0; blk < nb; blk++) {
-      const int64_t m1 = M * (blk + 1) / nb;
-      Acc512<W>::table[m1 - m0](x + m0 * K, K, wp, k0, k1, acc + m0 * PW);
-      m0 = m1;
-    }
-  }
-  epilogue(acc, M, y, ldy, nc, bias, res);
 }
 
 }  // namespace
@@ -435,12 +363,13 @@ torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& wp, int64_t N,
     at::parallel_for(0, P, 8, [&](int64_t p0, int64_t p1) {
       std::vector<float> acc(std::max<int64_t>(Ms, 2 * MAX_MB512) * PW);
       for (int64_t p = p0; p < p1; p++) {
-        if (v512 && p + 1 < p1) {  // two panels in one pass
+        if (v512) {  // two panels in one pass
+          const int64_t q = std::min(p + 1, p1 - 1);
           const float* xp = xs + s0 * K;
           const float* rp = rs ? rs + s0 * N : nullptr;
-          if (bf16) panels512x2(xp, Ms, K, wh, ys + s0 * N, N, p, bs, rp, acc.data());
-          else panels512x2(xp, Ms, K, ws, ys + s0 * N, N, p, bs, rp, acc.data());
-          p++;
+          if (bf16) panels512x2(xp, Ms, K, wh, ys + s0 * N, N, p, q, bs, rp, acc.data());
+          else panels512x2(xp, Ms, K, ws, ys + s0 * N, N, p, q, bs, rp, acc.data());
+          p = q;
           continue;
         }
         const int nc = (int)std::min<int64_t>(PW, N - p * PW);
@@ -448,11 +377,7 @@ torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& wp, int64_t N,
         const float* bp = bs ? bs + p * PW : nullptr;
         const float* rp = rs ? rs + s0 * N + p * PW : nullptr;
         const float* xp = xs + s0 * K;
-        if (v512 && bf16) {
-          panel512(xp, Ms, K, wh + p * K * PW, yp, N, nc, bp, rp, acc.data());
-        } else if (v512) {
-          panel512(xp, Ms, K, ws + p * K * PW, yp, N, nc, bp, rp, acc.data());
-        } else if (bf16) {
+        if (bf16) {
           panel(xp, Ms, K, wh + p * K * PW, yp, N, nc, bp, rp, acc.data());
         } else {
           panel(xp, Ms, K, ws + p * K * PW, yp, N, nc, bp, rp, acc.data());
