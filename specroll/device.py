@@ -49,3 +49,30 @@ def use_bf16(flag: bool | str) -> bool:
             raise ValueError(f"a bf16 switch must be true, false or auto, got {flag!r}")
         return fast_bf16()
     return bool(flag)
+
+
+_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3  # glibc's mallopt parameters (malloc.h)
+
+
+@functools.cache
+def keep_freed_memory() -> bool:
+    """Make glibc serve every allocation up to 32 MB (its ceiling for this) from the heap and never hand freed
+    heap memory back to the OS. Returns whether it applied (glibc on Linux), once per process.
+
+    Why: a GRPO update allocates and frees the same few-MB activations and gradient blocks micro-batch after
+    micro-batch. By default glibc maps the larger ones afresh each time and trims the heap's top, so every
+    update page-faults them in again; on a VM that returns freed pages to its host this is slow (a 16 MB
+    block: ~25 ms of faults against ~1 ms to compute on it). A SmolLM2 update of 4 prompts x 8 x 64 tokens
+    took 9.7-9.9 s with this and 11.3-12.1 s without (2026-11-24, 2-core Xeon VM, one process each). The
+    price: the process keeps its peak heap size. ``Trainer`` calls it unless ``train.keep_freed_memory`` is
+    off."""
+    import ctypes
+    import sys
+
+    if not sys.platform.startswith("linux"):
+        return False
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+        return bool(libc.mallopt(_M_MMAP_THRESHOLD, 32 << 20)) and bool(libc.mallopt(_M_TRIM_THRESHOLD, 2**31 - 1))
+    except (OSError, AttributeError):  # not glibc (musl has no mallopt)
+        return False

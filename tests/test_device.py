@@ -48,3 +48,12 @@ def test_bf16_linear_with_and_without_packing(monkeypatch, packs_bf16):
     assert y.dtype == torch.bfloat16
     torch.testing.assert_close(y.float(), ref, atol=0.05, rtol=0.02)
     torch.testing.assert_close(yr.float(), ref + r.float(), atol=0.08, rtol=0.02)
+
+
+def test_keep_freed_memory_on_glibc():
+    import platform
+    import sys
+
+    on_glibc = sys.platform.startswith("linux") and platform.libc_ver()[0] == "glibc"
+    assert device.keep_freed_memory() is on_glibc
+    assert device.keep_freed_memory() is on_glibc  # once per process (cached), same answer

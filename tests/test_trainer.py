@@ -367,3 +367,14 @@ def test_cli_train_resume_eval_report(tmp_path, capsys):
     # bad input: one line naming the key, exit code 2
     assert main(["train", "--out", str(tmp_path / "x"), "train.stepz=3"]) == 2
     assert "unknown config key 'train.stepz'; did you mean 'train.steps'" in capsys.readouterr().err
+
+
+def test_trainer_keeps_freed_memory_unless_told_not_to(monkeypatch):
+    from specroll.rl import trainer as T
+
+    calls = []
+    monkeypatch.setattr(T, "keep_freed_memory", lambda: calls.append(1))
+    make_trainer(make_cfg("train.keep_freed_memory=false"))
+    assert calls == []
+    make_trainer(make_cfg())
+    assert calls == [1]

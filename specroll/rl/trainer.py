@@ -32,10 +32,11 @@ from pathlib import Path
 import torch
 import yaml
 
-from ..device import torch_dtype, use_bf16
+from ..device import keep_freed_memory, torch_dtype, use_bf16
 from ..engine.engine import Engine, Rollout
 from ..engine.sampling import SamplingParams
 from . import checkpoint as ckpt
+from .logprobs import logprobs_and_entropy, token_logprobs  # noqa: F401 (re-exported)
 from .losses import group_advantages, policy_loss, token_weights, zero_variance_groups
 from .metrics import MetricsWriter, step_line
 
@@ -113,8 +114,9 @@ class Batch:
 def completion_logprobs(model, batch: Batch, rows: torch.Tensor, with_entropy: bool = False):
     """Per-token logprobs (b, C) of ``batch`` rows' completions under ``model`` (one forward).
 
-    The pass is causal over prompt+completion with padding keys masked; logits are computed only at
-    the C positions that predict completion tokens. Returns ``(logp, entropy or None)``.
+    The pass is causal over prompt+completion with padding keys masked; log-probabilities are computed
+    only at the positions that predict completion tokens (``logprobs.token_logprobs``: no (C, V) logits in
+    memory), zeros elsewhere. Returns ``(logp, entropy or None)``.
     """
     plen, clen = batch.plen[rows], batch.clen[rows]
     L = int((plen + clen).max())
@@ -127,26 +129,14 @@ def completion_logprobs(model, batch: Batch, rows: torch.Tensor, with_entropy: b
     C = max(1, int(clen.max()))  # these rows' longest completion: no lm_head over the batch's padding
     at = (plen[:, None] - 1 + torch.arange(C)[None]).clamp(max=L - 1)  # position predicting token j
     h = hidden.gather(1, at[..., None].expand(b, C, hidden.shape[-1]))
-    logits = model.logits(h)  # (b, C, V) fp32
-    return _pad_to_batch(logprobs_and_entropy(logits, batch.comp[rows, :C], with_entropy), batch)
+    valid = torch.arange(C)[None] < clen[:, None]
+    return _pad_to_batch(token_logprobs(model, h, batch.comp[rows, :C], valid, with_entropy), batch)
 
 
 def _pad_to_batch(out, batch: Batch):
     """(logp, entropy) over the first C completion positions -> the batch's width, zeros beyond."""
     width = batch.comp.shape[1]
     return tuple(None if t is None else torch.nn.functional.pad(t, (0, width - t.shape[-1])) for t in out)
-
-
-def logprobs_and_entropy(logits: torch.Tensor, ids: torch.Tensor, with_entropy: bool):
-    """log p(ids) under ``logits`` (..., V), and the (no-grad) entropy when asked for."""
-    logz = torch.logsumexp(logits, dim=-1)
-    logp = logits.gather(-1, ids[..., None]).squeeze(-1) - logz
-    ent = None
-    if with_entropy:
-        with torch.no_grad():
-            lp = logits - logz[..., None]
-            ent = -(lp.exp() * lp).sum(-1)
-    return logp, ent
 
 
 def shared_prompt_logprobs(model, batch: Batch, rows: torch.Tensor, group: torch.Tensor,
@@ -165,7 +155,12 @@ def shared_prompt_logprobs(model, batch: Batch, rows: torch.Tensor, group: torch
     pids = batch.seq[first, :Lp]
     U = len(uniq)
     dtype = model.dtype
-    x = model.embed(pids).to(dtype)
+    C = max(1, int(batch.clen[rows].max()))  # these rows' longest completion (rows are length-sorted)
+    b = len(rows)
+    cids = batch.comp[rows, :C]  # (b, C)
+    # one embedding lookup for both passes: its backward allocates a (V, D) gradient once, not twice
+    emb = model.embed(torch.cat([pids.flatten(), cids.flatten()])).to(dtype)
+    x, y = emb[: U * Lp].view(U, Lp, -1), emb[U * Lp :].view(b, C, -1)
     pos = torch.arange(Lp).expand(U, Lp)
     cos, sin = model.rope(pos, dtype)
     pvalid = torch.arange(Lp)[None] < plen[:, None]  # (U, Lp)
@@ -181,16 +176,12 @@ def shared_prompt_logprobs(model, batch: Batch, rows: torch.Tensor, group: torch
         x = layer(x, cos, sin, keep, m1)
     h_last = model.norm(x)[torch.arange(U), plen - 1]  # (U, D): predicts completion token 0
 
-    C = max(1, int(batch.clen[rows].max()))  # these rows' longest completion (rows are length-sorted)
-    b = len(rows)
-    cids = batch.comp[rows, :C]  # (b, C)
     my_plen = plen[inv]
     cpos = my_plen[:, None] + torch.arange(C)[None]
     cos2, sin2 = model.rope(cpos, dtype)
     key_prompt = pvalid[inv][:, None, :].expand(b, C, Lp)
     key_comp = torch.ones(C, C, dtype=torch.bool).tril()[None].expand(b, C, C)
     m2 = model.fold_mask(torch.cat([key_prompt, key_comp], dim=2))  # (b, ., C, Lp + C)
-    y = model.embed(cids).to(dtype)
     for i, layer in enumerate(model.layers):
         Kp, Vp = kvs[i]
 
@@ -201,8 +192,8 @@ def shared_prompt_logprobs(model, batch: Batch, rows: torch.Tensor, group: torch
         y = layer(y, cos2, sin2, join, m2)
     hc = model.norm(y)  # (b, C, D); position j predicts token j + 1
     h = torch.cat([h_last[inv][:, None].to(hc.dtype), hc[:, : C - 1]], dim=1)
-    logits = model.logits(h)
-    return _pad_to_batch(logprobs_and_entropy(logits, cids, with_entropy), batch)
+    valid = torch.arange(C)[None] < batch.clen[rows][:, None]
+    return _pad_to_batch(token_logprobs(model, h, cids, valid, with_entropy), batch)
 
 
 def lr_lambda(warmup: int, total: int, cosine: bool, min_ratio: float) -> Callable[[int], float]:
@@ -242,6 +233,8 @@ class Trainer:
         if cfg.loss.beta > 0:  # the reference model exists only when the KL term is on
             self.ref = copy.deepcopy(model).eval().requires_grad_(False)
         tc = cfg.train
+        if tc.keep_freed_memory:
+            keep_freed_memory()
         self.params = [p for p in model.parameters() if p.requires_grad]
         self.opt = torch.optim.AdamW(self.params, lr=tc.lr, weight_decay=tc.weight_decay)
         self.total_opt_steps = tc.steps * tc.mu * tc.mini_batches

@@ -1,0 +1,113 @@
+"""Token log-probabilities under ``softmax(h @ W^T)`` without the (tokens, vocab) logits in memory.
+
+The training forward needs, per completion token, log p(token) (with its gradient) and the entropy
+(without). Done the plain way (``logprobs_and_entropy`` over ``model.logits(h)``), a micro-batch of
+8 x 64 tokens materialises 512 x 49,152 fp32 logits (100 MB) and, through logsumexp, the entropy and the
+backward of gather / logsumexp, about ten more tensors of that size. Every one is a fresh allocation
+above glibc's mmap threshold, so each elementwise pass pays its page faults: in a SmolLM2 GRPO update
+(4 prompts x 8 x 64 tokens, fp32, 2-core Xeon, 2026-11-24) those passes (sub, exp, mul, fill, add over the
+logits) took ~4 s of a 16 s update whose matmuls took 7.5 s.
+
+Here the rows go through in chunks of ``CHUNK`` (a 12 MB logits block that is reused, not faulted in
+again): the forward keeps only each row's logsumexp, and the backward recomputes the chunk's logits
+and forms d log p / d logits = onehot - softmax in place before the two gradient matmuls. The price is
+the lm_head matmul once more in the backward. ``logprobs_and_entropy`` is the reference
+(tests/test_trainer.py compares values and both gradients).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+BLOCK = 1 << 22  # floats per logits block (16 MB): 512 tokens x 8,192 vocabulary columns
+
+
+def logprobs_and_entropy(logits: torch.Tensor, ids: torch.Tensor, with_entropy: bool):
+    """log p(ids) under ``logits`` (..., V), and the (no-grad) entropy when asked for."""
+    logz = torch.logsumexp(logits, dim=-1)
+    logp = logits.gather(-1, ids[..., None]).squeeze(-1) - logz
+    ent = None
+    if with_entropy:
+        with torch.no_grad():
+            lp = logits - logz[..., None]
+            ent = -(lp.exp() * lp).sum(-1)
+    return logp, ent
+
+
+class LinearLogprobs(torch.autograd.Function):
+    """(logp, entropy) of ``ids`` under ``softmax(h @ weight^T)``; h (N, D), weight (V, D), ids (N,).
+
+    logp is differentiable in h and weight; the entropy is not (a metric). Autocast applies to the
+    matmuls as it would to ``F.linear`` (the logits are then taken as fp32, like ``Decoder.logits``)."""
+
+    @staticmethod
+    @torch.amp.custom_fwd(device_type="cpu")
+    def forward(ctx, h: torch.Tensor, weight: torch.Tensor, ids: torch.Tensor, with_entropy: bool):
+        N, V = h.shape[0], weight.shape[0]
+        m = torch.full((N,), float("-inf"))  # running max, sum of exp(logit - max), sum of that * logit
+        s, t, tgt = torch.zeros(N), torch.zeros(N), torch.zeros(N)
+        for c0, c1 in vocab_chunks(N, V):
+            lg = F.linear(h, weight[c0:c1]).float()  # (N, c1 - c0)
+            m_new = torch.maximum(m, lg.amax(1))
+            scale = (m - m_new).exp()
+            lg_m = lg - m_new[:, None]
+            e = lg_m.exp()
+            s = s * scale + e.sum(1)
+            if with_entropy:
+                t = t * scale + (e * lg).sum(1)
+            m = m_new
+            inside = ((ids >= c0) & (ids < c1)).nonzero().squeeze(1)
+            tgt[inside] = lg[inside, ids[inside] - c0]
+        logz = m + s.log()
+        ctx.save_for_backward(h, weight, ids, logz)
+        if not with_entropy:
+            return tgt - logz, torch.zeros(0)
+        ent = logz - t / s  # -sum p log p = logz - sum p logit
+        ctx.mark_non_differentiable(ent)
+        return tgt - logz, ent
+
+    @staticmethod
+    @torch.amp.custom_bwd(device_type="cpu")
+    def backward(ctx, g_logp: torch.Tensor, _g_ent):
+        h, weight, ids, logz = ctx.saved_tensors
+        need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        N, V = h.shape[0], weight.shape[0]
+        gh = torch.zeros(h.shape, dtype=torch.float32) if need_h else None
+        gw = torch.empty(weight.shape, dtype=torch.float32) if need_w else None  # every row written once
+        g_logp = g_logp.float()
+        for c0, c1 in vocab_chunks(N, V):
+            w = weight[c0:c1]
+            g = F.linear(h, w).float()  # the chunk's logits again
+            g.sub_(logz[:, None]).exp_().mul_(-g_logp[:, None])  # -softmax * g
+            inside = ((ids >= c0) & (ids < c1)).nonzero().squeeze(1)
+            g[inside, ids[inside] - c0] += g_logp[inside]  # + onehot * g
+            if need_h:
+                gh.addmm_(g, w.float())
+            if need_w:  # straight into the gradient's rows (no block-sized temporary)
+                torch.mm(g.t(), h.float(), out=gw[c0:c1])
+        return (None if gh is None else gh.to(h.dtype), None if gw is None else gw.to(weight.dtype), None, None)
+
+
+def vocab_chunks(N: int, V: int):
+    """[c0, c1) vocabulary slices whose (N, c1 - c0) logits block holds about ``BLOCK`` floats (at least
+    512 columns: narrower blocks make the matmul inefficient)."""
+    width = min(V, max(512, BLOCK // max(N, 1) // 64 * 64))
+    return [(c0, min(V, c0 + width)) for c0 in range(0, V, width)]
+
+
+def token_logprobs(model, h: torch.Tensor, ids: torch.Tensor, valid: torch.Tensor, with_entropy: bool):
+    """(logp, entropy or None), each (b, C) with zeros where ``valid`` (b, C) is False, of ``ids`` (b, C)
+    given the final hidden states ``h`` (b, C, D) that predict them, through ``model``'s lm_head. Only the
+    valid positions are computed. A biased lm_head falls back to the materialised logits."""
+    lm = model.lm_head
+    if lm.bias is not None:
+        lp, ent = logprobs_and_entropy(model.logits(h), ids, with_entropy)
+        return lp * valid, None if ent is None else ent * valid
+    idx = valid.flatten().nonzero().squeeze(1)
+    flat_h = h.flatten(0, 1).index_select(0, idx)
+    lp_v, ent_v = LinearLogprobs.apply(flat_h, lm.weight, ids.flatten().index_select(0, idx), with_entropy)
+    b, C = ids.shape
+    lp = torch.zeros(b * C, dtype=lp_v.dtype).index_copy(0, idx, lp_v).view(b, C)
+    ent = torch.zeros(b * C).index_copy(0, idx, ent_v).view(b, C) if with_entropy else None
+    return lp, ent
