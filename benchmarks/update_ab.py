@@ -1,0 +1,72 @@
+"""One GRPO update (forward + backward + AdamW) of SmolLM2 on one fixed rollout batch, with the training
+forward's log-probabilities taken two ways in one process, alternating: ``plain`` (the (tokens, vocabulary)
+logits materialised, then logsumexp / gather / entropy: ``logprobs.logprobs_and_entropy``) and ``blocks``
+(``logprobs.token_logprobs``: vocabulary blocks, nothing of that size kept). The weights and the optimizer
+state are restored before every update, so each side computes the same update (the printed loss, entropy and
+grad norm agree).
+
+    python benchmarks/update_ab.py [--repeats 3] [--out FILE.json] [key=value ...]
+
+Trailing ``key=value`` are config overrides (e.g. ``train.keep_freed_memory=false``); the default batch is
+4 prompts x G = 8 x 64 new tokens (every completion forced to 64), rewards 1 on every third row so that no
+group is skipped.
+"""
+
+import argparse
+import copy
+import json
+import sys
+import time
+
+import torch
+
+from specroll.bench.common import machine_info
+from specroll.config import load_config
+from specroll.rl import trainer as T
+from specroll.rl.logprobs import logprobs_and_entropy, token_logprobs
+from specroll.rl.run import build_trainer
+
+
+def plain(model, h, ids, valid, with_entropy):
+    lp, ent = logprobs_and_entropy(model.logits(h), ids, with_entropy)
+    return lp * valid, None if ent is None else ent * valid
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--out", default="")
+    ap.add_argument("overrides", nargs="*")
+    args = ap.parse_args()
+    torch.set_num_threads(2)
+    cfg = load_config(None, None, ["rollout.max_new_tokens=64", "train.prompts_per_step=4", "rollout.G=8",
+                                   "model.rollout_dtype=float32", "train.bf16=false", *args.overrides])
+    tr = build_trainer(cfg, None)
+    params = tr.rollout_params(0)
+    params.min_new_tokens = cfg.rollout.max_new_tokens
+    rollouts = tr.engine.generate(tr.train_set.take(tr.batch_indices(0)).ids, params, n=cfg.rollout.G)
+    rewards = torch.tensor([float(i % 3 == 0) for i in range(len(rollouts))])
+    state, opt_state = copy.deepcopy(tr.model.state_dict()), copy.deepcopy(tr.opt.state_dict())
+    rows = []
+    for r in range(args.repeats):
+        for name, fn in (("plain", plain), ("blocks", token_logprobs)):
+            T.token_logprobs = fn
+            tr.model.load_state_dict(state)
+            tr.opt.load_state_dict(opt_state)
+            t = time.perf_counter()
+            m = tr.update(rollouts, rewards)
+            dt = time.perf_counter() - t
+            rows.append({"repeat": r, "logprobs": name, "update_s": dt, "loss": m["actor/loss"],
+                         "entropy": m.get("actor/entropy"), "grad_norm": m.get("actor/grad_norm")})
+            print(f"{r} {name:6s} update {dt:6.2f} s  entropy {m.get('actor/entropy', 0):.5f}  "
+                  f"grad norm {m.get('actor/grad_norm', 0):.6f}", flush=True)
+    T.token_logprobs = token_logprobs
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump({"rows": rows, "overrides": args.overrides, "argv": sys.argv, "machine": machine_info()}, f,
+                      indent=1)
+        print("wrote", args.out)
+
+
+if __name__ == "__main__":
+    main()
