@@ -61,10 +61,10 @@ def keep_freed_memory() -> bool:
 
     Why: a GRPO update allocates and frees the same few-MB activations and gradient blocks micro-batch after
     micro-batch. By default glibc maps the larger ones afresh each time and trims the heap's top, so every
-    update page-faults them in again; on a VM that returns freed pages to its host this is slow (a 16 MB
-    block: ~25 ms of faults against ~1 ms to compute on it). A SmolLM2 update of 4 prompts x 8 x 64 tokens
-    took 9.7-9.9 s with this and 11.3-12.1 s without (2026-11-24, 2-core Xeon VM, one process each). The
-    price: the process keeps its peak heap size. ``Trainer`` calls it unless ``train.keep_freed_memory`` is
+    update page-faults them in again. On a 2-core Xeon VM (2026-11-24) an exp over a 16 MB block took ~25 ms
+    inside an update against ~1 ms alone, and a warm SmolLM2 update of 4 prompts x 8 x 64 tokens took
+    9.7-9.9 s with this and 10.3-11.8 s without (two runs each, one process per setting). The price: the
+    process keeps its peak heap size. ``Trainer`` calls it unless ``train.keep_freed_memory`` is
     off."""
     import ctypes
     import sys

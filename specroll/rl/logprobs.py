@@ -3,16 +3,16 @@
 The training forward needs, per completion token, log p(token) (with its gradient) and the entropy
 (without). Done the plain way (``logprobs_and_entropy`` over ``model.logits(h)``), a micro-batch of
 8 x 64 tokens materialises 512 x 49,152 fp32 logits (100 MB) and, through logsumexp, the entropy and the
-backward of gather / logsumexp, about ten more tensors of that size. Every one is a fresh allocation
-above glibc's mmap threshold, so each elementwise pass pays its page faults: in a SmolLM2 GRPO update
-(4 prompts x 8 x 64 tokens, fp32, 2-core Xeon, 2026-11-24) those passes (sub, exp, mul, fill, add over the
-logits) took ~4 s of a 16 s update whose matmuls took 7.5 s.
+backward of gather / logsumexp, about ten more tensors of that size, each a fresh allocation. In a
+profiled SmolLM2 GRPO update (4 prompts x 8 x 64 tokens, fp32, 2-core Xeon VM, 2026-11-24: 15.4 s, 7.5 s
+of it matmuls) the elementwise sub / exp / mul / fill / add passes took ~5 s, most of it over the logits.
 
-Here the rows go through in chunks of ``CHUNK`` (a 12 MB logits block that is reused, not faulted in
-again): the forward keeps only each row's logsumexp, and the backward recomputes the chunk's logits
-and forms d log p / d logits = onehot - softmax in place before the two gradient matmuls. The price is
-the lm_head matmul once more in the backward. ``logprobs_and_entropy`` is the reference
-(tests/test_trainer.py compares values and both gradients).
+Here the logits are taken a vocabulary block at a time (``vocab_chunks``: about ``BLOCK`` floats, e.g.
+512 tokens x 8,192 columns), with an online logsumexp (and entropy sum) across blocks; the forward keeps
+only each token's logsumexp. The backward recomputes a block's logits, forms d log p / d logits =
+onehot - softmax in place and writes that block's rows of the weight gradient directly. The price is the
+lm_head matmul once more in the backward. ``logprobs_and_entropy`` is the reference (tests/test_logprobs.py
+compares values, entropy and both gradients). Measured: ``benchmarks/update_ab.py`` (BENCHMARKS.md, session 15).
 """
 
 from __future__ import annotations

@@ -9,9 +9,10 @@ through the decoder's prepacked inference copies, which refresh themselves after
 step) and the trainer differentiates the same module. With mu = 1 and one mini-batch the engine's
 per-token policy logprobs ARE the old logprobs: no extra forward pass.
 
-Training forward: prompt + completion rows, right-padded, one cache-free pass with a padding-aware
-causal mask; logits only at completion positions, one micro-batch at a time (B*T*V floats is the
-memory peak). Loss weights are computed once over the whole mini-batch (``losses.token_weights``), so
+Training forward: each group's prompt once, then its completions attending to the prompt's K/V
+(``train.share_prompt``; else prompt + completion rows, right-padded, one cache-free pass with a
+padding-aware causal mask), one micro-batch at a time; log-probabilities only at completion positions,
+in vocabulary blocks (``logprobs.token_logprobs``: no B*T*V logits in memory). Loss weights are computed once over the whole mini-batch (``losses.token_weights``), so
 micro-batching (gradient accumulation) gives exactly the full-batch gradient.
 
 Departures: rows whose advantage is exactly 0 (zero-variance groups, ``None`` rewards) are not
