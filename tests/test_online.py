@@ -483,3 +483,27 @@ def test_rollout_hooks_see_the_rollouts_policy_and_prompts():
         assert v == version and ids == ps.take(tr.batch_indices(step)).ids
         assert seed == tr.rollout_params(step).seed
         assert updates == step * cfg.draft.update_steps  # the head had not yet learned from this rollout
+
+
+def test_online_lr_warmup_ramps_then_holds(mid):
+    """``draft.warmup``: AdamW step i (counted over the run, so a resumed learner continues the ramp) takes
+    lr * (i + 1) / warmup until the ramp ends; 0 keeps the lr from the first step."""
+    model, head = mid
+    d = OnlineDrafter(clone_head(model, head), online_cfg(lr=1e-3, warmup=6, update_steps=4, batch=4), plan=Plan(4, 1, 3))
+    outs = Engine(model, eos_ids=[EOS]).generate(PROMPTS, SamplingParams(temperature=1.0, max_new_tokens=8, seed=3),
+                                                n=2, drafter=d)
+    d.learner.finish(outs)
+    seen = []
+    step = d.learner.opt.step
+
+    def spy(*a, **k):
+        seen.append(d.learner.opt.param_groups[0]["lr"])
+        return step(*a, **k)
+
+    d.learner.opt.step = spy
+    d.learner.update(model)
+    d.learner.update(model)
+    assert seen == pytest.approx([1e-3 * i / 6 for i in (1, 2, 3, 4, 5, 6)] + [1e-3, 1e-3])
+    assert [OnlineLearner(clone_head(model, head), online_cfg(lr=1e-3)).lr_at(i) for i in (0, 5)] == [1e-3, 1e-3]
+    with pytest.raises(ValueError, match="draft.warmup must be an integer >= 0"):
+        load_config(overrides=["draft.warmup=-1"])

@@ -41,6 +41,7 @@ class DraftConfig:
     online: bool = False  # train the head during GRPO on the pairs the rollouts already computed
     lr: float | str = "auto"  # AdamW lr of the online updates; auto = 3e-4 for a random head, 1e-4 for a distilled one
     update_steps: int = 4  # AdamW steps per online update
+    warmup: int = 0  # AdamW steps over which the online lr ramps up linearly (step i uses lr * i / warmup; 0 = none)
     update_every: int = 1  # rollouts between online updates
     batch: int = 16  # sequences per AdamW step
     w_feat: float = 2.0  # weight of the SmoothL1 feature regression
@@ -56,7 +57,7 @@ class DraftConfig:
         if self.plan not in PLANS:
             raise ValueError(f"draft.plan must be one of {list(PLANS)}, got {self.plan!r}")
         ints = {"vocab": 0, "n_verify": 1, "k": 0, "depth": 0, "update_steps": 1, "update_every": 1, "batch": 1,
-                "buffer": 1, "unroll": 1}
+                "buffer": 1, "unroll": 1, "warmup": 0}
         for k, lo in ints.items():
             v = getattr(self, k)
             if isinstance(v, bool) or not isinstance(v, int) or v < lo:

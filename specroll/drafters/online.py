@@ -134,6 +134,12 @@ class OnlineLearner:
     def due(self) -> bool:
         return bool(self.buffer) and self.rollouts % self.cfg.update_every == 0
 
+    def lr_at(self, i: int) -> float:
+        """The lr of AdamW step ``i`` (0-based, counted over the whole run): ``draft.lr`` after a linear
+        ``draft.warmup``."""
+        w = self.cfg.warmup
+        return self.cfg.online_lr() * (min(1.0, (i + 1) / w) if w > 0 else 1.0)
+
     def update(self, policy) -> dict:
         """``update_steps`` AdamW steps over the buffer (policy frozen). Returns mean loss / top1."""
         pool = [s for part in self.buffer for s in part]
@@ -151,6 +157,8 @@ class OnlineLearner:
             self.opt.zero_grad(set_to_none=True)
             loss.backward()
             torch.nn.utils.clip_grad_norm_(self.params, 1.0)
+            for g in self.opt.param_groups:  # the first AdamW steps move every weight by ~lr whatever the gradient
+                g["lr"] = self.lr_at(self.updates)
             self.opt.step()
             self.updates += 1
             losses.append(float(loss.detach()))
