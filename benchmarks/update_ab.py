@@ -1,6 +1,6 @@
 """One GRPO update (forward + backward + AdamW) of SmolLM2 on one fixed rollout batch, with the training
 forward's log-probabilities taken two ways in one process, alternating: ``plain`` (the (tokens, vocabulary)
-logits materialised, then logsumexp / gather / entropy: ``logprobs.logprobs_and_entropy``) and ``blocks``
+logits materialised, then logsumexp / gather / entropy: ``logprobs.materialised_logprobs``) and ``blocks``
 (``logprobs.token_logprobs``: vocabulary blocks, nothing of that size kept). The weights and the optimizer
 state are restored before every update, so each side computes the same update (the printed loss, entropy and
 grad norm agree).
@@ -23,13 +23,8 @@ import torch
 from specroll.bench.common import machine_info
 from specroll.config import load_config
 from specroll.rl import trainer as T
-from specroll.rl.logprobs import logprobs_and_entropy, token_logprobs
+from specroll.rl.logprobs import materialised_logprobs, token_logprobs
 from specroll.rl.run import build_trainer
-
-
-def plain(model, h, ids, valid, with_entropy):
-    lp, ent = logprobs_and_entropy(model.logits(h), ids, with_entropy)
-    return lp * valid, None if ent is None else ent * valid
 
 
 def main() -> None:
@@ -49,7 +44,7 @@ def main() -> None:
     state, opt_state = copy.deepcopy(tr.model.state_dict()), copy.deepcopy(tr.opt.state_dict())
     rows = []
     for r in range(args.repeats):
-        for name, fn in (("plain", plain), ("blocks", token_logprobs)):
+        for name, fn in (("plain", materialised_logprobs), ("blocks", token_logprobs)):
             T.token_logprobs = fn
             tr.model.load_state_dict(state)
             tr.opt.load_state_dict(opt_state)

@@ -41,7 +41,7 @@ class DraftConfig:
     online: bool = False  # train the head during GRPO on the pairs the rollouts already computed
     lr: float | str = "auto"  # AdamW lr of the online updates; auto = 3e-4 for a random head, 1e-4 for a distilled one
     update_steps: int = 4  # AdamW steps per online update
-    warmup: int = 0  # AdamW steps over which the online lr ramps up linearly (step i uses lr * i / warmup; 0 = none)
+    warmup: int = 0  # AdamW steps over which the online lr ramps up linearly (the k-th step of the run uses lr * k / warmup; 0 = none)
     update_every: int = 1  # rollouts between online updates
     batch: int = 16  # sequences per AdamW step
     w_feat: float = 2.0  # weight of the SmoothL1 feature regression

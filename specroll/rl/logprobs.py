@@ -76,6 +76,7 @@ class LinearLogprobs(torch.autograd.Function):
         gh = torch.zeros(h.shape, dtype=torch.float32) if need_h else None
         gw = torch.empty(weight.shape, dtype=torch.float32) if need_w else None  # every row written once
         g_logp = g_logp.float()
+        h32 = h.float() if need_w else None
         for c0, c1 in vocab_chunks(N, V):
             w = weight[c0:c1]
             g = F.linear(h, w).float()  # the chunk's logits again
@@ -85,7 +86,7 @@ class LinearLogprobs(torch.autograd.Function):
             if need_h:
                 gh.addmm_(g, w.float())
             if need_w:  # straight into the gradient's rows (no block-sized temporary)
-                torch.mm(g.t(), h.float(), out=gw[c0:c1])
+                torch.mm(g.t(), h32, out=gw[c0:c1])
         return (None if gh is None else gh.to(h.dtype), None if gw is None else gw.to(weight.dtype), None, None)
 
 
@@ -102,8 +103,7 @@ def token_logprobs(model, h: torch.Tensor, ids: torch.Tensor, valid: torch.Tenso
     valid positions are computed. A biased lm_head falls back to the materialised logits."""
     lm = model.lm_head
     if lm.bias is not None:
-        lp, ent = logprobs_and_entropy(model.logits(h), ids, with_entropy)
-        return lp * valid, None if ent is None else ent * valid
+        return materialised_logprobs(model, h, ids, valid, with_entropy)
     idx = valid.flatten().nonzero().squeeze(1)
     flat_h = h.flatten(0, 1).index_select(0, idx)
     lp_v, ent_v = LinearLogprobs.apply(flat_h, lm.weight, ids.flatten().index_select(0, idx), with_entropy)
@@ -111,3 +111,10 @@ def token_logprobs(model, h: torch.Tensor, ids: torch.Tensor, valid: torch.Tenso
     lp = torch.zeros(b * C, dtype=lp_v.dtype).index_copy(0, idx, lp_v).view(b, C)
     ent = torch.zeros(b * C).index_copy(0, idx, ent_v).view(b, C) if with_entropy else None
     return lp, ent
+
+
+def materialised_logprobs(model, h: torch.Tensor, ids: torch.Tensor, valid: torch.Tensor, with_entropy: bool):
+    """``token_logprobs`` the plain way: the (b, C, V) logits in memory (a biased lm_head's path, and the
+    baseline of ``benchmarks/update_ab.py``)."""
+    lp, ent = logprobs_and_entropy(model.logits(h), ids, with_entropy)
+    return lp * valid, None if ent is None else ent * valid

@@ -37,7 +37,7 @@ from ..device import keep_freed_memory, torch_dtype, use_bf16
 from ..engine.engine import Engine, Rollout
 from ..engine.sampling import SamplingParams
 from . import checkpoint as ckpt
-from .logprobs import logprobs_and_entropy, token_logprobs  # noqa: F401 (re-exported)
+from .logprobs import token_logprobs
 from .losses import group_advantages, policy_loss, token_weights, zero_variance_groups
 from .metrics import MetricsWriter, step_line
 
