@@ -349,3 +349,23 @@ def test_accuracy_without_answer_column_is_an_error():
     with pytest.raises(RewardError, match="needs an 'answer' column; got columns \\['gold'\\]"):
         reward(["p"], ["1"], gold=["1"])
     reward.close()
+
+
+def test_a_script_that_never_closes_its_checkers_exits_cleanly(tmp_path):
+    """A user script (or a TRL reward function) that scores with the default checker and its own, then
+    simply ends: the interpreter used to abort at exit (exit code 134, "Fatal Python error: could not
+    acquire lock for <_io.BufferedReader>") because the checker's finaliser closed the worker's stdout
+    while the reader thread was blocked on it."""
+    import subprocess
+
+    script = tmp_path / "user.py"
+    script.write_text(textwrap.dedent("""
+        from specroll.rl.rewards import MathChecker, accuracy_reward
+        own = MathChecker(timeout_s=30.0)
+        print(own.map([("2", "2", "2")]))
+        print(accuracy_reward(None, ["so the answer is 1/2"], ["0.5"], fast=False))
+    """))
+    p = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=180)
+    assert p.returncode == 0, p.stderr[-2000:]
+    assert "Fatal Python error" not in p.stderr
+    assert p.stdout.split() == ["[True]", "[1.0]"]

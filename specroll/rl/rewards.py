@@ -22,6 +22,7 @@ two departures from calling math-verify directly:
 
 from __future__ import annotations
 
+import atexit
 import importlib
 import json
 import logging
@@ -32,6 +33,7 @@ import subprocess
 import sys
 import tempfile
 import threading
+import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from fractions import Fraction
@@ -207,6 +209,7 @@ class MathChecker:
         self._lock = threading.Lock()
         self._proc = None
         self._stderr = None
+        self._pump: threading.Thread | None = None
         self._out: queue.Queue | None = None
         self._fresh = False
         self._warned = False
@@ -226,19 +229,26 @@ class MathChecker:
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._stderr, text=True, bufsize=1,
         )
         self._out = queue.Queue()
-        threading.Thread(target=_pump, args=(self._proc.stdout, self._out), daemon=True).start()
+        self._pump = threading.Thread(target=_pump, args=(self._proc.stdout, self._out), daemon=True)
+        self._pump.start()
         self._fresh = True
+        _LIVE.add(self)
 
     def _kill(self):
+        """Stop the worker. Its stdout belongs to the reader thread, which sees EOF once the worker is dead
+        and closes it: closing it from here while that thread is blocked reading it is what made the
+        interpreter abort at exit ("could not acquire lock for <_io.BufferedReader>")."""
         if self._proc is not None:
             self._proc.kill()
             self._proc.wait(timeout=10)
-            for f in (self._proc.stdin, self._proc.stdout, self._stderr):
+            if self._pump is not None:
+                self._pump.join(timeout=10)
+            for f in (self._proc.stdin, self._stderr):
                 try:
                     f.close()
                 except OSError:
                     pass
-        self._proc = self._out = self._stderr = None
+        self._proc = self._out = self._stderr = self._pump = None
 
     def close(self):
         with self._lock:
@@ -302,17 +312,38 @@ class MathChecker:
 
     def __del__(self):
         try:
-            self._kill()
-        except Exception:  # noqa: BLE001 - interpreter shutdown
+            if sys.is_finalizing():  # threads and streams may be half torn down: only end the worker
+                if self._proc is not None:
+                    self._proc.kill()
+            else:
+                self._kill()
+        except Exception:  # noqa: BLE001 - best effort; close() is the clean way
+            pass
+
+
+_LIVE: weakref.WeakSet[MathChecker] = weakref.WeakSet()  # checkers with a worker, stopped at exit
+
+
+@atexit.register
+def _close_all() -> None:
+    """Stop every worker while the interpreter is still whole (atexit runs before its finalization)."""
+    for c in list(_LIVE):
+        try:
+            c.close()
+        except Exception:  # noqa: BLE001 - exiting anyway
             pass
 
 
 def _pump(stream, q: queue.Queue):
-    """Reader thread: worker stdout lines -> queue; ``None`` on EOF."""
+    """Reader thread: worker stdout lines -> queue; ``None`` on EOF, after which it closes the stream."""
     try:
         for line in stream:
             q.put(json.loads(line))
     except (OSError, ValueError):
+        pass
+    try:
+        stream.close()
+    except OSError:
         pass
     q.put(None)
 
