@@ -632,19 +632,30 @@ def test_unrolled_features_match_chains_drafted_one_call_at_a_time(mid):
     with torch.no_grad():
         feats = unrolled_features(head, H[:, :-1], model.embed(ids[:, 1:]).float(), pos, 3)
         torch.testing.assert_close(feats[0], head(H[:, :-1], model.embed(ids[:, 1:]).float(), pos))
+        # chains from pair 4 on only (a batch whose prompts are >= 5 long): deeper depths skip the positions before
+        late = unrolled_features(head, H[:, :-1], model.embed(ids[:, 1:]).float(), pos, 3, first=4)
+        torch.testing.assert_close(late[0], feats[0])
     checked = 0
     for b, (x, h) in enumerate(zip(seqs, hid)):
         for j in (1, 2, 3):
             for t in range(j - 1, len(x) - 1):
-                torch.testing.assert_close(feats[j - 1][b, t], naive_chain_feature(head, model, x, h, t, j),
-                                           atol=2e-5, rtol=1e-4)
+                want = naive_chain_feature(head, model, x, h, t, j)
+                torch.testing.assert_close(feats[j - 1][b, t], want, atol=2e-5, rtol=1e-4)
+                if t >= 4 + j - 1:
+                    torch.testing.assert_close(late[j - 1][b, t], want, atol=2e-5, rtol=1e-4)
+                elif j > 1:
+                    assert not late[j - 1][b, t].any()
                 checked += 1
     assert checked == 3 * (len(seqs[0]) + len(seqs[1]) - 2) - 2 * 3
     assert (feats[2][0] - feats[0][0]).abs().max() > 1e-3  # drafted inputs do change the features
+    with torch.no_grad():  # no chain fits: deeper depths are all zeros, depth 1 is unchanged
+        none = unrolled_features(head, H[:, :-1], model.embed(ids[:, 1:]).float(), pos, 3, first=T)
+    torch.testing.assert_close(none[0], feats[0])
+    assert not none[1].any() and not none[2].any()
 
 
 def test_unrolled_loss_and_held_out_depths_match_per_position_references(mid):
-    """With ``unroll`` 2 the loss is (l_1 + decay * l_2) / (1 + decay), l_j the mean per-position loss over the
+    """With ``unroll`` 3 the loss is (l_1 + decay l_2 + decay^2 l_3) / (1 + decay + decay^2), l_j the mean per-position loss over the
     targets whose chain starts at a completion position (``chain_scored``); ``HeldOut`` with depth 3 scores
     ``eval_accept_d2`` / ``_d3`` over the same targets."""
     from specroll.drafters.distill import HeldOut, _batch, chain_scored
@@ -654,7 +665,7 @@ def test_unrolled_loss_and_held_out_depths_match_per_position_references(mid):
     starts = [len(p) for p in PROMPTS[:2]]
     hid = hidden_states(model, seqs)
     lm = DraftVocab(model, head.vocab_ids)
-    cfg = DistillConfig(w_feat=2.0, w_ce=0.3, w_tv=0.5, unroll=2, unroll_decay=0.5)
+    cfg = DistillConfig(w_feat=2.0, w_ce=0.3, w_tv=0.5, unroll=3, unroll_decay=0.5)
     ids, H, scored = _batch(seqs, hid, [0, 1], starts)
     m = scored[:, 1:]
     assert chain_scored(m, 2).sum() == m.sum() - 2  # each sequence loses its first completion target
@@ -674,7 +685,7 @@ def test_unrolled_loss_and_held_out_depths_match_per_position_references(mid):
                                   + 0.5 * (1 - torch.minimum(p, logq.exp()).sum()))
                     pf = torch.softmax(model.logits(h[t + 1]).double(), -1)[head.vocab_ids]
                     acc[j].append(float(torch.minimum(pf, logq.exp().double()).sum()))
-    want = (torch.stack(per[1]).mean() + 0.5 * torch.stack(per[2]).mean()) / 1.5
+    want = (torch.stack(per[1]).mean() + 0.5 * torch.stack(per[2]).mean() + 0.25 * torch.stack(per[3]).mean()) / 1.75
     assert float(got) == pytest.approx(float(want), rel=1e-5)
     assert "top1_d2" in info
     for j, key in ((1, "eval_accept"), (2, "eval_accept_d2"), (3, "eval_accept_d3")):

@@ -14,11 +14,14 @@ the head's context (its attention sees them), as they do in the rollout.
 
 Deeper chain positions (``DistillConfig.unroll`` K > 1): a sampled chain feeds the head its own feature at
 depth 2 and beyond, never the policy's, so teacher forcing alone trains only the first draft of a step.
-With K > 1 the head also runs depths 2..K over every position (``unrolled_features``: depth j's input at
-t is depth j-1's output at t - 1, and it attends to the true pairs before the chain plus its own drafted
-ones, exactly as its KV cache holds them in a rollout); each depth's loss targets the same true h_{t+1}
-and is weighted ``unroll_decay ** (j - 1)``. This is the idea of EAGLE-3's "training-time test" and
-HASS; the cost is K passes of the head per batch.
+With K > 1 the head also runs depths 2..K (``unrolled_features``: depth j's input at t is depth j-1's
+output at t - 1, and it attends to the true pairs before the chain plus its own drafted ones, exactly as
+its KV cache holds them in a rollout); each depth's loss targets the same true h_{t+1} and is weighted
+``unroll_decay ** (j - 1)``. This is the idea of EAGLE-3's "training-time test" and HASS. The cost: depth 1
+over every position, depths 2..K only from the batch's first scored position on (the prompt pairs are
+context, never a chain's start), and the draft-vocabulary logits only at scored targets. On SmolLM2's
+arithmetic prompts (~70 prompt + ~45 completion tokens) that halves an online update of 4 AdamW steps x 16
+sequences at K = 3 (BENCHMARKS.md, session 16).
 
 Departures: the soft targets are the policy's distribution renormalised over the head's draft
 vocabulary (the most frequent tokens of the generated data), so no full-vocabulary softmax is
@@ -161,28 +164,49 @@ class _Streams:
         return torch.cat(self.k, 2), torch.cat(self.v, 2)
 
 
-def unroll_mask(T: int, j: int) -> torch.Tensor:
-    """(1, T, j * T) visibility of unrolled depth j: query t sees the teacher-forced pairs up to t - j + 1
-    (stream 1) and, of each drafted stream i = 2..j, the one pair at t - j + i. Depth 1 is causal."""
-    d = torch.arange(T)[:, None] - torch.arange(T)[None, :]
-    return torch.cat([d >= j - 1] + [d == j - i for i in range(2, j + 1)], 1)[None]
+def unroll_mask(T: int, j: int, first: int = 0) -> torch.Tensor:
+    """Visibility of unrolled depth j over the keys ``_Streams`` returns: (1, T - s_j, T + sum_i (T - s_i)) with
+    s_1 = 0 and s_i = min(first + i - 1, T) for the drafted streams i = 2..j (stream i holds positions s_i..T-1,
+    see ``unrolled_features``); the queries are depth j's positions s_j..T-1. Query t sees the teacher-forced
+    pairs up to t - j + 1 (stream 1) and, of each drafted stream i = 2..j, the one pair at t - j + i. Depth 1
+    is causal."""
+    start = [0] + [min(first + i - 1, T) for i in range(2, j + 1)]
+    t = torch.arange(start[j - 1], T)[:, None]
+    cols = [torch.arange(T)[None, :] <= t - j + 1]
+    cols += [torch.arange(start[i - 1], T)[None, :] == t - j + i for i in range(2, j + 1)]
+    return torch.cat(cols, 1)[None]
 
 
-def unrolled_features(head: DraftHead, x_h, emb, pos, depth: int) -> list[torch.Tensor]:
+def unrolled_features(head: DraftHead, x_h, emb, pos, depth: int, first: int = 0) -> list[torch.Tensor]:
     """[F_1, ..., F_depth], each (B, T, D). F_1 is the teacher-forced feature (pair t = true hidden state
     at t + token t + 1). F_j[:, t] is what the head computes at pair t in a drafted chain that started from
     the true hidden state at t - j + 1: its input feature at t is F_{j-1}[:, t - 1] (its own prediction
     of the hidden state at t) and it attends to true pairs up to t - j + 1 plus its own drafted pairs
     after them (``unroll_mask``) -- the head's KV cache at its depth-j call in a rollout, given the
-    earlier drafts were accepted. Every depth targets the same true hidden state at t + 1."""
+    earlier drafts were accepted. Every depth targets the same true hidden state at t + 1.
+
+    Only chains that start at pair ``first`` or later are computed: depth j >= 2 runs over positions
+    t >= first + j - 1 (everything such chains read: a depth-i pair at t - j + i >= first + i - 1), and F_j
+    is zero before them. With ``first`` the earliest scored pair (a batch's shortest prompt, ``head_loss``)
+    the prompt positions, which only serve as context, are run once (depth 1) instead of ``depth`` times."""
     kv, T = _Streams(), x_h.shape[1]
-    feats, x = [], x_h
+    feats, x, s = [], x_h, 0
     for j in range(1, depth + 1):
-        f = head(x, emb, pos, mask=unroll_mask(T, j), kv=kv)
-        feats.append(f)
+        if s >= T:  # no chain that starts at `first` reaches this depth inside the batch
+            feats.append(x_h.new_zeros(x_h.shape[0], T, x_h.shape[2]))
+            continue
+        f = head(x, emb[:, s:], pos[:, s:], mask=unroll_mask(T, j, first), kv=kv)
+        feats.append(f if s == 0 else torch.cat([f.new_zeros(f.shape[0], s, f.shape[2]), f], 1))
         if j < depth:
-            x = torch.cat([x_h[:, :1], f[:, :-1]], 1)
+            s = min(first + j, T)  # depth j + 1's first position; its input there is F_j at s - 1
+            x = feats[-1][:, s - 1: T - 1]
     return feats
+
+
+def first_scored(m: torch.Tensor) -> int:
+    """The first column of the (B, T) mask ``m`` holding a True (T when none does)."""
+    cols = m.any(0)
+    return int(cols.int().argmax()) if bool(cols.any()) else m.shape[1]
 
 
 def chain_scored(m: torch.Tensor, j: int) -> torch.Tensor:
@@ -210,23 +234,25 @@ def head_loss(head: DraftHead, lm: DraftVocab, embed, ids, H, scored, cfg: Disti
     pos = torch.arange(1, T + 1).expand(x_t.shape[0], T)
     with torch.no_grad():
         emb = embed(x_t).float()
-        teacher = torch.softmax(lm(target), dim=-1)
-    feats = unrolled_features(head, x_h, emb, pos, cfg.unroll)
+        teacher = torch.softmax(lm(target[m1]), dim=-1)  # (N, Vd): only scored targets are ever compared
+    feats = unrolled_features(head, x_h, emb, pos, cfg.unroll, first_scored(m1))
     loss, wsum, info = 0.0, 0.0, {}
     for j, feat in enumerate(feats, 1):
-        m = chain_scored(m1, j).float()
-        den = m.sum().clamp(min=1.0)  # a batch with no scored target (empty completions) gives 0, not NaN
-        l_feat = (F.smooth_l1_loss(feat, target, reduction="none").mean(-1) * m).sum() / den
-        logq = torch.log_softmax(lm(feat), dim=-1)
-        l_ce = (-(teacher * logq).sum(-1) * m).sum() / den
+        mj = chain_scored(m1, j)
+        p = teacher[mj[m1]]  # the teacher rows of depth j's targets (a subset of depth 1's)
+        den = max(int(mj.sum()), 1)  # a batch with no scored target (empty completions) gives 0, not NaN
+        f = feat[mj]
+        l_feat = F.smooth_l1_loss(f, target[mj], reduction="none").mean(-1).sum() / den
+        logq = torch.log_softmax(lm(f), dim=-1)
+        l_ce = -(p * logq).sum() / den
         l_j = cfg.w_feat * l_feat + cfg.w_ce * l_ce
         if cfg.w_tv > 0:
-            l_tv = ((1 - torch.minimum(teacher, logq.exp()).sum(-1)) * m).sum() / den
+            l_tv = (1 - torch.minimum(p, logq.exp()).sum(-1)).sum() / den
             l_j = l_j + cfg.w_tv * l_tv
         w = cfg.unroll_decay ** (j - 1)
         loss, wsum = loss + w * l_j, wsum + w
         with torch.no_grad():
-            top1 = float(((logq.argmax(-1) == teacher.argmax(-1)).float() * m).sum() / den)
+            top1 = float((logq.argmax(-1) == p.argmax(-1)).float().sum() / den)
         if j == 1:
             info = {"feat": float(l_feat.detach()), "ce": float(l_ce.detach()), "top1": top1}
             if cfg.w_tv > 0:
