@@ -200,6 +200,12 @@ def _bench_e2e(s):
                    "directory, or random (a fresh head; add draft.online=true to let it learn)")
     b.add_argument("--reuse-mode", default="lenient", choices=["lenient", "exact"], help="rule of the reuse modes")
     b.add_argument("--lenience", type=float, default=None, help="lenient reuse's l (default: reuse.lenience's)")
+    b.add_argument("--warmup", type=int, default=1,
+                   help="untimed GRPO steps of a throwaway trainer before any timed row (the first update of a "
+                   "process pays one-off costs); 0 = none")
+    b.add_argument("--order", default="interleaved", choices=["interleaved", "sequential"],
+                   help="interleaved: the specroll modes take their steps in turn (a drift in the machine's speed "
+                   "hits every mode alike); sequential: one mode after another (one trainer in memory at a time)")
     b.add_argument("overrides", nargs="*", metavar="key=value",
                    help="config overrides for every specroll row, e.g. draft.plan=adaptive draft.online=true")
     b.add_argument("--out", default="bench_e2e.json")

@@ -81,9 +81,34 @@ def test_steps_from_epochs_and_overrides():
     (["--prompts", "0"], "needs --steps"),
     (["--lenience", "0"], "--lenience must be > 0"),
     (["--epochs", "0"], "--epochs must be >= 1"),
+    (["--warmup", "-1"], "--warmup must be >= 0"),
 ])
 def test_bad_arguments_are_one_line_errors(extra, msg, capsys):
     assert main(COMMON + extra) == 2
     assert msg in capsys.readouterr().err
     with pytest.raises(CliError, match=msg.replace("+", "\\+")):
         e2e.check_args(build_parser().parse_args(COMMON + extra))
+
+
+def test_interleaved_modes_take_the_same_steps_as_sequential_ones(tmp_path):
+    """The modes' trainers share no random state: stepping them in turn gives each mode exactly the rollouts,
+    rewards and spec metrics it gets alone (only the timings differ); the warm-up trainer does not disturb them."""
+    res = {}
+    for order, warm in (("sequential", "0"), ("interleaved", "1")):
+        out = tmp_path / f"{order}.json"
+        assert main(COMMON + ["--epochs", "2", "--spec", "off,reuse,draft", "--lenience", "1", "--draft", "random",
+                              "draft.plan=static", "draft.n_verify=4", "draft.k=2", "draft.depth=2", "--order", order,
+                              "--warmup", warm, "--out", str(out)]) == 0
+        res[order] = json.loads(out.read_text())
+    seq, inter = res["sequential"], res["interleaved"]
+    assert (inter["config"]["order"], inter["config"]["warmup"]) == ("interleaved", 1) and inter["config"]["warmup_s"] > 0
+    assert seq["config"]["warmup"] == 0 and "warmup_s" not in seq["config"]
+    for a, b in zip(seq["rows"], inter["rows"], strict=True):
+        assert a["spec"] == b["spec"]
+        assert a["reward_mean_per_step"] == b["reward_mean_per_step"]
+        assert a["tokens_per_step"] == b["tokens_per_step"]
+        assert a["spec_metrics_per_step"].keys() == b["spec_metrics_per_step"].keys()
+        for k, v in a["spec_metrics_per_step"].items():
+            if k != "timing/verify":
+                assert v == b["spec_metrics_per_step"][k], (a["spec"], k)
+    assert any(v and v > 0 for v in inter["rows"][1]["spec_metrics_per_step"]["spec/reuse_ratio"])  # reuse did run

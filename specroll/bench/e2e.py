@@ -10,10 +10,13 @@ missing. Phases:
   ``_generate_and_score_completions`` (logprob), and the step time minus all of that (update).
 
 ``--dtype bfloat16`` means bf16 rollouts + bf16 autocast training for specroll and TRL's ``bf16=True``.
-The step time is the median over ``--steps`` steps (the first includes one-off warm-up costs).
+The step time is the median over ``--steps`` steps. Before any timed row, ``--warmup`` (1) untimed steps of a
+throwaway trainer take the process's one-off costs: without it the first row's first update ran at about half
+speed (2026-11-24: 13.9-14.2 s against 7.1-7.2 s for the same step-1 batch in the rows after it).
 
 Speculation (``--spec off,reuse,draft,reuse+draft``): one specroll row per mode, each a fresh trainer
-with the same model, seeds and data; TRL runs once. Reuse needs repeated prompts, so the run makes
+with the same model, seeds and data, the modes taking their steps in turn (``--order interleaved``, the
+default; ``sequential`` runs one mode after another); TRL runs once, after them. Reuse needs repeated prompts, so the run makes
 ``--epochs`` passes over ``--prompts`` prompts (steps = epochs x prompts / prompts per step); epoch 1
 has nothing to reuse. The modes map to config overrides (``drafters/build.py`` picks the drafter):
 
@@ -106,23 +109,77 @@ def _summary(system: str, steps: list[dict], spec: str = "off", first_epoch: int
     return out
 
 
-def run_specroll(cfg, spec: str = "off", first_epoch: int = 0) -> dict:
-    from ..rl.run import build_trainer
+def _step_record(tr, m: dict) -> dict:
+    rows = tr.cfg.train.prompts_per_step * tr.cfg.rollout.G
+    return {"step": m["timing/step"], "tokens": m["rollout/completion_len_mean"] * rows,
+            "reward_mean": m["reward/mean"], **{p: m.get(f"timing/{p}", 0.0) for p in PHASES},
+            "spec": {k: m[k] for k in SPEC_KEYS if k in m}}
 
-    cfg.data.n_eval = 0
-    tr = build_trainer(cfg, None)
-    rows = cfg.train.prompts_per_step * cfg.rollout.G
-    steps = []
-    for _ in range(cfg.train.steps):
-        m = tr.train_step()
-        steps.append({"step": m["timing/step"], "tokens": m["rollout/completion_len_mean"] * rows,
-                      "reward_mean": m["reward/mean"], **{p: m.get(f"timing/{p}", 0.0) for p in PHASES},
-                      "spec": {k: m[k] for k in SPEC_KEYS if k in m}})
-    tr.reward.close()
+
+def _row(steps: list[dict], spec: str, first_epoch: int) -> dict:
     row = _summary("specroll", steps, spec, first_epoch)
     keys = sorted({k for s in steps for k in s["spec"]})
     row["spec_metrics_per_step"] = {k: [s["spec"].get(k) for s in steps] for k in keys}
     return row
+
+
+def _trainer(cfg):
+    from ..rl.run import build_trainer
+
+    cfg.data.n_eval = 0
+    return build_trainer(cfg, None)
+
+
+def run_specroll(cfg, spec: str = "off", first_epoch: int = 0) -> dict:
+    """One mode's row: ``cfg.train.steps`` steps of a fresh trainer."""
+    return run_specroll_modes({spec: cfg}, first_epoch)[spec]
+
+
+def run_specroll_modes(cfgs: dict, first_epoch: int = 0, interleave: bool = True, say=None) -> dict:
+    """A row per mode (``{spec: cfg}``), each a fresh trainer. Interleaved: every trainer is built first and
+    the modes take their steps in turn (step 1 of each, then step 2, ...), so a drift in the machine's speed
+    (another job, a thermal or frequency change, a heap still growing) lands on every mode alike instead of
+    on whichever ran first; the trainers do not share random state, so each mode's steps are the same as run
+    alone. Sequential: one trainer at a time (less memory: one model, its gradients and AdamW state)."""
+    out, steps = {}, {spec: [] for spec in cfgs}
+    if interleave:
+        trainers = {spec: _trainer(cfg) for spec, cfg in cfgs.items()}
+        n = max(cfg.train.steps for cfg in cfgs.values())
+        for i in range(n):
+            for spec, tr in trainers.items():
+                if i < tr.cfg.train.steps:
+                    steps[spec].append(_step_record(tr, tr.train_step()))
+                    if say:
+                        say(f"  step {i + 1}/{n} {spec}: {steps[spec][-1]['step']:.2f}s")
+        for tr in trainers.values():
+            tr.reward.close()
+        del trainers
+    else:
+        for spec, cfg in cfgs.items():
+            tr = _trainer(cfg)
+            for i in range(cfg.train.steps):
+                steps[spec].append(_step_record(tr, tr.train_step()))
+                if say:
+                    say(f"  step {i + 1}/{cfg.train.steps} {spec}: {steps[spec][-1]['step']:.2f}s")
+            tr.reward.close()
+            del tr
+    for spec in cfgs:
+        out[spec] = _row(steps[spec], spec, first_epoch)
+    return out
+
+
+def warm_up(cfg, steps: int) -> float:
+    """``steps`` untimed GRPO steps of a throwaway trainer (the process's first update pays one-off costs:
+    oneDNN's primitive set-up, the heap growing to its working size); returns their wall time."""
+    if steps <= 0:
+        return 0.0
+    t = time.perf_counter()
+    cfg.train.steps = steps
+    tr = _trainer(cfg)
+    for _ in range(steps):
+        tr.train_step()
+    tr.reward.close()
+    return time.perf_counter() - t
 
 
 class _Timed:
@@ -223,10 +280,18 @@ def run_bench(args) -> dict:
                             "overrides": list(getattr(args, "overrides", []))},
                  "machine": machine_info(), "rows": []}
     first_epoch = math.ceil(args.prompts / args.prompts_per_step) if args.prompts else 0
+    warm = getattr(args, "warmup", 0)
+    if warm:
+        print(f"warm-up: {warm} untimed step(s) of a throwaway trainer", flush=True)
+        res["config"]["warmup_s"] = round(warm_up(_config(args, "off"), warm), 3)
+    res["config"]["warmup"] = warm
+    order = getattr(args, "order", "interleaved")
+    res["config"]["order"] = order
     if "specroll" in systems:
-        for spec in specs:
-            print(f"specroll, spec={spec}: {steps} steps", flush=True)
-            res["rows"].append(run_specroll(_config(args, spec), spec, first_epoch))
+        print(f"specroll, spec={','.join(specs)}: {steps} steps each, {order}", flush=True)
+        rows = run_specroll_modes({spec: _config(args, spec) for spec in specs}, first_epoch,
+                                  interleave=order == "interleaved", say=lambda m: print(m, flush=True))
+        res["rows"].extend(rows[spec] for spec in specs)
     if "trl" in systems:
         try:
             import trl
@@ -309,6 +374,8 @@ def check_args(args) -> None:
         raise CliError("--prompts 0 (the whole train set) needs --steps")
     if args.generations < 2:
         raise CliError("--generations must be >= 2 (GRPO groups)")
+    if getattr(args, "warmup", 0) < 0:
+        raise CliError(f"--warmup must be >= 0 (untimed steps before the timed rows), got {args.warmup}")
     specs = spec_modes(args.spec)
     if args.lenience is not None and not args.lenience > 0:
         raise CliError(f"--lenience must be > 0 (inf = reuse everything), got {args.lenience}")
