@@ -36,7 +36,7 @@ def mid():
 
 
 def online_cfg(**kw) -> DraftConfig:
-    base = dict(head="given", online=True, lr=3e-3, update_steps=4, batch=8, buffer=2)
+    base = dict(head="given", online=True, lr=3e-3, update_steps=4, batch=8, buffer=2, update_after=1)
     return DraftConfig(**{**base, **kw})
 
 
@@ -507,3 +507,23 @@ def test_online_lr_warmup_ramps_then_holds(mid):
     assert [OnlineLearner(clone_head(model, head), online_cfg(lr=1e-3)).lr_at(i) for i in (0, 5)] == [1e-3, 1e-3]
     with pytest.raises(ValueError, match="draft.warmup must be an integer >= 0"):
         load_config(overrides=["draft.warmup=-1"])
+
+
+def test_a_distilled_head_waits_for_a_full_buffer_before_its_first_update(mid):
+    """update_after=auto: a distilled head (it starts at its optimum) is first updated once ``buffer``
+    rollouts are in; a random head after its first rollout; an explicit count wins; bad values are errors."""
+    model, head = mid
+    assert DraftConfig(head="given").first_update() == DraftConfig().buffer
+    assert DraftConfig(head="random").first_update() == 1
+    assert DraftConfig(head="given", update_after=2, buffer=5).first_update() == 2
+    for bad in (0, -1, True, 1.5, "soon"):
+        with pytest.raises(ValueError, match="draft.update_after"):
+            DraftConfig(head="given", update_after=bad)
+    d = OnlineDrafter(clone_head(model, head), online_cfg(update_after="auto", buffer=3, update_steps=1),
+                      plan=Plan(6, 2, 3))
+    engine = Engine(model, eos_ids=[EOS])
+    got = []
+    for step in range(5):
+        d.after_rollout(engine.generate(PROMPTS, SamplingParams(max_new_tokens=8, seed=step), n=2, drafter=d), step)
+        got.append("draft/loss" in d.metrics())
+    assert got == [False, False, True, True, True] and d.learner.updates == 3

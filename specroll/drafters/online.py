@@ -4,8 +4,9 @@ What this module owns:
 - ``OnlineLearner``: collects, during a rollout, the (policy hidden state, next token) pairs the
   engine already computed -- the prompt pairs of the draft prefill, the first pair of ``begin`` and
   the accepted-path pairs of every speculative or plain step (``EagleDrafter.on_pairs``; no extra
-  policy forward) -- and assembles them per output row into teacher-forcing sequences. After every
-  ``draft.update_every`` rollouts, ``update`` takes ``draft.update_steps`` AdamW steps on the head
+  policy forward) -- and assembles them per output row into teacher-forcing sequences. Every
+  ``draft.update_every`` rollouts, from the ``draft.update_after``-th on (auto: once the buffer is full
+  for a distilled head, at once for a random one), ``update`` takes ``draft.update_steps`` AdamW steps on the head
   (policy frozen) over sequences sampled from the last ``draft.buffer`` rollouts, with the loss of
   offline distillation (``distill.head_loss``: ``w_feat`` SmoothL1 on the feature + ``w_ce`` soft
   cross-entropy against the policy's distribution over the draft vocabulary, the teacher read from
@@ -132,7 +133,8 @@ class OnlineLearner:
 
     # -- learning -----------------------------------------------------------------------------------
     def due(self) -> bool:
-        return bool(self.buffer) and self.rollouts % self.cfg.update_every == 0
+        return (bool(self.buffer) and self.rollouts >= self.cfg.first_update()
+                and self.rollouts % self.cfg.update_every == 0)
 
     def lr_at(self, i: int) -> float:
         """The lr of AdamW step ``i`` (0-based, counted over the whole run): ``draft.lr`` after a linear
