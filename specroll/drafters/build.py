@@ -103,7 +103,7 @@ class DraftConfig:
         rollouts), a random head updates after its first rollout. A distilled head starts at its optimum for
         the starting policy; AdamW steps on the pairs of one or two rollouts (16-64 sequences of a few
         prompts) fit those prompts and cost it acceptance on the next ones: in four paired 30-step runs
-        (T3, BENCHMARKS.md sessions 15-16) the online head drafted 0.13-0.32 tokens per step fewer than the
+        (T3, BENCHMARKS.md sessions 15-16) the online head drafted 0.16-0.32 tokens per step fewer than the
         frozen one at steps 2-3 in five of the eight comparisons, before the policy had moved."""
         if self.update_after != "auto":
             return int(self.update_after)
