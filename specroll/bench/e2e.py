@@ -12,7 +12,9 @@ missing. Phases:
 ``--dtype bfloat16`` means bf16 rollouts + bf16 autocast training for specroll and TRL's ``bf16=True``.
 The step time is the median over ``--steps`` steps. Before any timed row, ``--warmup`` (1) untimed steps of a
 throwaway trainer take the process's one-off costs: without it the first row's first update ran at about half
-speed (2026-11-24: 13.9-14.2 s against 7.1-7.2 s for the same step-1 batch in the rows after it).
+speed (2026-11-24: 13.9-14.2 s against 6.8-7.2 s for the same step-1 batch in the rows after it). Each trainer's
+own first step still pays for first touching its gradients and AdamW state (~1.6 GB for SmolLM2), alike in
+every mode; ``step_s_median_after_epoch1`` leaves epoch 1 out.
 
 Speculation (``--spec off,reuse,draft,reuse+draft``): one specroll row per mode, each a fresh trainer
 with the same model, seeds and data, the modes taking their steps in turn (``--order interleaved``, the
