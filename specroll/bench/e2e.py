@@ -125,49 +125,41 @@ def _row(steps: list[dict], spec: str, first_epoch: int) -> dict:
     return row
 
 
-def _trainer(cfg):
+def _mode_steps(cfg):
+    """A fresh trainer's ``cfg.train.steps`` steps, one ``_step_record`` per ``next``; the trainer's reward
+    worker is closed after the last."""
     from ..rl.run import build_trainer
 
     cfg.data.n_eval = 0
-    return build_trainer(cfg, None)
-
-
-def run_specroll(cfg, spec: str = "off", first_epoch: int = 0) -> dict:
-    """One mode's row: ``cfg.train.steps`` steps of a fresh trainer."""
-    return run_specroll_modes({spec: cfg}, first_epoch)[spec]
+    tr = build_trainer(cfg, None)
+    try:
+        for _ in range(cfg.train.steps):
+            yield _step_record(tr, tr.train_step())
+    finally:
+        tr.reward.close()
 
 
 def run_specroll_modes(cfgs: dict, first_epoch: int = 0, interleave: bool = True, say=None) -> dict:
-    """A row per mode (``{spec: cfg}``), each a fresh trainer. Interleaved: every trainer is built first and
-    the modes take their steps in turn (step 1 of each, then step 2, ...), so a drift in the machine's speed
+    """A row per mode (``{spec: cfg}``), each a fresh trainer. Interleaved: the modes take their steps in turn
+    (step 1 of each, then step 2, ...; every trainer is in memory at once), so a drift in the machine's speed
     (another job, a thermal or frequency change, a heap still growing) lands on every mode alike instead of
     on whichever ran first; the trainers do not share random state, so each mode's steps are the same as run
     alone. Sequential: one trainer at a time (less memory: one model, its gradients and AdamW state)."""
-    out, steps = {}, {spec: [] for spec in cfgs}
-    if interleave:
-        trainers = {spec: _trainer(cfg) for spec, cfg in cfgs.items()}
-        n = max(cfg.train.steps for cfg in cfgs.values())
-        for i in range(n):
-            for spec, tr in trainers.items():
-                if i < tr.cfg.train.steps:
-                    steps[spec].append(_step_record(tr, tr.train_step()))
-                    if say:
-                        say(f"  step {i + 1}/{n} {spec}: {steps[spec][-1]['step']:.2f}s")
-        for tr in trainers.values():
-            tr.reward.close()
-        del trainers
-    else:
-        for spec, cfg in cfgs.items():
-            tr = _trainer(cfg)
-            for i in range(cfg.train.steps):
-                steps[spec].append(_step_record(tr, tr.train_step()))
+    steps: dict = {spec: [] for spec in cfgs}
+    runs = {spec: _mode_steps(cfg) for spec, cfg in cfgs.items()}  # generators: a trainer is built at its first step
+    order = [list(runs)] if interleave else [[spec] for spec in runs]
+    for group in order:
+        live = list(group)
+        while live:
+            for spec in list(live):
+                rec = next(runs[spec], None)
+                if rec is None:
+                    live.remove(spec)
+                    continue
+                steps[spec].append(rec)
                 if say:
-                    say(f"  step {i + 1}/{cfg.train.steps} {spec}: {steps[spec][-1]['step']:.2f}s")
-            tr.reward.close()
-            del tr
-    for spec in cfgs:
-        out[spec] = _row(steps[spec], spec, first_epoch)
-    return out
+                    say(f"  step {len(steps[spec])}/{cfgs[spec].train.steps} {spec}: {rec['step']:.2f}s")
+    return {spec: _row(steps[spec], spec, first_epoch) for spec in cfgs}
 
 
 def warm_up(cfg, steps: int) -> float:
@@ -177,10 +169,8 @@ def warm_up(cfg, steps: int) -> float:
         return 0.0
     t = time.perf_counter()
     cfg.train.steps = steps
-    tr = _trainer(cfg)
-    for _ in range(steps):
-        tr.train_step()
-    tr.reward.close()
+    for _ in _mode_steps(cfg):
+        pass
     return time.perf_counter() - t
 
 
