@@ -83,7 +83,8 @@ def _bench_spec(s):
     b.add_argument("--max-new-tokens", type=int, default=128)
     b.add_argument("--plan", default="static", help="static (fixed --n-verify/--k/--depth), adaptive "
                    "(N = C_peak / live rows, K <= --k, depth <= --depth), chain (--depth tokens sampled from the "
-                   "head, verified by rejection sampling), or several: static,adaptive,chain")
+                   "head, verified by rejection sampling), adaptive-chain (a sampled chain sized like adaptive), "
+                   "or several: static,adaptive,chain,adaptive-chain")
     b.add_argument("--c-peak", type=float, default=None,
                    help="adaptive plan's budget (default: this machine's `specroll profile`, quick-profiled if missing)")
     b.add_argument("--n-verify", type=int, default=16, help="tree nodes verified per row, root included")
@@ -152,7 +153,7 @@ def _draft(sub):
 
 
 def _train_common(p):
-    p.add_argument("--config", default=None, help="YAML file with sections model/rollout/train/loss/data/reward")
+    p.add_argument("--config", default=None, help="YAML file with sections model/rollout/train/loss/data/reward/reuse/draft")
     p.add_argument("--preset", default=None, help="quick | default | long (applied before --config)")
     p.add_argument("overrides", nargs="*", metavar="key=value", help="dotted overrides, e.g. train.lr=1e-6")
 

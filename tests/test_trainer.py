@@ -312,7 +312,10 @@ def test_yaml_file_and_precedence(tmp_path):
 @pytest.mark.parametrize("name", sorted(PRESETS))
 def test_shipped_preset_yaml_matches_code(name):
     path = Path(__file__).resolve().parents[1] / "configs" / f"{name}.yaml"
-    assert load_config(path).to_dict() == load_config(preset=name).to_dict()
+    want = load_config(preset=name).to_dict()
+    assert load_config(path).to_dict() == want
+    # a full dump, as the README says: every key written out (a missing key would load as its default)
+    assert yaml.safe_load(path.read_text()) == want
 
 
 def test_lr_schedule_warmup_then_cosine():
