@@ -42,7 +42,10 @@ def _models(sub):
 
 def _generate(sub):
     p = sub.add_parser("generate", help="sample completions for a prompt (chat template applied)")
-    p.add_argument("--model", default="smollm2-135m")
+    p.add_argument("--model", default=None, help="model alias, HF dir or .gguf (default: smollm2-135m, or with "
+                   "--checkpoint the run's base model)")
+    p.add_argument("--checkpoint", default=None, help="a training checkpoint or run dir (its latest checkpoint): "
+                   "sample from the trained weights")
     p.add_argument("--prompt", action="append", help="user message; repeat for several prompts")
     p.add_argument("--system", default=None, help="system prompt (default: the model's own)")
     p.add_argument("--raw", action="store_true", help="do not apply the chat template")
@@ -166,6 +169,14 @@ def _train(sub):
     p.set_defaults(func=_run("specroll.rl.run:train_cli"))
 
 
+def _export(sub):
+    p = sub.add_parser("export", help="a training checkpoint as a Hugging Face model directory")
+    p.add_argument("--checkpoint", required=True, help="checkpoint dir or run dir (its latest checkpoint)")
+    p.add_argument("--out", required=True, help="new directory to write (config, tokenizer, model.safetensors)")
+    p.add_argument("--model", default=None, help="base model (default: the run's model.name)")
+    p.set_defaults(func=_run("specroll.export:cli"))
+
+
 def _eval(sub):
     p = sub.add_parser("eval", help="pass@1 of a model or checkpoint on the eval split")
     p.add_argument("--model", default=None, help="model alias or HF dir (default: the config's)")
@@ -281,7 +292,7 @@ def _profile(sub):
     p.set_defaults(func=_run("specroll.engine.profiler:cli"))
 
 
-COMMANDS = [_models, _generate, _bench, _draft, _train, _eval, _report, _profile]
+COMMANDS = [_models, _generate, _bench, _draft, _train, _eval, _export, _report, _profile]
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -40,8 +40,14 @@ def cli(args) -> int:
     params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
                             max_new_tokens=args.max_new_tokens, seed=args.seed)
     dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[args.dtype]
-    model, tok = hub.load(args.model, torch.float32)
-    engine = Engine(model, eos_ids=hub.eos_ids(tok, hub.resolve(args.model)), dtype=dtype)
+    if getattr(args, "checkpoint", None):
+        from .export import checkpoint_policy
+
+        _, model, tok, base = checkpoint_policy(args.checkpoint, args.model)
+    else:
+        base = hub.resolve(args.model or hub.DEFAULT_MODEL)
+        model, tok = hub.load(base, torch.float32)
+    engine = Engine(model, eos_ids=hub.eos_ids(tok, base), dtype=dtype)
     ids = [encode_chat(tok, p, args.system, args.raw) for p in prompts_text]
     t = time.perf_counter()
     outs = engine.generate(ids, params, n=args.n)

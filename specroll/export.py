@@ -1,0 +1,74 @@
+"""`specroll export`: a training checkpoint as a self-contained Hugging Face model directory.
+
+A checkpoint (``step_NNNNNN/``) holds the policy's weights in specroll's fused layout (``qkv``, ``gate_up``)
+and the run's ``config.yaml``; the tokenizer and the architecture come from the base model the run named.
+``export`` joins them into a directory that ``transformers.AutoModelForCausalLM.from_pretrained``, TRL, vLLM and
+``specroll generate --model DIR`` load without specroll's checkpoint format or the base model: the base model's
+config, tokenizer and generation files, and the trained weights under HF's names (``decoder_to_hf_state``).
+The directory is written next to its destination and renamed into place, so a failed export leaves nothing.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+
+from .cli import CliError
+
+# files of an HF model directory that describe the model rather than hold its weights
+META_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
+              "special_tokens_map.json", "added_tokens.json", "vocab.json", "merges.txt", "tokenizer.model",
+              "chat_template.jinja")
+
+
+def checkpoint_policy(checkpoint: str | Path, model: str | None = None, dtype=None):
+    """(checkpoint dir, Decoder with its weights, tokenizer, base HF dir) for a checkpoint or run directory (its
+    latest checkpoint). The base model is the run's ``model.name`` unless ``model`` names another."""
+    import torch
+
+    from .config import load_config
+    from .models import hub
+    from .rl import checkpoint as ckpt
+
+    ck = ckpt.resolve(checkpoint)
+    name = model or load_config(str(ck / "config.yaml")).model.name
+    base = hub.resolve(name, quiet=True)
+    policy, tok = hub.load(base, dtype or torch.float32, quiet=True)
+    ckpt.load_model_weights(policy, ck)
+    return ck, policy, tok, base
+
+
+def export_checkpoint(checkpoint: str | Path, out: str | Path, model: str | None = None) -> Path:
+    """Write ``checkpoint`` (or a run directory's latest) as an HF model directory at ``out`` (which must not
+    exist, or be empty). Returns ``out``."""
+    from safetensors.torch import save_file
+
+    from .models.decoder import decoder_to_hf_state
+
+    out = Path(out)
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise CliError(f"{out} already exists and is not an empty directory; pick another --out or delete it")
+    ck, policy, _, base = checkpoint_policy(checkpoint, model)
+    tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    try:
+        for name in META_FILES:
+            if (base / name).is_file():
+                shutil.copy2(base / name, tmp / name)
+        save_file(decoder_to_hf_state(policy), str(tmp / "model.safetensors"), metadata={"format": "pt"})
+        if out.exists():
+            out.rmdir()
+        os.replace(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return out
+
+
+def cli(args) -> int:
+    out = export_checkpoint(args.checkpoint, args.out, args.model)
+    print(f"exported {args.checkpoint} -> {out} (load it with `specroll generate --model {out}` or "
+          "transformers' AutoModelForCausalLM.from_pretrained)")
+    return 0

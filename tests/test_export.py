@@ -1,0 +1,78 @@
+"""`specroll export` and `specroll generate --checkpoint`: a checkpoint's trained weights outside specroll's format."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from specroll.cli import main
+from specroll.models import hub
+from specroll.rl import checkpoint as ckpt
+
+
+@pytest.fixture(scope="module")
+def run_dir(tmp_path_factory):
+    """A one-step tiny-llama run whose checkpoint weights are then moved well away from the base model's (a
+    random tiny model earns no reward, so its GRPO step leaves the weights where they were)."""
+    out = tmp_path_factory.mktemp("export") / "run"
+    assert main(["train", "--preset", "quick", "--out", str(out), "train.steps=1", "model.name=tiny-llama",
+                 "rollout.max_new_tokens=4", "data.n_train=8", "data.n_eval=2", "train.prompts_per_step=2",
+                 "rollout.G=2", "model.rollout_dtype=float32", "train.eval_before=false"]) == 0
+    f = ckpt.resolve(out) / "model.safetensors"
+    g = torch.Generator().manual_seed(0)
+    sd = {k: v + 0.2 * torch.randn(v.shape, generator=g) * v.std() if v.dim() == 2 else v
+          for k, v in load_file(str(f)).items()}
+    save_file(sd, str(f))
+    return out
+
+
+def test_export_loads_in_transformers_with_the_checkpoint_logits(run_dir, tmp_path, capsys):
+    from transformers import AutoModelForCausalLM
+
+    out = tmp_path / "hf"
+    assert main(["export", "--checkpoint", str(run_dir), "--out", str(out)]) == 0
+    assert str(out) in capsys.readouterr().out
+    assert {"config.json", "model.safetensors", "tokenizer.json"} <= {p.name for p in out.iterdir()}
+    ids = torch.tensor([[1, 5, 9, 2, 7, 3]])
+    pos = torch.arange(ids.shape[1])[None]
+    policy, _ = hub.load("tiny-llama")
+    base = policy.logits(policy(ids, pos))
+    ckpt.load_model_weights(policy, ckpt.resolve(run_dir))
+    want = policy.logits(policy(ids, pos))
+    hf = AutoModelForCausalLM.from_pretrained(str(out), trust_remote_code=False).eval()
+    with torch.no_grad():
+        got = hf(ids).logits.float()
+    assert (want - base).abs().max() > 1e-2  # the checkpoint is not the base model
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+    # specroll loads the export as a model directory too
+    again, _ = hub.load(out)
+    torch.testing.assert_close(again.logits(again(ids, pos)), want, atol=1e-5, rtol=1e-5)
+
+
+def test_generate_from_a_checkpoint_equals_generate_from_its_export(run_dir, tmp_path, capsys):
+    out = tmp_path / "hf"
+    assert main(["export", "--checkpoint", str(run_dir), "--out", str(out)]) == 0
+    capsys.readouterr()
+    args = ["--prompt", "What is 2 + 3?", "-n", "2", "--max-new-tokens", "5", "--json", "--dtype", "float32"]
+    assert main(["generate", "--checkpoint", str(run_dir), *args]) == 0
+    from_ckpt = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert main(["generate", "--model", str(out), *args]) == 0
+    from_export = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert main(["generate", "--model", "tiny-llama", *args]) == 0
+    from_base = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert len(from_ckpt) == 2 and from_ckpt == from_export
+    assert [r["logprob"] for r in from_ckpt] != [r["logprob"] for r in from_base]
+
+
+def test_export_refuses_a_non_empty_destination_and_leaves_it_alone(run_dir, tmp_path, capsys):
+    out = tmp_path / "taken"
+    out.mkdir()
+    (out / "keep.txt").write_text("mine")
+    assert main(["export", "--checkpoint", str(run_dir), "--out", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert f"{out} already exists and is not an empty directory" in err and "Traceback" not in err
+    assert [p.name for p in out.iterdir()] == ["keep.txt"]
+    assert not list(tmp_path.glob(".taken.tmp-*"))
