@@ -6,9 +6,12 @@ This is glue only: everything that trains lives in ``trainer.py``. A run directo
 
 from __future__ import annotations
 
+import itertools
 import sys
 import time
 from pathlib import Path
+
+import yaml
 
 from ..config import Config, load_config
 from ..device import torch_dtype
@@ -76,12 +79,90 @@ def save_draft_head(trainer: Trainer, cfg: Config, run_dir: Path, say=print) -> 
     return out
 
 
-def _run_dir(cfg: Config, out: str | None) -> Path:
+def _not_a_file(path: Path, how: str) -> None:
+    from ..cli import CliError
+
+    if path.exists() and not path.is_dir():
+        raise CliError(f"{how} {path} is a file, not a directory: pick another {how} (or move the file away)")
+
+
+def _mkdir(path: Path, how: str, exist_ok: bool = True) -> None:
+    """``path.mkdir(parents=True)`` with a one-line error when ``path`` cannot be a directory."""
+    from ..cli import CliError
+
+    _not_a_file(path, how)
+    try:
+        path.mkdir(parents=True, exist_ok=exist_ok)
+    except FileExistsError:
+        if not exist_ok:
+            raise
+        _not_a_file(path, how)  # became a file since the check above
+        raise
+    except OSError as e:
+        raise CliError(f"cannot create the run directory {path}: {e.strerror}; pick another {how}") from None
+
+
+def _previous_run(run_dir: Path) -> list[str]:
+    """What in ``run_dir`` belongs to an earlier run: config.yaml, metrics.jsonl, step_* checkpoints."""
+    found = [name for name in ("config.yaml", "metrics.jsonl") if (run_dir / name).exists()]
+    steps = sorted(p.name for p in run_dir.iterdir() if ckpt.STEP_RE.match(p.name)) if run_dir.is_dir() else []
+    if steps:
+        found.append(f"{len(steps)} checkpoint{'s' * (len(steps) > 1)} up to {steps[-1]}")
+    return found
+
+
+def _taken(run_dir: Path, found: list[str]) -> str:
+    if ckpt.list_checkpoints(run_dir):
+        return (f"{run_dir} already holds a run ({', '.join(found)}): continue it with "
+                f"--resume latest --out {run_dir}, or start afresh in another --out (or delete {run_dir})")
+    return (f"{run_dir} already holds a run's files ({', '.join(found)}) but no checkpoint to resume: "
+            f"pick another --out (or delete {run_dir})")
+
+
+def _claim_run_dir(out: str | None, how: str, config_yaml: str) -> tuple[Path, bool]:
+    """The run directory of a fresh run, claimed by writing its ``config.yaml`` (exclusive create, so
+    two runs never share one). Returns (directory, whether it was created here).
+
+    ``out`` (``--out`` or ``train.out_dir``) may be new or an empty directory; one holding an earlier
+    run is refused, as a new run would mix its metrics into the old ones and prune its checkpoints.
+    Without ``out``: ``runs/<timestamp>``, with ``-2``, ``-3``, ... when that name is taken."""
+    from ..cli import CliError
+
     if out:
-        return Path(out)
-    if cfg.train.out_dir:
-        return Path(cfg.train.out_dir)
-    return Path("runs") / time.strftime("%Y%m%d-%H%M%S")
+        run_dir = Path(out)
+        created = not run_dir.exists()
+        _mkdir(run_dir, how)
+        found = _previous_run(run_dir)
+        if found:
+            raise CliError(_taken(run_dir, found))
+    else:
+        stamp = Path("runs") / time.strftime("%Y%m%d-%H%M%S")
+        for i in itertools.count(1):
+            run_dir = stamp.with_name(stamp.name if i == 1 else f"{stamp.name}-{i}")
+            try:
+                _mkdir(run_dir, "--out", exist_ok=False)  # atomic: same-second runs differ
+                break
+            except FileExistsError:
+                continue
+        created = True
+    try:
+        with open(run_dir / "config.yaml", "x") as f:
+            f.write(config_yaml)
+    except FileExistsError:  # another run claimed it since the check above
+        raise CliError(_taken(run_dir, _previous_run(run_dir))) from None
+    return run_dir, created
+
+
+def _release_run_dir(run_dir: Path, created: bool) -> None:
+    """Undo ``_claim_run_dir`` after a failure that left nothing else (no metrics, no checkpoint)."""
+    if _previous_run(run_dir) != ["config.yaml"]:
+        return
+    (run_dir / "config.yaml").unlink(missing_ok=True)
+    if created:
+        try:
+            run_dir.rmdir()  # only if empty
+        except OSError:
+            pass
 
 
 def _progress(console, total: int):
@@ -98,40 +179,54 @@ def train_cli(args) -> int:
 
     console = _console()
     resume = getattr(args, "resume", None)
-    base = args.config
-    run_dir = None
+    # the run directory: --out, else train.out_dir as given on this command line (preset, --config,
+    # overrides), never a resumed run's own config.yaml (written wherever that run lived)
+    given = load_config(args.config, args.preset, args.overrides)
+    out, how = (args.out, "--out") if args.out or not given.train.out_dir else (given.train.out_dir, "train.out_dir")
+    if out:
+        _not_a_file(Path(out), how)
+    created = False
     if resume:
-        ck = ckpt.resolve(resume, args.out or None)
-        run_dir = Path(args.out) if args.out else ck.parent
+        ck = ckpt.resolve(resume, out)
+        run_dir = Path(out) if out else ck.parent
+        base = args.config
         if base is None and args.preset is None:
             base = str(ck / "config.yaml")  # resume with the run's own config unless told otherwise
-    cfg = load_config(base, args.preset, args.overrides)
-    run_dir = run_dir or _run_dir(cfg, args.out)
-    trainer = build_trainer(cfg, run_dir, console)
-    if resume:
-        step = trainer.resume(ck)
-        console.print(f"resumed from {ck} at step {step}")
-        if step >= cfg.train.steps:
-            raise CliError(f"{ck} is already at step {step} >= train.steps={cfg.train.steps}; "
-                           f"raise it (e.g. train.steps={step + 10}) to continue")
-    run_dir.mkdir(parents=True, exist_ok=True)
-    cfg.save(run_dir / "config.yaml")
-    n = trainer.model.num_params()
-    console.print(f"specroll train: {cfg.model.name} ({n / 1e6:.0f}M params), task {cfg.data.task}, "
-                  f"{cfg.train.steps} steps x {cfg.train.prompts_per_step} prompts x G={cfg.rollout.G}, "
-                  f"max_new_tokens={cfg.rollout.max_new_tokens} -> {run_dir}")
-    t0 = time.perf_counter()
-    with _progress(console, cfg.train.steps) as prog:
-        task = prog.add_task("train", total=cfg.train.steps, completed=trainer.step, info="")
+        cfg = load_config(base, args.preset, args.overrides)
+        _mkdir(run_dir, how)
+    else:
+        cfg = given
+        # refuse a directory holding an earlier run before the model loads, so the error is instant
+        run_dir, created = _claim_run_dir(out, how, yaml.safe_dump(cfg.to_dict(), sort_keys=False))
+    try:
+        trainer = build_trainer(cfg, run_dir, console)
+        if resume:
+            step = trainer.resume(ck)
+            console.print(f"resumed from {ck} at step {step}")
+            if step >= cfg.train.steps:
+                raise CliError(f"{ck} is already at step {step} >= train.steps={cfg.train.steps}; "
+                               f"raise it (e.g. train.steps={step + 10}) to continue")
+            cfg.save(run_dir / "config.yaml")
+        n = trainer.model.num_params()
+        console.print(f"specroll train: {cfg.model.name} ({n / 1e6:.0f}M params), task {cfg.data.task}, "
+                      f"{cfg.train.steps} steps x {cfg.train.prompts_per_step} prompts x G={cfg.rollout.G}, "
+                      f"max_new_tokens={cfg.rollout.max_new_tokens} -> {run_dir}")
+        t0 = time.perf_counter()
+        with _progress(console, cfg.train.steps) as prog:
+            task = prog.add_task("train", total=cfg.train.steps, completed=trainer.step, info="")
 
-        def on_step(step, m):
-            info = f"reward {m.get('reward/mean', float('nan')):.3f}  {m.get('timing/step', 0):.1f}s/step"
-            prog.update(task, completed=step, info=info)
+            def on_step(step, m):
+                info = f"reward {m.get('reward/mean', float('nan')):.3f}  {m.get('timing/step', 0):.1f}s/step"
+                prog.update(task, completed=step, info=info)
 
-        try:
-            rows = trainer.fit(progress=on_step)
-        finally:
-            getattr(trainer.reward, "close", lambda: None)()
+            try:
+                rows = trainer.fit(progress=on_step)
+            finally:
+                getattr(trainer.reward, "close", lambda: None)()
+    except BaseException:
+        if not resume:  # a fresh run that failed before writing anything leaves its directory reusable
+            _release_run_dir(run_dir, created)
+        raise
     wall = time.perf_counter() - t0
     console.print(summary_table(rows, wall, run_dir))
     save_draft_head(trainer, cfg, run_dir, console.print)
