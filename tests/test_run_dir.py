@@ -119,3 +119,22 @@ def test_out_that_cannot_be_a_directory_is_one_line(tmp_path, capsys, no_model, 
     err = one_line_error(capsys)
     assert str(f) in err and ("is a file" in err or "Not a directory" in err) and "pick another" in err
     assert f.read_text() == "not a run\n" and no_model == []
+
+
+def test_resuming_into_another_runs_directory_is_refused(tmp_path, capsys, no_model):
+    """``--resume A/step_N --out B`` with B holding a different run would mix the runs and prune B's checkpoints."""
+    a, b = tmp_path / "a", tmp_path / "b"
+    for d in (a, b):
+        (d / "step_000002").mkdir(parents=True)
+        (d / "step_000002" / "state.json").write_text(json.dumps({"step": 2}))
+        (d / "step_000002" / "config.yaml").write_text("")
+        (d / "metrics.jsonl").write_text("{}\n")
+    before = snapshot(b)
+    assert main(["train", "--resume", str(a / "step_000002"), "--out", str(b)]) == 2
+    err = one_line_error(capsys)
+    assert f"--out {b} holds another run" in err and f"resume into {a}" in err
+    assert snapshot(b) == before and not no_model
+    # into a new directory, or the checkpoint's own run directory, it goes ahead (to the model stub)
+    for out in (tmp_path / "new", a):
+        with pytest.raises(ModelLoaded):
+            main(["train", "--resume", str(a / "step_000002"), "--out", str(out)])
