@@ -164,8 +164,9 @@ def _train_common(p):
 def _train(sub):
     p = sub.add_parser("train", help="GRPO training (default: SmolLM2-135M on the built-in arithmetic task)")
     _train_common(p)
-    p.add_argument("--out", default=None, help="run directory (default: train.out_dir or runs/<timestamp>)")
-    p.add_argument("--resume", default=None, help="checkpoint dir, run dir, or 'latest' (in --out)")
+    p.add_argument("--out", default=None, help="run directory (default: train.out_dir or runs/<timestamp>[-N]); a fresh run needs a new or "
+                   "empty one")
+    p.add_argument("--resume", default=None, help="checkpoint dir, run dir, or 'latest' (in --out or train.out_dir)")
     p.set_defaults(func=_run("specroll.rl.run:train_cli"))
 
 
