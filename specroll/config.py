@@ -8,16 +8,25 @@
 
 Precedence, lowest first: dataclass defaults < ``--preset`` < ``--config FILE.yaml`` < ``key=value``
 overrides (``train.lr=1e-6``, values parsed as YAML). An unknown key is an error that names it and
-suggests close matches. Presets live here as small override dicts; ``configs/<name>.yaml`` in the
-repository are full dumps of them (a test keeps them in sync).
+suggests close matches. Every value is checked against its field's annotation as it is merged, before
+anything is built or loaded: numbers must be finite (nan / inf only where a field gives inf a meaning,
+``reuse.lenience=inf``), ``X | None`` fields take ``null``, list fields take a YAML list or a comma list
+(``reward.funcs=accuracy,format reward.weights=1,0.5``; a single value is a one-item list), and string
+fields read an override's text as written (``train.out_dir=2024-01-01``, ``data.system_prompt=Answer: 42``).
+Presets live here as small override dicts; ``configs/<name>.yaml`` in the repository are full dumps
+of them (a test keeps them in sync).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import datetime
 import difflib
+import functools
 import math
 import re
+import types
+import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -59,8 +68,9 @@ class RolloutConfig:
     def __post_init__(self):
         if self.G < 2:
             raise ValueError(f"rollout.G must be >= 2 (GRPO compares samples within a group), got {self.G}")
-        if self.temperature <= 0:
-            raise ValueError(f"rollout.temperature must be > 0 for training rollouts, got {self.temperature}")
+        if not (self.temperature > 0 and math.isfinite(self.temperature)):
+            raise ValueError(f"rollout.temperature must be a finite number > 0 for training rollouts, "
+                             f"got {self.temperature}")
         if not (0 < self.top_p <= 1):
             raise ValueError(f"rollout.top_p must be in (0, 1], got {self.top_p}")
         if self.top_k < 0:
@@ -105,8 +115,10 @@ class TrainConfig:
                 raise ValueError(f"train.{k} must be >= 0, got {getattr(self, k)!r}")
         if not (self.lr > 0 and math.isfinite(self.lr)):
             raise ValueError(f"train.lr must be > 0, got {self.lr!r}")
-        if self.grad_clip < 0 or self.weight_decay < 0:
-            raise ValueError("train.grad_clip and train.weight_decay must be >= 0")
+        for k in ("grad_clip", "weight_decay"):
+            if not (getattr(self, k) >= 0 and math.isfinite(getattr(self, k))):
+                raise ValueError(f"train.{k} must be a finite number >= 0{' (0 = off)' if k == 'grad_clip' else ''}, "
+                                 f"got {getattr(self, k)!r}")
         if not (0 <= self.min_lr_ratio <= 1):
             raise ValueError(f"train.min_lr_ratio must be in [0, 1], got {self.min_lr_ratio}")
         if self.mini_batches > self.prompts_per_step:
@@ -114,8 +126,8 @@ class TrainConfig:
                 f"train.mini_batches ({self.mini_batches}) cannot exceed train.prompts_per_step "
                 f"({self.prompts_per_step}): mini-batches split the step's prompt groups"
             )
-        if self.eval_temperature < 0:
-            raise ValueError(f"train.eval_temperature must be >= 0, got {self.eval_temperature}")
+        if not (self.eval_temperature >= 0 and math.isfinite(self.eval_temperature)):
+            raise ValueError(f"train.eval_temperature must be a finite number >= 0, got {self.eval_temperature}")
         if not (isinstance(self.bf16, bool) or self.bf16 == "auto"):
             raise ValueError(f"train.bf16 must be true, false or auto, got {self.bf16!r}")
 
@@ -179,47 +191,185 @@ _Loader.add_implicit_resolver("tag:yaml.org,2002:bool", re.compile(r"^(?:true|Tr
                               list("tTfF"))
 
 
-def _coerce(value: Any, default: Any, key: str) -> Any:
-    """Coerce a YAML/CLI value to the type of the field's default (ints for floats, '1e-6' strings)."""
-    if default is None or value is None:
-        return value
-    t = type(default)
-    if default == "auto" and isinstance(value, str) and value.lower() in ("true", "false", "yes", "no"):
-        return value.lower() in ("true", "yes")  # a `bool | "auto"` switch (train.bf16, draft.bf16)
-    if default == "auto" and isinstance(value, (int, float, str)) and not isinstance(value, bool):
-        if isinstance(value, str) and value.lower() == "auto":
-            return "auto"
-        try:  # a `number | "auto"` setting (draft.lr); anything else is left to the section's own check
-            return float(value)
-        except ValueError:
-            return value
-    if t is bool:
+INF_OK = frozenset({"reuse.lenience"})  # float fields where inf means something (l = inf reuses everything)
+_TRUE, _FALSE = ("true", "1", "yes"), ("false", "0", "no")
+
+
+class _Mismatch(Exception):
+    """``value`` is not of the member type tried (another member of a union may still take it)."""
+
+
+@functools.cache
+def _hints(cls: type) -> dict[str, Any]:
+    return typing.get_type_hints(cls)
+
+
+def _default(f: dataclasses.Field) -> Any:
+    if f.default is not dataclasses.MISSING:
+        return f.default
+    return f.default_factory() if f.default_factory is not dataclasses.MISSING else None
+
+
+def _members(tp) -> tuple:
+    """The member types of a union annotation (``float | None`` -> (float, NoneType)), else (tp,)."""
+    if typing.get_origin(tp) in (typing.Union, types.UnionType):
+        return typing.get_args(tp)
+    return (tp,)
+
+
+def _show(value: Any) -> str:
+    """A value as the user would write it in YAML (null, true) or as Python shows it."""
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return str(value).lower()
+    return repr(value)
+
+
+_NAMES = {bool: "true or false", int: "an integer", float: "a number", str: "a string"}
+_PLURALS = {bool: "booleans", int: "integers", float: "numbers", str: "strings"}
+_EXAMPLES = {int: "[1, 2] or 1,2", float: "[1, 0.5] or 1,0.5", str: "[a, b] or a,b", bool: "[true, false]"}
+
+
+def _describe(tp, auto: bool) -> str:
+    """What an annotation accepts, in words: "a number or null", "true, false or auto"."""
+    words = []
+    for m in _members(tp):
+        if m is type(None):
+            continue
+        if m is str and auto:
+            continue
+        if typing.get_origin(m) is list:
+            (item,) = typing.get_args(m) or (str,)
+            words.append(f"a list of {_PLURALS.get(item, 'values')} (e.g. {_EXAMPLES.get(item, '[a, b]')})")
+        else:
+            words.append(_NAMES.get(m, getattr(m, "__name__", str(m))))
+    if auto:
+        words.append("auto")
+    if type(None) in _members(tp):
+        words.append("null")
+    if words[:1] == ["true or false"] and len(words) > 1:
+        words[0] = "true, false"
+    return words[0] if len(words) == 1 else ", ".join(words[:-1]) + " or " + words[-1]
+
+
+def _scalar(value: Any, tp, key: str) -> Any:
+    """``value`` as the scalar type ``tp``, or ``_Mismatch``; a non-finite float is an error of its own."""
+    if tp is bool:
         if isinstance(value, bool):
             return value
-        if isinstance(value, str) and value.lower() in ("true", "false", "1", "0", "yes", "no"):
-            return value.lower() in ("true", "1", "yes")
-        raise ValueError(f"{key} must be true or false, got {value!r}")
-    if t is float and isinstance(value, (int, float, str)) and not isinstance(value, bool):
-        try:
-            return float(value)
-        except ValueError:
-            raise ValueError(f"{key} must be a number, got {value!r}") from None
-    if t is int and isinstance(value, str):
-        try:
+        if isinstance(value, str) and value.strip().lower() in _TRUE + _FALSE:
+            return value.strip().lower() in _TRUE
+        raise _Mismatch
+    if isinstance(value, bool):  # YAML true is no number and no string here
+        raise _Mismatch
+    if tp is int:
+        if isinstance(value, int):
+            return value
+        if isinstance(value, str):
+            try:
+                return int(value.strip())
+            except ValueError:
+                try:
+                    value = float(value)
+                except ValueError:
+                    raise _Mismatch from None
+        if isinstance(value, float) and math.isfinite(value) and value.is_integer():
             return int(value)
-        except ValueError:
-            raise ValueError(f"{key} must be an integer, got {value!r}") from None
-    if t is int and isinstance(value, float) and value.is_integer():
-        return int(value)
-    if t in (list, tuple) and isinstance(value, str):
-        return [s.strip() for s in value.split(",") if s.strip()]
-    if t is str and isinstance(value, (int, float)) and not isinstance(value, bool):
-        return str(value)
-    return value
+        raise _Mismatch
+    if tp is float:
+        if not isinstance(value, (int, float, str)):
+            raise _Mismatch
+        try:
+            out = float(value.strip() if isinstance(value, str) else value)
+        except (ValueError, OverflowError):
+            raise _Mismatch from None
+        if math.isnan(out) or (math.isinf(out) and key not in INF_OK):
+            raise ValueError(f"{key} must be a finite number, got {out}")
+        return out
+    if tp is str:
+        if isinstance(value, str):
+            return value
+        if isinstance(value, (int, float, datetime.date)):  # YAML read `out_dir: 2024-01-01` as a date
+            return str(value)
+        raise _Mismatch
+    raise _Mismatch
 
 
-def _merge(base: dict, update: dict, source: str) -> dict:
-    """Merge a nested {section: {key: value}} dict into ``base``, checking every key."""
+def _as_list(value: Any, tp, key: str, want: str) -> list:
+    """A list field: a YAML list, a comma list ("1,0.5"), or one value (a one-item list)."""
+    (item,) = typing.get_args(tp) or (str,)
+    if isinstance(value, str):
+        items = [s.strip() for s in value.split(",") if s.strip()]
+    elif isinstance(value, (list, tuple)):
+        items = list(value)
+    elif isinstance(value, (int, float, bool)):
+        items = [value]
+    else:
+        raise _Mismatch
+    out = []
+    for i, v in enumerate(items):
+        try:
+            out.append(_scalar(v, item, f"{key}[{i}]"))
+        except _Mismatch:
+            raise ValueError(f"{key} must be {want}; item {i + 1}, {_show(v)}, is not "
+                             f"{_NAMES.get(item, 'valid')}") from None
+    return out
+
+
+def _coerce(value: Any, tp, default: Any, key: str) -> Any:
+    """Check ``value`` against the field annotation ``tp`` and convert it ("1e-6" -> 1e-6, 3 -> 3.0,
+    "yes" -> True, "1,0.5" -> [1.0, 0.5]). Raises ``ValueError`` naming ``key``, the value and the
+    accepted type. Idempotent: a converted value converts to itself."""
+    members = _members(tp)
+    auto = default == "auto" and str in members and len(members) > 1  # a `bool | "auto"`-style switch
+    want = _describe(tp, auto)
+    if value is None:
+        if type(None) in members:
+            return None
+        raise ValueError(f"{key} must be {want}, got null")
+    if auto and isinstance(value, str) and value.strip().lower() == "auto":
+        return "auto"
+    for m in members:
+        if m is type(None) or (m is str and auto):
+            continue
+        try:
+            if typing.get_origin(m) is list:
+                return _as_list(value, m, key, want)
+            return _scalar(value, m, key)
+        except _Mismatch:
+            continue
+    raise ValueError(f"{key} must be {want}, got {_show(value)}")
+
+
+def _field(sec: str, key: str) -> tuple[Any, Any] | None:
+    """(annotation, default) of ``sec.key``, or None for an unknown key."""
+    cls = SECTIONS.get(sec)
+    for f in dataclasses.fields(cls) if cls is not None else ():
+        if f.name == key:
+            return _hints(cls)[f.name], _default(f)
+    return None
+
+
+def _yaml_lines(text: str) -> dict[tuple[str, str], int]:
+    """{(section, key): line} of a YAML config text (for error messages; {} if it is not a mapping)."""
+    out: dict[tuple[str, str], int] = {}
+    try:
+        root = yaml.compose(text, Loader=_Loader)
+    except yaml.YAMLError:
+        return out
+    if not isinstance(root, yaml.MappingNode):
+        return out
+    for sec, vals in root.value:
+        if isinstance(vals, yaml.MappingNode):
+            for k, _ in vals.value:
+                out[(str(sec.value), str(k.value))] = k.start_mark.line + 1
+    return out
+
+
+def _merge(base: dict, update: dict, source: str, lines: dict | None = None) -> dict:
+    """Merge a nested {section: {key: value}} dict into ``base``, checking every key and the type of
+    every value (``lines``: {(section, key): line} of a YAML file, for the messages)."""
     if not isinstance(update, dict):
         raise ValueError(f"{source}: expected a mapping of sections {sorted(SECTIONS)}, got {type(update).__name__}")
     for sec, vals in update.items():
@@ -234,6 +384,12 @@ def _merge(base: dict, update: dict, source: str) -> dict:
             if k not in fields:
                 full = [f"{sec}.{n}" for n in fields]
                 raise ValueError(f"{source}: unknown config key '{sec}.{k}'{_suggest(f'{sec}.{k}', full)}")
+            tp, default = _hints(SECTIONS[sec])[k], _default(fields[k])
+            try:
+                v = _coerce(v, tp, default, f"{sec}.{k}")
+            except ValueError as e:
+                line = (lines or {}).get((sec, k))
+                raise ValueError(f"{source}{f':{line}' if line else ''}: {e}") from None
             base.setdefault(sec, {})[k] = v
     return base
 
@@ -250,19 +406,23 @@ def parse_override(text: str) -> dict:
         value = yaml.load(raw, Loader=_Loader) if raw.strip() else ""
     except yaml.YAMLError:
         value = raw
+    fld = _field(*parts)
+    if (fld is not None and set(_members(fld[0])) <= {str, type(None)} and value is not None
+            and not isinstance(value, (str, bool, list)) and not raw.strip().startswith(("[", "{"))):
+        value = raw.strip()  # a string field takes the text as written: "2024-01-01", "Answer: 42", "1e-3"
     return {parts[0]: {parts[1]: value}}
 
 
 def build(merged: dict) -> Config:
-    """Instantiate every section from a merged dict, coercing values to the defaults' types."""
+    """Instantiate every section from a merged dict, checking and converting values to the fields'
+    annotated types."""
     sections = {}
     for name, cls in SECTIONS.items():
         given = merged.get(name, {})
         kwargs = {}
         for f in dataclasses.fields(cls):
             if f.name in given:
-                proto = cls()
-                kwargs[f.name] = _coerce(given[f.name], getattr(proto, f.name), f"{name}.{f.name}")
+                kwargs[f.name] = _coerce(given[f.name], _hints(cls)[f.name], _default(f), f"{name}.{f.name}")
         sections[name] = cls(**kwargs)
     return Config(**sections)
 
@@ -277,15 +437,24 @@ def load_config(path: str | Path | None = None, preset: str | None = None,
         _merge(merged, PRESETS[preset], f"preset {preset}")
     if path is not None:
         p = Path(path)
+        if p.is_dir():
+            raise ValueError(f"config file {p} is a directory; --config expects a YAML file (e.g. configs/quick.yaml)")
         if not p.is_file():
             raise FileNotFoundError(f"config file {p} does not exist")
+        raw = p.read_bytes()
         try:
-            data = yaml.load(p.read_text(), Loader=_Loader) or {}
+            text = raw.decode("utf-8")
+        except UnicodeDecodeError as e:
+            line = raw[: e.start].count(b"\n") + 1
+            raise ValueError(f"{p}:{line}: not UTF-8 text (byte 0x{raw[e.start]:02x}); save the config file as "
+                             "UTF-8") from None
+        try:
+            data = yaml.load(text, Loader=_Loader) or {}
         except yaml.YAMLError as e:
             mark = getattr(e, "problem_mark", None)
             where = f":{mark.line + 1}" if mark is not None else ""
             raise ValueError(f"{p}{where}: invalid YAML ({getattr(e, 'problem', e)})") from None
-        _merge(merged, data, str(p))
+        _merge(merged, data, str(p), _yaml_lines(text))
     for o in overrides:
         _merge(merged, parse_override(o), f"override {o!r}")
     return build(merged)

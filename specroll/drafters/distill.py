@@ -514,14 +514,55 @@ _DATA_FORMAT_1 = "specroll-distill-data/1"  # no prompt lengths: read with the p
 
 # --- CLI -----------------------------------------------------------------------------------------
 
-def _prompts(args, tokenizer) -> list[list[int]]:
-    from ..rl.data import DataConfig, build_prompts, load_examples
+def _for_draft_train(msg: str) -> str:
+    """A data error's advice in terms of `specroll draft train`, whose data options are --data and
+    --prompts (the ``data.*`` keys the message names belong to `specroll train`)."""
+    import re
 
-    if args.data:
-        cfg = DataConfig(task="file", path=args.data, n_train=args.prompts, seed=args.seed)
-    else:
-        cfg = DataConfig(task="arithmetic", n_train=args.prompts, seed=args.seed)
-    ids, _, _ = build_prompts(load_examples(cfg, "train"), tokenizer, cfg)
+    from ..rl.data import QUESTION_ALIASES
+
+    alts = ", ".join(a for a in QUESTION_ALIASES if a != "question")
+    for old, new in (
+        ("fix or delete the line, or set data.skip_bad_rows=true", "fix or delete the line"),
+        ("fix them or set data.skip_bad_rows=true", "fix or delete them"),
+        ("(check data.path / data.eval_path)", "(check --data)"),
+        ("(set data.question_field to one of them)",
+         f"(`specroll draft train` reads the column 'question', else the first of {alts}: rename one to 'question')"),
+    ):
+        msg = msg.replace(old, new)
+    msg = re.sub(r"data\.n_eval=(\d+) leaves none for training; lower data\.n_eval or set data\.eval_path",
+                 r"`specroll draft train` holds out \1 rows and needs more than \1 usable rows in --data", msg)
+    return re.sub(r"data\.max_prompt_tokens=(\d+); raise it or shorten data\.system_prompt",
+                  r"\1 tokens, the prompt limit of `specroll draft train`; use shorter questions in --data", msg)
+
+
+def _examples(args) -> tuple[list[dict], object]:
+    """The training examples and their ``DataConfig`` for --data / --prompts (before any model loads)."""
+    from ..cli import CliError
+    from ..rl.data import DataConfig, DataError, load_examples
+
+    if args.data and args.prompts < 0:
+        raise CliError(f"--prompts must be >= 0 (0 = every row of --data), got {args.prompts}")
+    if not args.data and args.prompts < 1:
+        raise CliError(f"--prompts must be >= 1 (the number of built-in arithmetic prompts), got {args.prompts}")
+    try:
+        if args.data:
+            cfg = DataConfig(task="file", path=args.data, n_train=args.prompts, seed=args.seed)
+        else:
+            cfg = DataConfig(task="arithmetic", n_train=args.prompts, seed=args.seed)
+        return load_examples(cfg, "train", answers=False), cfg  # prompts only: answers are not needed
+    except DataError as e:
+        raise DataError(_for_draft_train(str(e))) from None
+
+
+def _prompts(args, tokenizer, loaded=None) -> list[list[int]]:
+    from ..rl.data import DataError, build_prompts
+
+    examples, cfg = loaded if loaded is not None else _examples(args)
+    try:
+        ids, _, _ = build_prompts(examples, tokenizer, cfg)
+    except DataError as e:
+        raise DataError(_for_draft_train(str(e))) from None
     return ids
 
 
@@ -531,9 +572,10 @@ def cli(args) -> int:
 
     if args.steps < 0:
         raise CliError(f"--steps must be >= 0, got {args.steps}")
+    loaded = _examples(args)  # bad --data / --prompts fail before the model loads
     torch.manual_seed(args.seed)
     policy, tok = hub.load(args.model, torch.float32)
-    prompts = _prompts(args, tok)
+    prompts = _prompts(args, tok, loaded)
     eos = hub.eos_ids(tok, hub.resolve(args.model, quiet=True))
     cfg = DistillConfig(steps=args.steps, lr=args.lr, batch=args.batch, seed=args.seed, noise=args.noise,
                         w_feat=args.w_feat, w_ce=args.w_ce, w_tv=args.w_tv, eval_frac=args.eval_frac,

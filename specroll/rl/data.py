@@ -1,8 +1,9 @@
 """Datasets for the GRPO trainer: the built-in arithmetic task, file loaders, and prompt building.
 
-Every example is a dict with ``question`` (str) and ``answer`` (str, the canonical final answer, e.g.
-"42"), plus every other column of its source; the trainer passes those columns to the reward
-functions as keyword arguments (TRL's convention).
+Every example is a dict with ``question`` (a str, or a chat: a list of ``{"role", "content"}``
+messages, TRL's conversational format) and ``answer`` (str, the canonical final answer, e.g. "42"),
+plus every other column of its source; the trainer passes those columns to the reward functions as
+keyword arguments (TRL's convention).
 
 - ``arithmetic(split, n, level, seed)``: seeded integer-answer problems at graded difficulty (see
   ``LEVELS``). Train and eval are disjoint by construction: every question string is assigned to one
@@ -12,7 +13,7 @@ functions as keyword arguments (TRL's convention).
   (``#### 42``) and MATH (``problem`` / ``solution`` with ``\\boxed{}``) conventions; a seeded holdout
   of ``n_eval`` rows (or ``eval_path``) for evaluation.
 - ``build_prompts(examples, tokenizer, cfg)``: system prompt + the tokenizer's chat template, length
-  filter.
+  filter (``prompt_text`` says how a string question and a chat question become a prompt).
 
 Bad input raises ``DataError`` (a ``ValueError``) with one line naming the file, line and field and
 the fix.
@@ -21,6 +22,7 @@ the fix.
 from __future__ import annotations
 
 import csv
+import io
 import json
 import logging
 import zlib
@@ -56,6 +58,15 @@ class DataConfig:
     file, ``n_train`` caps the training rows, 0 = all; ``n_eval`` rows are held out unless
     ``eval_path`` is given; ``eval_fraction`` overrides ``n_eval`` with a share of the file).
     ``skip_bad_rows``: skip malformed rows (with a logged count) instead of raising.
+
+    A file's question column (``question_field``) holds, per row, either
+    - a string: the user message; ``system_prompt`` (if set) goes before it as the system message; or
+    - a chat, TRL's conversational format: a non-empty list of ``{"role": ..., "content": ...}``
+      messages, roles ``system`` / ``user`` / ``assistant``, string contents, the last one from the
+      user. The messages are the prompt's chat as given; ``system_prompt`` is added in front only
+      when none of them is a system message.
+    Any other value (a dict, a number, ...) is a bad row (``DataError`` naming the file and line).
+    Files are read as UTF-8.
     """
 
     task: str = "arithmetic"
@@ -88,8 +99,12 @@ class DataConfig:
         _check_int("n_eval", self.n_eval, 0)
         _check_int("seed", self.seed, None)
         _check_int("max_prompt_tokens", self.max_prompt_tokens, 1)
-        if self.eval_fraction is not None and not (0.0 < float(self.eval_fraction) < 1.0):
-            raise DataError(f"data.eval_fraction must be in (0, 1), got {self.eval_fraction!r}")
+        ef = self.eval_fraction
+        if ef is not None and (isinstance(ef, bool) or not isinstance(ef, (int, float)) or not (0.0 < ef < 1.0)):
+            raise DataError(f"data.eval_fraction must be in (0, 1) or null, got {ef!r}")
+        for name in ("path", "eval_path"):
+            if getattr(self, name) is not None and not isinstance(getattr(self, name), str):
+                raise DataError(f"data.{name} must be a file name or null, got {getattr(self, name)!r}")
         if self.eval_path and self.eval_fraction is not None:
             raise DataError("data.eval_path and data.eval_fraction are exclusive; set one")
         for name in ("question_field", "answer_field"):
@@ -218,9 +233,19 @@ def arithmetic(split: str, n: int, level: int, seed: int) -> list[dict]:
 # ------------------------------------------------------------------------------------------------
 
 
+def _read_text(path: Path) -> str:
+    """The file's text; a file that is not UTF-8 is a ``DataError`` naming it and the line."""
+    raw = path.read_bytes()
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        line = raw[: e.start].replace(b"\r\n", b"\n").replace(b"\r", b"\n").count(b"\n") + 1
+        raise DataError(f"{path}:{line}: not UTF-8 text (byte 0x{raw[e.start]:02x}); save the file as UTF-8") from None
+
+
 def _read_jsonl(path: Path, skip: bool) -> tuple[list[tuple[int, dict]], list[str]]:
     rows, bad = [], []
-    with path.open(encoding="utf-8") as f:
+    with io.StringIO(_read_text(path), newline=None) as f:  # lines as a text-mode file splits them
         for ln, line in enumerate(f, 1):
             if not line.strip():
                 continue
@@ -239,8 +264,9 @@ def _read_jsonl(path: Path, skip: bool) -> tuple[list[tuple[int, dict]], list[st
 
 
 def _read_json(path: Path) -> list[tuple[int, dict]]:
+    text = _read_text(path)
     try:
-        obj = json.loads(path.read_text(encoding="utf-8"))
+        obj = json.loads(text)
     except ValueError as e:
         raise DataError(f"{path}: invalid JSON ({e}); use a JSON list of objects or JSON Lines (.jsonl)") from None
     if isinstance(obj, dict) and len(obj) == 1 and isinstance(next(iter(obj.values())), list):
@@ -251,7 +277,7 @@ def _read_json(path: Path) -> list[tuple[int, dict]]:
 
 
 def _read_csv(path: Path) -> list[tuple[int, dict]]:
-    with path.open(encoding="utf-8", newline="") as f:
+    with io.StringIO(_read_text(path), newline="") as f:
         reader = csv.DictReader(f)
         if not reader.fieldnames:
             raise DataError(f"{path}: empty CSV (no header line)")
@@ -273,6 +299,9 @@ def _read_parquet(path: Path) -> list[tuple[int, dict]]:
 def read_rows(path: str | Path, skip_bad_rows: bool = False) -> list[tuple[int, dict]]:
     """All rows of a data file as (line or row number, dict)."""
     p = Path(path)
+    if p.is_dir():
+        raise DataError(f"data file {str(path)!r} is a directory, not a .jsonl, .json, .csv or .parquet file "
+                        "(check data.path / data.eval_path)")
     if not p.is_file():
         raise DataError(f"data file {str(path)!r} does not exist (check data.path / data.eval_path)")
     suffix = p.suffix.lower()
@@ -321,12 +350,12 @@ def final_of(value, fmt: str) -> str | None:
     return s or None
 
 
-def _convert(rows, path, cfg: DataConfig) -> list[dict]:
+def _convert(rows, path, cfg: DataConfig, answers: bool = True) -> list[dict]:
     if not rows:
         raise DataError(f"{path}: the file has no rows")
     columns = set().union(*(r.keys() for _, r in rows))
     qf = _pick_field(cfg.question_field, "question", QUESTION_ALIASES, columns, path, "question")
-    af = _pick_field(cfg.answer_field, "answer", ANSWER_ALIASES, columns, path, "answer")
+    af = _pick_field(cfg.answer_field, "answer", ANSWER_ALIASES, columns, path, "answer") if answers else None
     out, bad = [], []
     for ln, row in rows:
         msg = _row_problem(row, qf, af, cfg.answer_format)
@@ -334,7 +363,12 @@ def _convert(rows, path, cfg: DataConfig) -> list[dict]:
             bad.append(f"{path}:{ln}: {msg}")
             continue
         ex = dict(row)
-        ex["question"] = str(row[qf]).strip()
+        q = row[qf]
+        ex["question"] = q.strip() if isinstance(q, str) else [dict(m) for m in q]  # a chat: its messages
+        if af is None:
+            ex.setdefault("answer", None)
+            out.append(ex)
+            continue
         ex["answer"] = final_of(row[af], cfg.answer_format)
         if af == "answer" and ex["answer"] != str(row[af]).strip():
             ex["answer_raw"] = row[af]  # e.g. GSM8K's worked solution
@@ -350,11 +384,44 @@ def _convert(rows, path, cfg: DataConfig) -> list[dict]:
     return out
 
 
-def _row_problem(row: dict, qf: str, af: str, fmt: str) -> str | None:
-    """Why ``row`` is unusable, or None."""
-    q = row.get(qf)
-    if q is None or not str(q).strip():
+CHAT_ROLES = ("system", "user", "assistant")
+
+
+def _chat_problem(messages: list, qf: str) -> str | None:
+    """Why the chat ``messages`` (a question cell holding a list) is not a usable prompt, or None."""
+    if not messages:
         return f"empty or missing {qf!r}"
+    for i, m in enumerate(messages, 1):
+        if not (isinstance(m, dict) and isinstance(m.get("role"), str) and "content" in m):
+            return (f"{qf!r} message {i} is {m!r:.60}; a chat question is a list of "
+                    '{"role": ..., "content": ...} messages')
+        if m["role"] not in CHAT_ROLES:
+            return f"{qf!r} message {i} has role {m['role']!r}; use one of {list(CHAT_ROLES)}"
+        if not isinstance(m["content"], str):
+            return (f"{qf!r} message {i} has content of type {type(m['content']).__name__}; "
+                    "only string contents are supported")
+    if messages[-1]["role"] != "user":
+        return (f"{qf!r} ends with a message from {messages[-1]['role']!r}; a chat question must end with "
+                "the user's message (the model writes the next assistant turn)")
+    if not any(m["role"] == "user" and m["content"].strip() for m in messages):
+        return f"{qf!r} has no non-empty user message"
+    return None
+
+
+def _row_problem(row: dict, qf: str, af: str | None, fmt: str) -> str | None:
+    """Why ``row`` is unusable, or None (``af`` None: the answer is not needed)."""
+    q = row.get(qf)
+    if q is None or (isinstance(q, str) and not q.strip()):
+        return f"empty or missing {qf!r}"
+    if isinstance(q, list):
+        msg = _chat_problem(q, qf)
+        if msg:
+            return msg
+    elif not isinstance(q, str):
+        return (f"{qf!r} is of type {type(q).__name__} ({q!r:.60}); a question must be a string or a chat "
+                '(a list of {"role": ..., "content": ...} messages)')
+    if af is None:
+        return None
     a = row.get(af)
     if a is None or not str(a).strip():
         return f"empty or missing {af!r}"
@@ -379,16 +446,18 @@ def _holdout(examples: list[dict], cfg: DataConfig, path) -> tuple[list[dict], l
     return [examples[i] for i in perm[n_eval:]], [examples[i] for i in perm[:n_eval]]
 
 
-def load_examples(cfg: DataConfig, split: str) -> list[dict]:
-    """Examples of ``split`` ("train" | "eval") for ``cfg``."""
+def load_examples(cfg: DataConfig, split: str, answers: bool = True) -> list[dict]:
+    """Examples of ``split`` ("train" | "eval") for ``cfg``. ``answers=False`` (prompts only, e.g. for
+    distilling a draft head): a file needs no answer column and its answers are not checked (each
+    example keeps its row's ``answer`` as it is, None if the row has none)."""
     if split not in _SPLITS:
         raise DataError(f"split must be 'train' or 'eval', got {split!r}")
     if cfg.task == "arithmetic":
         return arithmetic(split, cfg.n_train if split == "train" else cfg.n_eval, cfg.level, cfg.seed)
     if cfg.eval_path and split == "eval":
-        ev = _convert(read_rows(cfg.eval_path, cfg.skip_bad_rows), cfg.eval_path, cfg)
+        ev = _convert(read_rows(cfg.eval_path, cfg.skip_bad_rows), cfg.eval_path, cfg, answers)
         return ev[: cfg.n_eval] if cfg.n_eval else ev  # n_eval caps an eval file (0 = all of it)
-    rows = _convert(read_rows(cfg.path, cfg.skip_bad_rows), cfg.path, cfg)
+    rows = _convert(read_rows(cfg.path, cfg.skip_bad_rows), cfg.path, cfg, answers)
     if cfg.eval_path:
         train = rows
     else:
@@ -403,11 +472,21 @@ def load_examples(cfg: DataConfig, split: str) -> list[dict]:
 # ------------------------------------------------------------------------------------------------
 
 
-def prompt_text(question: str, tokenizer, system_prompt: str | None) -> str:
-    """The chat-formatted prompt string (generation prompt appended). Tokenizers without a chat
-    template get "system\\n\\nquestion\\n"."""
-    messages = ([{"role": "system", "content": system_prompt}] if system_prompt else [])
-    messages.append({"role": "user", "content": question})
+def prompt_text(question: str | list[dict], tokenizer, system_prompt: str | None) -> str:
+    """The chat-formatted prompt string (generation prompt appended).
+
+    ``question`` is a string (the user message, after ``system_prompt`` as the system message) or a
+    chat: a list of ``{"role", "content"}`` messages ending with the user's, templated as given, with
+    ``system_prompt`` put first only if no message is a system message. Tokenizers without a chat
+    template get the contents joined by blank lines plus a newline ("system\\n\\nquestion\\n")."""
+    if isinstance(question, list):
+        chat = [{"role": m["role"], "content": m["content"]} for m in question]
+        has_system = any(m["role"] == "system" for m in chat)
+        messages = ([{"role": "system", "content": system_prompt}] if system_prompt and not has_system else [])
+        messages += chat
+    else:
+        messages = ([{"role": "system", "content": system_prompt}] if system_prompt else [])
+        messages.append({"role": "user", "content": question})
     if getattr(tokenizer, "chat_template", None):
         return tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
     return "\n\n".join(m["content"] for m in messages) + "\n"
@@ -415,7 +494,11 @@ def prompt_text(question: str, tokenizer, system_prompt: str | None) -> str:
 
 def build_prompts(examples: list[dict], tokenizer, cfg: DataConfig) -> tuple[list[list[int]], list[dict], int]:
     """Token ids of each example's prompt. Returns (kept prompt ids, kept examples, number dropped for
-    exceeding ``cfg.max_prompt_tokens``)."""
+    exceeding ``cfg.max_prompt_tokens``). Questions are strings or chats (see ``prompt_text``)."""
+    if not examples:
+        why = (f"data.n_eval={cfg.n_eval} selects no eval problems; set data.n_eval >= 1 (e.g. data.n_eval=64)"
+               if cfg.n_eval == 0 else "the example list is empty")
+        raise DataError(f"no prompts to build: {why}")
     ids_out, kept = [], []
     for ex in examples:
         text = prompt_text(ex["question"], tokenizer, cfg.system_prompt)

@@ -442,33 +442,59 @@ class RewardError(ValueError):
 @dataclass
 class RewardConfig:
     """``funcs``: built-in names (``accuracy``, ``format``) or ``module:function`` user functions with
-    TRL's signature. ``weights``: one per function (default all 1.0). ``timeout_s``: per-answer
-    deadline of the math-verify check."""
+    TRL's signature; a list or a comma list (``accuracy,format``). ``weights``: one finite number per
+    function, a list or a comma list (``1,0.5``; one number for one function); None = all 1.0.
+    ``timeout_s``: per-answer deadline of the math-verify check."""
 
     funcs: list[str] = field(default_factory=lambda: ["accuracy"])
     weights: list[float] | None = None
     timeout_s: float = 5.0
 
     def __post_init__(self):
-        if isinstance(self.funcs, str):
+        if isinstance(self.funcs, str):  # "accuracy,format" (the comma form of the command line)
             self.funcs = [f.strip() for f in self.funcs.split(",") if f.strip()]
-        if not self.funcs or not all(isinstance(f, str) and f for f in self.funcs):
-            raise RewardError(f"RewardConfig.funcs must be a non-empty list of names, got {self.funcs!r}")
+        if not (isinstance(self.funcs, (list, tuple)) and self.funcs and all(isinstance(f, str) and f for f in self.funcs)):
+            raise RewardError(f"reward.funcs must be a non-empty list of names (e.g. [accuracy, format] or "
+                              f"accuracy,format), got {self.funcs!r}")
+        self.funcs = list(self.funcs)
         for f in self.funcs:
             if f not in BUILTIN and ":" not in f:
                 raise RewardError(
-                    f"RewardConfig.funcs: unknown reward {f!r}; use one of {sorted(BUILTIN)} or 'module:function'"
+                    f"reward.funcs: unknown reward {f!r}; use one of {sorted(BUILTIN)} or 'module:function'"
                 )
         if self.weights is not None:
-            self.weights = [float(w) for w in self.weights]
+            self.weights = _weights(self.weights)
             if len(self.weights) != len(self.funcs):
                 raise RewardError(
-                    f"RewardConfig.weights has {len(self.weights)} values for {len(self.funcs)} funcs {self.funcs}"
+                    f"reward.weights has {len(self.weights)} values for {len(self.funcs)} funcs {self.funcs}; "
+                    "give one weight per function"
                 )
-            if not all(math.isfinite(w) for w in self.weights):
-                raise RewardError(f"RewardConfig.weights must be finite, got {self.weights}")
         if not (isinstance(self.timeout_s, (int, float)) and self.timeout_s > 0):
             raise RewardError(f"RewardConfig.timeout_s must be > 0 seconds, got {self.timeout_s!r}")
+
+
+def _weights(weights) -> list[float]:
+    """``reward.weights`` as a list of finite floats: a list, a comma list ("1,0.5") or one number."""
+    if isinstance(weights, str):
+        items = [w.strip() for w in weights.split(",") if w.strip()]
+    elif isinstance(weights, (list, tuple)):
+        items = list(weights)
+    elif isinstance(weights, (int, float)) and not isinstance(weights, bool):
+        items = [weights]
+    else:
+        raise RewardError(f"reward.weights must be a list of numbers (e.g. [1, 0.5] or 1,0.5), got {weights!r}")
+    out = []
+    for w in items:
+        try:
+            if isinstance(w, bool):
+                raise TypeError
+            out.append(float(w))
+        except (TypeError, ValueError):
+            raise RewardError(f"reward.weights must be a list of numbers (e.g. [1, 0.5] or 1,0.5); {w!r} in "
+                              f"{weights!r} is not a number") from None
+    if not all(math.isfinite(w) for w in out):
+        raise RewardError(f"reward.weights must be finite, got {out}")
+    return out
 
 
 def _resolve(spec: str) -> Callable:

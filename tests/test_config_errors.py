@@ -1,0 +1,231 @@
+"""Bad values are one-line errors naming the key / file / line and the fix, caught before any model
+loads: config values are checked against the fields' annotations (YAML and overrides), config and data
+files that are directories or not UTF-8 are named, chat-format questions are prompts (not their
+repr), and `specroll draft train` / `specroll eval` advise what their own options can do."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+
+import pytest
+
+from specroll.config import RolloutConfig, TrainConfig, load_config
+from specroll.rl.data import DataConfig, DataError, build_prompts, load_examples, prompt_text
+from specroll.rl.rewards import RewardConfig, RewardError
+
+# -- values against the field annotations ----------------------------------------------------------
+
+
+@pytest.mark.parametrize("override, msg", [
+    ("train.lr=null", "train.lr must be a number, got null"),
+    ("train.lr=[1,2]", "train.lr must be a number, got [1, 2]"),
+    ("train.out_dir=[a]", "train.out_dir must be a string, got ['a']"),
+    ("model.name=null", "model.name must be a string, got null"),
+    ("data.path=[a]", "data.path must be a string or null, got ['a']"),
+    ("data.eval_fraction=abc", "data.eval_fraction must be a number or null, got 'abc'"),
+    ("rollout.temperature=nan", "rollout.temperature must be a finite number, got nan"),
+    ("train.grad_clip=nan", "train.grad_clip must be a finite number, got nan"),
+    ("reuse.store_mb=inf", "reuse.store_mb must be a finite number, got inf"),
+    ("loss.eps_high=.nan", "loss.eps_high must be a finite number, got nan"),
+    ("train.steps=true", "train.steps must be an integer, got true"),
+    ("reward.weights=1,x", "reward.weights must be a list of numbers (e.g. [1, 0.5] or 1,0.5) or null; "
+                           "item 2, 'x', is not a number"),
+    ("reward.weights={a: 1}", "reward.weights must be a list of numbers"),
+])
+def test_override_of_the_wrong_type_names_key_value_and_type(override, msg):
+    with pytest.raises(ValueError) as e:
+        load_config(overrides=[override])
+    assert str(e.value).startswith(f"override {override!r}: {msg}")
+    assert "\n" not in str(e.value)
+
+
+def test_list_fields_take_comma_lists_and_single_values_and_inf_stays_valid_where_meant():
+    cfg = load_config(overrides=["reward.funcs=accuracy,format", "reward.weights=1,0.5", "reuse.lenience=inf"])
+    assert cfg.reward.funcs == ["accuracy", "format"] and cfg.reward.weights == [1.0, 0.5]
+    assert math.isinf(cfg.reuse.lenience)
+    assert load_config(overrides=["reward.weights=0.5"]).reward.weights == [0.5]  # one function, one weight
+    assert load_config(overrides=["reward.weights=[2]"]).reward.weights == [2.0]
+    assert load_config(overrides=["reward.weights=null"]).reward.weights is None
+    assert load_config(overrides=["data.eval_fraction=null"]).data.eval_fraction is None
+    with pytest.raises(ValueError, match="reward.weights has 1 values for 2 funcs"):
+        load_config(overrides=["reward.funcs=accuracy,format", "reward.weights=0.5"])
+
+
+def test_string_fields_take_the_override_text_as_written():
+    cfg = load_config(overrides=["train.out_dir=2024-01-01", "data.system_prompt=Answer: 42"])
+    assert cfg.train.out_dir == "2024-01-01" and cfg.data.system_prompt == "Answer: 42"
+    assert load_config(overrides=["data.system_prompt=null"]).data.system_prompt is None
+
+
+def test_yaml_values_are_checked_with_file_and_line(tmp_path):
+    f = tmp_path / "run.yaml"
+    f.write_text("train:\n  steps: 3\n  lr: [1, 2]\n")
+    with pytest.raises(ValueError) as e:
+        load_config(f)
+    assert str(e.value) == f"{f}:3: train.lr must be a number, got [1, 2]"
+    f.write_text("reward:\n  funcs: accuracy, format\n  weights: 1, 0.5\nreuse:\n  lenience: .inf\n"
+                 "train:\n  out_dir: 2024-01-01\n")
+    cfg = load_config(f)
+    assert cfg.reward.weights == [1.0, 0.5] and math.isinf(cfg.reuse.lenience) and cfg.train.out_dir == "2024-01-01"
+    f.write_text("rollout:\n  temperature: .nan\n")
+    with pytest.raises(ValueError, match=f"^{f}:2: rollout.temperature must be a finite number, got nan$"):
+        load_config(f)
+
+
+def test_sections_built_directly_reject_bad_values_with_their_key():
+    with pytest.raises(ValueError, match="train.grad_clip must be a finite number >= 0"):
+        TrainConfig(grad_clip=float("nan"))
+    with pytest.raises(ValueError, match="train.eval_temperature"):
+        TrainConfig(eval_temperature=float("nan"))
+    with pytest.raises(ValueError, match="rollout.temperature must be a finite number > 0"):
+        RolloutConfig(temperature=float("nan"))
+    with pytest.raises(DataError, match=r"data.eval_fraction must be in \(0, 1\) or null, got 'abc'"):
+        DataConfig(eval_fraction="abc")
+    assert RewardConfig(weights=0.5).weights == [0.5]
+    assert RewardConfig(funcs=["accuracy", "format"], weights="1, 0.5").weights == [1.0, 0.5]
+    with pytest.raises(RewardError, match=r"reward.weights must be a list of numbers .*'x' in \['x'\] is not a number"):
+        RewardConfig(weights=["x"])
+    with pytest.raises(RewardError, match="reward.funcs must be a non-empty list of names"):
+        RewardConfig(funcs=3)
+
+
+# -- files --------------------------------------------------------------------------------------------
+
+
+def test_config_that_is_a_directory_or_not_utf8_is_named(tmp_path):
+    with pytest.raises(ValueError, match=f"config file {tmp_path} is a directory; --config expects a YAML file"):
+        load_config(tmp_path)
+    f = tmp_path / "latin1.yaml"
+    f.write_bytes(b"train:\n  steps: 3\ndata:\n  system_prompt: caf\xe9\n")
+    with pytest.raises(ValueError, match=f"^{f}:4: not UTF-8 text \\(byte 0xe9\\); save the config file as UTF-8$"):
+        load_config(f)
+
+
+@pytest.mark.parametrize("name, body, line", [
+    ("d.jsonl", b'{"question": "1+1?", "answer": "2"}\n{"question": "caf\xe9", "answer": "3"}\n', 2),
+    ("d.csv", b"question,answer\n1+1?,2\ncaf\xe9,3\n", 3),
+    ("d.json", b'[{"question": "caf\xe9", "answer": "3"}]', 1),
+])
+def test_data_file_not_utf8_names_file_and_line(tmp_path, name, body, line):
+    f = tmp_path / name
+    f.write_bytes(body)
+    with pytest.raises(DataError, match=f"^{f}:{line}: not UTF-8 text \\(byte 0xe9\\); save the file as UTF-8$"):
+        load_examples(DataConfig(task="file", path=str(f), n_eval=0), "train")
+
+
+# -- chat-format questions ------------------------------------------------------------------------------
+
+
+def _tok():
+    from specroll.models.tiny import tiny_tokenizer
+
+    return tiny_tokenizer()
+
+
+def _jsonl(path, rows):
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return str(path)
+
+
+def test_chat_questions_become_the_prompts_chat(tmp_path):
+    tok = _tok()
+    path = _jsonl(tmp_path / "chat.jsonl", [
+        {"question": [{"role": "user", "content": "What is 2 + 3?"}], "answer": "5"},
+        {"question": [{"role": "system", "content": "Be terse."}, {"role": "user", "content": "What is 1 + 1?"}],
+         "answer": "2"},
+        {"question": "What is 4 + 4?", "answer": "8"},
+    ])
+    cfg = DataConfig(task="file", path=path, n_eval=0)
+    ex = load_examples(cfg, "train")
+    by_answer = {e["answer"]: e for e in ex}
+    assert by_answer["5"]["question"] == [{"role": "user", "content": "What is 2 + 3?"}]
+    ids, kept, dropped = build_prompts(ex, tok, cfg)
+    texts = {e["answer"]: tok.decode(i) for i, e in zip(ids, kept)}
+    sys_msg = {"role": "system", "content": cfg.system_prompt}
+
+    def templ(msgs):
+        return tok.apply_chat_template(msgs, add_generation_prompt=True, tokenize=False)
+
+    # no system message in the chat: the configured system prompt goes first
+    assert texts["5"] == templ([sys_msg, {"role": "user", "content": "What is 2 + 3?"}])
+    assert "'role'" not in texts["5"]
+    # the chat's own system message wins: data.system_prompt is not added
+    assert texts["2"] == templ([{"role": "system", "content": "Be terse."}, {"role": "user", "content": "What is 1 + 1?"}])
+    assert cfg.system_prompt not in texts["2"]
+    # strings as before
+    assert texts["8"] == templ([sys_msg, {"role": "user", "content": "What is 4 + 4?"}])
+    assert prompt_text("What is 4 + 4?", tok, cfg.system_prompt) == texts["8"]
+
+
+@pytest.mark.parametrize("question, msg", [
+    ({"role": "user", "content": "hi"}, "'question' is of type dict"),
+    (5, "'question' is of type int"),
+    ([{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}],
+     "'question' ends with a message from 'assistant'"),
+    ([{"role": "bot", "content": "hi"}], "'question' message 1 has role 'bot'"),
+    ([{"role": "user", "content": [{"type": "text", "text": "hi"}]}], "'question' message 1 has content of type list"),
+    (["hi"], "'question' message 1 is 'hi'"),
+])
+def test_other_question_values_are_bad_rows_with_file_and_line(tmp_path, question, msg):
+    path = _jsonl(tmp_path / "q.jsonl", [{"question": "What is 1 + 1?", "answer": "2"},
+                                         {"question": question, "answer": "3"}])
+    with pytest.raises(DataError) as e:
+        load_examples(DataConfig(task="file", path=path, n_eval=0), "train")
+    assert str(e.value).startswith(f"{path}:2: {msg}")
+    assert "set data.skip_bad_rows=true" in str(e.value)
+
+
+# -- messages in the command's own terms -----------------------------------------------------------------
+
+
+def _draft_args(**kw):
+    return argparse.Namespace(**{"data": None, "prompts": 64, "seed": 0, **kw})
+
+
+def test_draft_train_broken_data_names_no_train_only_option(tmp_path, capsys):
+    from specroll.cli import main
+
+    bad = tmp_path / "broken.jsonl"
+    bad.write_text('{"question": "What is 1 + 1?", "answer": "2"}\n{broken\n')
+    rc = main(["draft", "train", "--model", "tiny-llama", "--data", str(bad), "--out", str(tmp_path / "out")])
+    err = capsys.readouterr().err
+    assert rc == 2
+    line = next(ln for ln in err.splitlines() if ln.startswith("specroll: error:"))
+    assert line.startswith(f"specroll: error: {bad}:2: not a JSON object") and line.endswith("fix or delete the line")
+    assert "data." not in err and "Traceback" not in err
+    assert not (tmp_path / "out").exists()
+
+
+def test_draft_train_prompts_and_data_errors_speak_of_its_options(tmp_path):
+    from specroll.cli import CliError
+    from specroll.drafters import distill
+
+    with pytest.raises(CliError, match=r"^--prompts must be >= 1 \(the number of built-in arithmetic prompts\), got 0$"):
+        distill._examples(_draft_args(prompts=0))
+    with pytest.raises(CliError, match=r"^--prompts must be >= 0 \(0 = every row of --data\), got -1$"):
+        distill._examples(_draft_args(prompts=-1, data=str(tmp_path / "x.jsonl")))
+    with pytest.raises(DataError) as e:
+        distill._examples(_draft_args(data=str(tmp_path / "missing.jsonl")))
+    assert str(e.value).endswith("does not exist (check --data)")
+    # a GSM8K-style answer (a worked solution) or no answer column at all: draft train only needs prompts
+    rows = [{"question": f"What is {i} + 1?", "answer": f"It is {i} + 1.\n#### {i + 1}"} for i in range(70)]
+    rows += [{"question": "What is 0 + 0?"}]
+    ex, _ = distill._examples(_draft_args(data=_jsonl(tmp_path / "gsm.jsonl", rows), prompts=0))
+    assert len(ex) == 71 - 64 and all(isinstance(x["question"], str) for x in ex)
+    with pytest.raises(DataError) as e:
+        distill._examples(_draft_args(data=_jsonl(tmp_path / "small.jsonl", rows[:3])))
+    assert "data." not in str(e.value) and "needs more than 64 usable rows in --data" in str(e.value)
+    with pytest.raises(DataError) as e:
+        distill._examples(_draft_args(data=_jsonl(tmp_path / "col.jsonl", [{"q": "x"}])))
+    assert "data." not in str(e.value) and "rename one to 'question'" in str(e.value)
+
+
+def test_no_eval_problems_says_n_eval_must_be_positive():
+    cfg = DataConfig(n_eval=0)
+    assert load_examples(cfg, "eval") == []  # n_eval=0 = no evaluation during training
+    with pytest.raises(DataError) as e:
+        build_prompts(load_examples(cfg, "eval"), _tok(), cfg)
+    assert "data.n_eval=0" in str(e.value) and "set data.n_eval >= 1" in str(e.value)
+    assert "longer than" not in str(e.value)
