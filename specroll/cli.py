@@ -116,7 +116,7 @@ def _draft(sub):
     t.add_argument("--model", default="smollm2-135m")
     t.add_argument("--data", default=None, help="JSONL/JSON/CSV/Parquet with a question column "
                    "(default: the built-in arithmetic prompts)")
-    t.add_argument("--prompts", type=int, default=64, help="training prompts")
+    t.add_argument("--prompts", type=int, default=64, help="training prompts (with --data: 0 = every row)")
     t.add_argument("-n", type=int, default=4, help="generations per prompt")
     t.add_argument("--max-new-tokens", type=int, default=128)
     t.add_argument("--temperature", type=float, default=1.0)

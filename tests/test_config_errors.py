@@ -229,3 +229,16 @@ def test_no_eval_problems_says_n_eval_must_be_positive():
         build_prompts(load_examples(cfg, "eval"), _tok(), cfg)
     assert "data.n_eval=0" in str(e.value) and "set data.n_eval >= 1" in str(e.value)
     assert "longer than" not in str(e.value)
+
+
+def test_eval_with_no_eval_problems_fails_before_the_model_loads(monkeypatch, capsys):
+    from specroll.cli import main
+    from specroll.rl import run
+
+    def no_model(*a, **k):
+        raise AssertionError("the model was loaded")
+
+    monkeypatch.delenv("SPECROLL_DEBUG", raising=False)
+    monkeypatch.setattr(run, "load_policy", no_model)
+    assert main(["eval", "--model", "tiny-llama", "data.n_eval=0"]) == 2
+    assert "data.n_eval=0 selects no eval problems: set data.n_eval >= 1" in capsys.readouterr().err

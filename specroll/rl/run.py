@@ -238,6 +238,7 @@ def train_cli(args) -> int:
 
 
 def eval_cli(args) -> int:
+    from ..cli import CliError
     from .data import load_examples
     from .rewards import build_reward
 
@@ -247,9 +248,13 @@ def eval_cli(args) -> int:
         ck = ckpt.resolve(args.checkpoint)
         base = str(ck / "config.yaml")
     cfg = load_config(base, None, list(args.overrides) + ([f"model.name={args.model}"] if args.model else []))
+    examples = load_examples(cfg.data, "eval")  # bad data fails before the model loads
+    if not examples:
+        raise CliError(f"data.n_eval={cfg.data.n_eval} selects no eval problems: set data.n_eval >= 1 (e.g. "
+                       "data.n_eval=64)" if cfg.data.n_eval < 1 else "the eval split is empty")
     model, tok, eos = load_policy(cfg, ck if args.checkpoint else None)
     reward = build_reward(cfg.reward)
-    ev = prompt_set(load_examples(cfg.data, "eval"), tok, cfg.data, "eval", console.print)
+    ev = prompt_set(examples, tok, cfg.data, "eval", console.print)
     decode = lambda ids: tok.decode(ids, skip_special_tokens=True)  # noqa: E731
     cfg.train.eval_temperature = args.temperature
     tr = Trainer(cfg, model, ev, ev, reward, decode, eos)
