@@ -134,8 +134,10 @@ def make_head(dc: DraftConfig, model, prompt_ids=None, eos_ids=(), seed: int = 0
         return head_for(model, ids, seed=seed)
     try:
         return load_head(dc.head, model)
-    except (FileNotFoundError, ValueError) as e:
-        raise type(e)(f"draft.head={dc.head}: {e}") from None
+    except FileNotFoundError as e:  # the head directory or one of its two files is not there
+        raise FileNotFoundError(f"draft.head={dc.head}: {e}") from None
+    except ValueError as e:  # any subclass (e.g. json.JSONDecodeError) becomes a plain one-line ValueError
+        raise ValueError(f"draft.head={dc.head}: {e}") from None
 
 
 RECIPE = ("w_feat", "w_ce", "w_tv", "unroll")  # the loss settings online updates share with `draft train`
@@ -153,8 +155,12 @@ def recipe_note(dc: DraftConfig) -> str | None:
     if dc.head in ("", "random"):
         return None
     try:
-        trained = json.loads((Path(dc.head) / HEAD_CONFIG).read_text()).get("meta", {}).get("config") or {}
+        meta = json.loads((Path(dc.head) / HEAD_CONFIG).read_text())
     except (OSError, ValueError):
+        return None
+    trained = (meta.get("meta") or {}) if isinstance(meta, dict) else {}
+    trained = (trained.get("config") or {}) if isinstance(trained, dict) else {}
+    if not isinstance(trained, dict):
         return None
     diff = {k: (trained[k], getattr(dc, k)) for k in RECIPE
             if isinstance(trained.get(k), (int, float)) and trained[k] != getattr(dc, k)}

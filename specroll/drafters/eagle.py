@@ -40,7 +40,8 @@ from __future__ import annotations
 import json
 import weakref
 from contextlib import nullcontext
-from dataclasses import asdict, dataclass, replace
+from dataclasses import MISSING, asdict, dataclass, replace
+from dataclasses import fields as dataclass_fields
 from pathlib import Path
 
 import torch
@@ -148,30 +149,97 @@ def save_head(head: DraftHead, out_dir: str | Path, meta: dict | None = None) ->
     return out
 
 
-def load_head(path: str | Path, policy: Decoder | None = None) -> DraftHead:
-    """Load a head saved by ``save_head``; checks it fits ``policy`` (hidden size, vocabulary)."""
+HEAD_FIX = "re-create it with `specroll draft train --out DIR` (or copy the directory again)"
+
+
+def _head_error(f: Path, reason: str) -> ValueError:
+    return ValueError(f"{f}: {reason}; {HEAD_FIX}")
+
+
+def _read_head_config(cfg_file: Path) -> tuple[dict, DecoderConfig]:
+    """(draft_head.json as a dict, the head's DecoderConfig), every problem a ValueError naming the file."""
+    try:
+        meta = json.loads(cfg_file.read_text())
+    except json.JSONDecodeError as e:
+        raise _head_error(cfg_file, f"not valid JSON ({e.msg} at line {e.lineno} column {e.colno})") from e
+    except UnicodeDecodeError as e:
+        raise _head_error(cfg_file, "not UTF-8 text") from e
+    if not isinstance(meta, dict):
+        raise _head_error(cfg_file, f"holds a JSON {type(meta).__name__}, expected an object")
+    if meta.get("format") != FORMAT:
+        raise _head_error(cfg_file, f"field 'format' is {meta.get('format')!r}, expected {FORMAT!r}")
+    pol = meta.get("policy")
+    if not isinstance(pol, dict):
+        raise _head_error(cfg_file, "field 'policy' (the policy's decoder config) is missing or not an object")
+    fields = {f.name: f for f in dataclass_fields(DecoderConfig)}
+    required = [n for n, f in fields.items() if f.default is MISSING and n != "num_layers"]
+    missing = [n for n in required if n not in pol]
+    unknown = [n for n in pol if n not in fields]
+    if missing or unknown:
+        what = ", ".join(([f"missing {missing}"] if missing else []) + ([f"unknown {unknown}"] if unknown else []))
+        raise _head_error(cfg_file, f"field 'policy' has {what} keys")
+    ints = ("vocab_size", "hidden_size", "intermediate_size", "num_heads", "num_kv_heads", "head_dim")
+    bad = [n for n in ints if isinstance(pol[n], bool) or not isinstance(pol[n], int) or pol[n] < 1]
+    if bad:
+        raise _head_error(cfg_file, f"policy.{bad[0]} is {pol[bad[0]]!r}, expected a positive integer")
+    try:
+        cfg = DecoderConfig(**{**pol, "num_layers": 1})
+        rope_inv_freq(cfg)  # checks rope_theta / rope_scaling
+    except (ValueError, TypeError, KeyError, AttributeError) as e:
+        why = str(e) if isinstance(e, ValueError) else f"{type(e).__name__}: {e}"
+        raise _head_error(cfg_file, f"field 'policy' is not a valid decoder config ({why})") from e
+    return meta, cfg
+
+
+def _read_head_weights(w_file: Path, cfg_file: Path, cfg: DecoderConfig) -> DraftHead:
+    from safetensors import SafetensorError
     from safetensors.torch import load_file
 
+    try:
+        sd = load_file(str(w_file))
+    except SafetensorError as e:
+        why = (str(e).strip().splitlines() or [""])[0].removeprefix("Error while deserializing header: ")
+        raise _head_error(w_file, f"not a complete safetensors file ({why})") from e
+    except OSError as e:
+        raise _head_error(w_file, f"unreadable ({e.strerror or e})") from e
+    ids = sd.get("vocab_ids")
+    if ids is None or ids.dim() != 1 or ids.dtype.is_floating_point or ids.dtype == torch.bool:
+        raise _head_error(w_file, "no integer 'vocab_ids' tensor (the draft vocabulary)")
+    try:
+        head = DraftHead(cfg, ids)
+    except ValueError as e:
+        raise _head_error(w_file, f"{e} ({cfg_file.name} has vocab_size {cfg.vocab_size})") from e
+    own = head.state_dict()
+    missing = [k for k in own if k not in sd]
+    unexpected = [k for k in sd if k not in own]
+    shapes = [f"{k} is {list(sd[k].shape)} but {cfg_file.name} implies {list(v.shape)}"
+              for k, v in own.items() if k in sd and sd[k].shape != v.shape]
+    if missing or unexpected or shapes:
+        parts = ([f"missing {missing[:3]}"] if missing else []) + ([f"unexpected {unexpected[:3]}"] if unexpected else [])
+        raise _head_error(w_file, f"does not match {cfg_file.name} ({'; '.join(parts + shapes[:1])})")
+    head.load_state_dict(sd)
+    return head
+
+
+def load_head(path: str | Path, policy: Decoder | None = None) -> DraftHead:
+    """Load a head saved by ``save_head``; checks it fits ``policy`` (hidden size, vocabulary).
+
+    A missing file raises ``FileNotFoundError``; a damaged or inconsistent one a one-line ``ValueError``
+    naming the file."""
     p = Path(path)
     cfg_file, w_file = p / HEAD_CONFIG, p / HEAD_WEIGHTS
     for f in (cfg_file, w_file):
         if not f.is_file():
             raise FileNotFoundError(f"{f} not found; a draft head dir holds {HEAD_CONFIG} and {HEAD_WEIGHTS} "
                                     "(make one with `specroll draft train`)")
-    meta = json.loads(cfg_file.read_text())
-    if meta.get("format") != FORMAT:
-        raise ValueError(f"{cfg_file}: field 'format' is {meta.get('format')!r}, expected {FORMAT!r}")
-    cfg = DecoderConfig(**{**meta["policy"], "num_layers": 1})
+    _, cfg = _read_head_config(cfg_file)
     if policy is not None:
         pc = policy.cfg
         for field in ("hidden_size", "vocab_size", "num_heads", "num_kv_heads", "head_dim"):
             if getattr(pc, field) != getattr(cfg, field):
                 raise ValueError(f"{cfg_file}: policy.{field} is {getattr(cfg, field)} but the model has "
                                  f"{getattr(pc, field)}; this head was trained for another model")
-    sd = load_file(str(w_file))
-    head = DraftHead(cfg, sd["vocab_ids"])
-    head.load_state_dict(sd)
-    return head.eval()
+    return _read_head_weights(w_file, cfg_file, cfg).eval()
 
 
 # --- the tree ------------------------------------------------------------------------------------

@@ -25,6 +25,7 @@ import contextlib
 import contextvars
 import json
 import math
+import re
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -76,6 +77,14 @@ class DecoderConfig:
         rtype = rope.get("rope_type") or scaling.get("rope_type") or scaling.get("type") or "default"
         scaling = {**scaling, **{k: v for k, v in rope.items() if k != "rope_theta"}}
         scaling["rope_type"] = rtype
+        need = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
+        missing = [k for k in need if d.get(k) is None]
+        if missing:
+            raise ValueError(f"missing {', '.join(missing)} (a {mt} config needs {', '.join(need)})")
+        for k in (*need, "num_key_value_heads", "head_dim"):
+            v = d.get(k)
+            if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
+                raise ValueError(f"config field {k} is {v!r}, expected a positive integer")
         n_heads = d["num_attention_heads"]
         return cls(
             arch=mt,
@@ -490,28 +499,81 @@ def decoder_to_hf_state(model: Decoder) -> dict[str, torch.Tensor]:
     return {k: v.contiguous() for k, v in out.items()}
 
 
+WEIGHTS_FIX = "download the model again, or re-save it with save_pretrained(safe_serialization=True)"
+
+
 def load_decoder(path: str | Path, dtype: torch.dtype = torch.float32) -> Decoder:
-    """Load a decoder from an HF model directory (config.json + *.safetensors)."""
+    """Load a decoder from an HF model directory (config.json + *.safetensors).
+
+    Missing files raise ``FileNotFoundError``; a damaged config or weight file, or a config.json that does
+    not match the weights, a one-line ``ValueError`` naming the file."""
+    from safetensors import SafetensorError
     from safetensors.torch import load_file
 
     path = Path(path)
     cfg_file = path / "config.json"
     if not cfg_file.is_file():
         raise FileNotFoundError(f"{path} has no config.json; is it an HF model directory?")
-    cfg = DecoderConfig.from_hf(json.loads(cfg_file.read_text()))
+    try:
+        raw = json.loads(cfg_file.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ValueError(f"{cfg_file}: not valid JSON ({e}); restore the model's config.json") from e
+    if not isinstance(raw, dict):
+        raise ValueError(f"{cfg_file}: holds a JSON {type(raw).__name__}, expected an object; "
+                         "restore the model's config.json")
+    try:
+        cfg = DecoderConfig.from_hf(raw)
+        inv_freq = rope_inv_freq(cfg)
+    except (ValueError, TypeError, KeyError, ZeroDivisionError) as e:
+        why = str(e) if isinstance(e, ValueError) else f"{type(e).__name__}: {e}"
+        raise ValueError(f"{cfg_file}: {why}; restore the model's config.json") from e
     files = sorted(path.glob("*.safetensors"))
     if not files:
         raise FileNotFoundError(f"no *.safetensors weights in {path}")
+    index = path / "model.safetensors.index.json"
+    if index.is_file():  # sharded weights: every shard the index lists must be there
+        try:
+            shards = set(json.loads(index.read_text())["weight_map"].values())
+        except (ValueError, KeyError, TypeError, AttributeError) as e:
+            raise ValueError(f"{index}: not a valid safetensors index ({type(e).__name__}: {e}); "
+                             f"{WEIGHTS_FIX}") from e
+        absent = sorted(str(s) for s in shards if not (path / str(s)).is_file())
+        if absent:
+            raise ValueError(f"{path}: shard {absent[0]} listed in {index.name} is missing; {WEIGHTS_FIX}")
     sd: dict[str, torch.Tensor] = {}
     for f in files:
-        sd.update(load_file(str(f)))
+        try:
+            sd.update(load_file(str(f)))
+        except SafetensorError as e:
+            why = (str(e).strip().splitlines() or [""])[0].removeprefix("Error while deserializing header: ")
+            raise ValueError(f"{f}: not a complete safetensors file ({why}); {WEIGHTS_FIX}") from e
+        except OSError as e:
+            raise ValueError(f"{f}: unreadable ({e.strerror or e}); {WEIGHTS_FIX}") from e
+    mismatch = f"{cfg_file} does not match the weights in {path}"
+    layers = {int(m.group(1)) for k in sd if (m := re.match(r"model\.layers\.(\d+)\.", k))}
+    if layers and max(layers) + 1 != cfg.num_layers:
+        raise ValueError(f"{mismatch}: num_hidden_layers is {cfg.num_layers} but the weights have {max(layers) + 1} "
+                         "layers; use the config.json the weights were saved with")
+    try:
+        state = hf_to_decoder_state(sd, cfg)
+    except KeyError as e:
+        raise ValueError(f"{mismatch}: no tensor {e.args[0]!r} in the weights; use the config.json the weights "
+                         "were saved with") from e
+    except RuntimeError as e:  # torch.cat of q/k/v or gate/up of different widths
+        raise ValueError(f"{mismatch}: {str(e).splitlines()[0]}; use the config.json the weights were saved "
+                         "with") from e
     with torch.device("meta"):
         model = Decoder(cfg)
-    state = {k: v.to(dtype) for k, v in hf_to_decoder_state(sd, cfg).items()}
+    own = model.state_dict()
+    for k, v in state.items():
+        if k in own and own[k].shape != v.shape:
+            raise ValueError(f"{mismatch}: {k} is {list(v.shape)} in the weights but config.json implies "
+                             f"{list(own[k].shape)}; use the config.json the weights were saved with")
+    state = {k: v.to(dtype) for k, v in state.items()}
     model.load_state_dict(state, strict=False, assign=True)
     if cfg.tie_embeddings:
         model.lm_head.weight = model.embed.weight
-    model.inv_freq = rope_inv_freq(cfg)
+    model.inv_freq = inv_freq
     missing = [n for n, p in model.named_parameters() if p.is_meta]
     if missing:
         raise ValueError(f"{path}: weights missing for {missing[:5]}")

@@ -127,8 +127,13 @@ def eos_ids(tokenizer, hf_dir: str | Path | None = None) -> list[int]:
         ids.append(int(tokenizer.eos_token_id))
     gen = Path(hf_dir) / "generation_config.json" if hf_dir is not None else None
     if gen is not None and gen.is_file():
-        e = json.loads(gen.read_text()).get("eos_token_id")
-        ids += [int(x) for x in (e if isinstance(e, list) else [e]) if x is not None]
+        try:
+            cfg = json.loads(gen.read_text())
+            e = cfg.get("eos_token_id") if isinstance(cfg, dict) else None
+            ids += [int(x) for x in (e if isinstance(e, list) else [e]) if x is not None]
+        except (ValueError, TypeError) as err:  # JSONDecodeError, UnicodeDecodeError, a non-integer id
+            raise HubError(f"{gen}: not a valid generation config ({_first_line(err)}); restore the model's "
+                           "generation_config.json or delete it") from err
     return list(dict.fromkeys(ids))
 
 
@@ -138,9 +143,12 @@ def validate_hf_dir(path: Path) -> Path:
     if not cfg.is_file():
         raise HubError(f"{path} has no config.json; pass an HF model directory, a .gguf file, or an alias ({_known()})")
     try:
-        mt = json.loads(cfg.read_text()).get("model_type")
+        raw = json.loads(cfg.read_text())
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise HubError(f"{cfg}: not valid JSON ({e})") from e
+        raise HubError(f"{cfg}: not valid JSON ({e}); restore the model's config.json") from e
+    if not isinstance(raw, dict):
+        raise HubError(f"{cfg}: holds a JSON {type(raw).__name__}, expected an object; restore the model's config.json")
+    mt = raw.get("model_type")
     if mt not in SUPPORTED_MODEL_TYPES:
         raise HubError(f"{cfg}: model_type {mt!r} is not supported; supported: {', '.join(SUPPORTED_MODEL_TYPES)}")
     if not any(path.glob("*.safetensors")):

@@ -17,13 +17,16 @@ from __future__ import annotations
 
 import json
 import os
+import pickle
 import re
 import shutil
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file, load_model, save_file, save_model
+from safetensors import SafetensorError
+from safetensors.torch import load_file, save_file, save_model
 
 STEP_RE = re.compile(r"^step_(\d{6,})$")
 
@@ -132,32 +135,131 @@ def resolve(path_or_latest: str | Path, out_dir: str | Path | None = None) -> Pa
     return ckpts[-1]
 
 
+# --- loading: every failure is one ValueError naming the checkpoint, the file and the fix ------------
+
+DAMAGED_FIX = "resume from an earlier step_* checkpoint of the run, or delete this one"
+MISMATCH_FIX = "load it with the run's own config (its config.yaml: model.name, draft.*, reuse.*)"
+
+
+def _damaged(path: Path, name: str, reason: str) -> ValueError:
+    return ValueError(f"checkpoint {path} is damaged ({name}: {reason}); {DAMAGED_FIX}")
+
+
+def _mismatch(path: Path, name: str, reason: str) -> ValueError:
+    return ValueError(f"checkpoint {path} does not fit this run ({name}: {reason}); {MISMATCH_FIX}")
+
+
+def _short(e: BaseException) -> str:
+    lines = str(e).strip().splitlines()
+    return lines[0] if lines else type(e).__name__
+
+
+def _read_safetensors(path: Path, name: str) -> dict[str, torch.Tensor]:
+    f = path / name
+    if not f.is_file():
+        raise _damaged(path, name, "missing")
+    try:
+        return load_file(str(f))
+    except SafetensorError as e:
+        why = _short(e).removeprefix("Error while deserializing header: ")
+        raise _damaged(path, name, f"not a complete safetensors file: {why}") from e
+    except OSError as e:
+        raise _damaged(path, name, f"unreadable: {e.strerror or _short(e)}") from e
+
+
+def _torch_load(path: Path, name: str) -> dict:
+    """``torch.load(weights_only=True)`` of a tensors-and-numbers dict. torch's own messages are never
+    passed on: they advise loading the file with ``weights_only=False``, i.e. unpickling untrusted data."""
+    f = path / name
+    if not f.is_file():
+        raise _damaged(path, name, "missing")
+    reason = None
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # e.g. "Detected pickle protocol 4": noise for a file we refuse anyway
+            obj = torch.load(f, weights_only=True)
+    except pickle.UnpicklingError:
+        reason = "not a file of tensors and numbers written by specroll; it was not unpickled"
+    except (RuntimeError, EOFError, ValueError, IndexError, AttributeError, TypeError):
+        reason = "truncated, or not a torch file written by specroll"
+    except OSError as e:
+        reason = f"unreadable: {e.strerror or type(e).__name__}"
+    if reason is not None:
+        raise _damaged(path, name, reason) from None
+    if not isinstance(obj, dict):
+        raise _damaged(path, name, f"holds a {type(obj).__name__}, not a state dict")
+    return obj
+
+
 def read_state(path: str | Path) -> Checkpoint:
     path = Path(path)
     f = path / "state.json"
     if not f.is_file():
         raise FileNotFoundError(f"{path} is not a checkpoint (no state.json)")
-    state = json.loads(f.read_text())
-    return Checkpoint(path=path, step=int(state["step"]), state=state)
+    try:
+        state = json.loads(f.read_text())
+    except json.JSONDecodeError as e:
+        raise _damaged(path, "state.json", f"not valid JSON: {e.msg} at line {e.lineno} column {e.colno}") from e
+    except UnicodeDecodeError as e:
+        raise _damaged(path, "state.json", "not UTF-8 text") from e
+    except OSError as e:
+        raise _damaged(path, "state.json", f"unreadable: {e.strerror or _short(e)}") from e
+    step = state.get("step") if isinstance(state, dict) else None
+    if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+        raise _damaged(path, "state.json", f"no integer 'step' (got {step!r})")
+    return Checkpoint(path=path, step=step, state=state)
+
+
+def _apply_model_weights(model, sd: dict[str, torch.Tensor], path: Path) -> None:
+    own = model.state_dict()
+    for k, v in sd.items():
+        if k in own and own[k].shape != v.shape:
+            raise _mismatch(path, "model.safetensors", f"{k} is {list(v.shape)} in the checkpoint but "
+                                                        f"{list(own[k].shape)} in the model")
+    missing, unexpected = model.load_state_dict(sd, strict=False)
+    bad = [m for m in missing if m != "lm_head.weight" or not model.cfg.tie_embeddings]
+    if bad or unexpected:
+        raise _mismatch(path, "model.safetensors", f"weights missing for {bad[:3]}, unexpected {list(unexpected)[:3]}")
 
 
 def load_model_weights(model, path: str | Path) -> None:
     """Load ``model.safetensors`` of a checkpoint into ``model`` (strict)."""
-    missing, unexpected = load_model(model, str(Path(path) / "model.safetensors"), strict=False)
-    bad = [m for m in missing if m != "lm_head.weight" or not model.cfg.tie_embeddings]
-    if bad or unexpected:
-        raise ValueError(f"{path}: checkpoint weights do not match the model (missing {bad[:3]}, "
-                         f"unexpected {list(unexpected)[:3]})")
+    path = Path(path)
+    _apply_model_weights(model, _read_safetensors(path, "model.safetensors"), path)
+
+
+def _check_rng(path: Path, rng: dict) -> None:
+    ref = torch.get_rng_state()
+    for k, v in rng.items():
+        if not (isinstance(v, torch.Tensor) and v.dtype == torch.uint8 and v.dim() == 1):
+            raise _damaged(path, "rng.pt", f"{k!r} is not a generator state")
+    if "torch" not in rng or rng["torch"].shape != ref.shape:
+        raise _damaged(path, "rng.pt", "no torch generator state of the expected size")
 
 
 def load_training_state(path: str | Path, *, model, optimizer, scheduler, drafter=None) -> tuple[Checkpoint, dict]:
-    """Restore weights, optimizer, scheduler (and drafter) from ``path``. Returns (info, rng dict)."""
+    """Restore weights, optimizer, scheduler (and drafter) from ``path``. Returns (info, rng dict).
+
+    Every file is read and checked before anything is restored, so a damaged checkpoint leaves the
+    model and optimizer untouched; each failure is a ``ValueError`` naming the checkpoint and file."""
     path = Path(path)
     info = read_state(path)
-    load_model_weights(model, path)
-    optimizer.load_state_dict(torch.load(path / "optimizer.pt", weights_only=True))
-    scheduler.load_state_dict(torch.load(path / "scheduler.pt", weights_only=True))
-    if drafter is not None and hasattr(drafter, "load_state_dict") and (path / "drafter.safetensors").is_file():
-        drafter.load_state_dict(load_file(str(path / "drafter.safetensors")))
-    rng = torch.load(path / "rng.pt", weights_only=True)
+    weights = _read_safetensors(path, "model.safetensors")
+    opt_sd = _torch_load(path, "optimizer.pt")
+    sched_sd = _torch_load(path, "scheduler.pt")
+    rng = _torch_load(path, "rng.pt")
+    _check_rng(path, rng)
+    wants_drafter = drafter is not None and hasattr(drafter, "load_state_dict")
+    drafter_sd = (_read_safetensors(path, "drafter.safetensors")
+                  if wants_drafter and (path / "drafter.safetensors").is_file() else None)
+    _apply_model_weights(model, weights, path)
+    for name, obj, sd in (("optimizer.pt", optimizer, opt_sd), ("scheduler.pt", scheduler, sched_sd),
+                          ("drafter.safetensors", drafter, drafter_sd)):
+        if sd is None:
+            continue
+        try:
+            obj.load_state_dict(sd)
+        except (ValueError, KeyError, IndexError, TypeError, RuntimeError, AttributeError) as e:
+            why = f"no entry {e.args[0]!r}" if isinstance(e, KeyError) and e.args else _short(e)
+            raise _mismatch(path, name, why) from e
     return info, rng

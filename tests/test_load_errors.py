@@ -1,0 +1,310 @@
+"""Damaged or inconsistent files on disk give one-line errors naming the file and the fix, never a traceback.
+
+Covers the loaders of training checkpoints (``rl/checkpoint.py``), draft heads (``drafters/eagle.load_head``,
+``draft.head=DIR``) and local HF model directories (``models/decoder.load_decoder``), through the CLI where
+that is cheap (tiny-llama) and directly otherwise."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from specroll.cli import main
+from specroll.rl import checkpoint as ckpt
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+TRAIN = ["model.name=tiny-llama", "rollout.max_new_tokens=4", "data.n_train=4", "data.n_eval=0",
+         "train.prompts_per_step=2", "rollout.G=2", "model.rollout_dtype=float32", "train.eval_before=false"]
+TORCH_ADVICE = ("weights_only", "arbitrary code", "Re-running")
+
+
+@pytest.fixture(autouse=True)
+def no_debug(monkeypatch):
+    monkeypatch.delenv("SPECROLL_DEBUG", raising=False)
+
+
+def cli_error(capsys, argv: list[str]) -> str:
+    """Run the CLI, expect exit code 2 and return its one error line."""
+    capsys.readouterr()
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    lines = [ln for ln in err.splitlines() if ln.startswith("specroll: error: ")]
+    assert len(lines) == 1, err
+    assert "Traceback" not in err
+    return lines[0]
+
+
+def truncate(f: Path, n: int = 100) -> None:
+    f.write_bytes(f.read_bytes()[:n])
+
+
+# --- training checkpoints ---------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def run_dir(tmp_path_factory):
+    """A tiny-llama run with one checkpoint, step_000001 (built once per module)."""
+    out = tmp_path_factory.mktemp("ckpt") / "run"
+    assert main(["train", "--preset", "quick", "--out", str(out), "train.steps=1", *TRAIN]) == 0
+    assert (out / "step_000001" / "state.json").is_file()
+    return out
+
+
+@pytest.fixture
+def run_copy(run_dir, tmp_path):
+    out = tmp_path / "run"
+    shutil.copytree(run_dir, out)
+    return out
+
+
+DAMAGE = {
+    "model.safetensors": lambda f: truncate(f),
+    "optimizer.pt": lambda f: f.write_bytes(b"garbage\n"),
+    "state.json": lambda f: f.write_text("{\n\n"),
+    "rng.pt": lambda f: truncate(f, 50),
+}
+
+
+@pytest.mark.parametrize("name", list(DAMAGE))
+def test_resume_from_a_damaged_checkpoint_names_the_file(run_copy, capsys, name):
+    step = run_copy / "step_000001"
+    DAMAGE[name](step / name)
+    line = cli_error(capsys, ["train", "--out", str(run_copy), "--resume", "latest", "train.steps=2"])
+    assert f"checkpoint {step} is damaged ({name}: " in line
+    assert "earlier step_* checkpoint" in line and "delete" in line
+    assert not any(a in line for a in TORCH_ADVICE)
+
+
+def test_damaged_state_json_says_why(run_copy, capsys):
+    step = run_copy / "step_000001"
+    (step / "state.json").write_text("{\n\n")
+    line = cli_error(capsys, ["train", "--out", str(run_copy), "--resume", "latest", "train.steps=2"])
+    assert "(state.json: not valid JSON: " in line and "line 3" in line
+
+
+def test_eval_of_a_truncated_checkpoint_names_the_file(run_copy, capsys):
+    step = run_copy / "step_000001"
+    truncate(step / "model.safetensors")
+    line = cli_error(capsys, ["eval", "--checkpoint", str(step), "data.n_eval=2"])
+    assert f"checkpoint {step} is damaged (model.safetensors: not a complete safetensors file" in line
+
+
+class _Evil:
+    def __reduce__(self):  # unpickling this calls print(...): a stand-in for arbitrary code
+        return (print, ("UNPICKLED-EVIL",))
+
+
+def _trainer_parts(seed: int = 0):
+    from helpers import tiny_decoder
+
+    model = tiny_decoder(32, seed)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda i: 1.0)
+    return model, opt, sched
+
+
+@pytest.fixture
+def small_ckpt(tmp_path):
+    model, opt, sched = _trainer_parts()
+    return ckpt.save_checkpoint(tmp_path, 3, model=model, optimizer=opt, scheduler=sched, state={},
+                                config_yaml="", rng=ckpt.rng_state())
+
+
+def test_a_pickled_object_is_refused_never_run(small_ckpt, capsys):
+    torch.save({"state": {}, "param_groups": [_Evil()]}, small_ckpt / "optimizer.pt")
+    model, opt, sched = _trainer_parts(1)
+    before = [p.detach().clone() for p in model.parameters()]
+    with pytest.raises(ValueError) as e:
+        ckpt.load_training_state(small_ckpt, model=model, optimizer=opt, scheduler=sched)
+    msg = str(e.value)
+    assert f"checkpoint {small_ckpt} is damaged (optimizer.pt: " in msg and "\n" not in msg
+    assert not any(a in msg for a in TORCH_ADVICE)
+    assert e.value.__cause__ is None and e.value.__suppress_context__  # torch's advice is not chained either
+    assert "UNPICKLED-EVIL" not in capsys.readouterr().out
+    # every file is checked before anything is restored: the model is untouched
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+
+
+@pytest.mark.parametrize("name", ["scheduler.pt", "rng.pt", "model.safetensors"])
+def test_a_missing_checkpoint_file_is_named(small_ckpt, name):
+    (small_ckpt / name).unlink()
+    model, opt, sched = _trainer_parts()
+    with pytest.raises(ValueError, match=rf"checkpoint .*step_000003 is damaged \({name}: missing\)"):
+        ckpt.load_training_state(small_ckpt, model=model, optimizer=opt, scheduler=sched)
+
+
+def test_state_json_without_a_step_is_named(small_ckpt):
+    (small_ckpt / "state.json").write_text('{"data_position": 3}')
+    with pytest.raises(ValueError, match=r"step_000003 is damaged \(state.json: no integer 'step'"):
+        ckpt.read_state(small_ckpt)
+
+
+def test_weights_of_another_model_are_a_one_line_mismatch(small_ckpt):
+    from helpers import tiny_decoder
+
+    other = tiny_decoder(48, 0)  # another vocabulary: the embedding's shape differs
+    with pytest.raises(ValueError) as e:
+        ckpt.load_model_weights(other, small_ckpt)
+    msg = str(e.value)
+    assert "does not fit this run (model.safetensors: embed.weight is [32, 32] in the checkpoint but [48, 32]" in msg
+    assert "config.yaml" in msg and "\n" not in msg
+
+
+# --- draft heads ----------------------------------------------------------------------------------
+
+@pytest.fixture
+def head_dir(tmp_path):
+    from helpers import tiny_decoder
+
+    from specroll.drafters.eagle import head_for, save_head
+
+    model = tiny_decoder(32, 0)
+    return save_head(head_for(model), tmp_path / "head"), model
+
+
+def _drop_policy(f: Path) -> None:
+    d = json.loads(f.read_text())
+    del d["policy"]
+    f.write_text(json.dumps(d))
+
+
+def _shrink_fc(f: Path) -> None:
+    from safetensors.torch import load_file, save_file
+
+    sd = load_file(str(f))
+    sd["fc.weight"] = sd["fc.weight"][:, :10].contiguous()
+    save_file(sd, str(f))
+
+
+HEAD_DAMAGE = {  # file -> (damage, expected text after "<file>: ")
+    "truncated weights": ("draft_head.safetensors", truncate, "not a complete safetensors file (invalid header length)"),
+    "open brace": ("draft_head.json", lambda f: f.write_text("{"), "not valid JSON"),
+    "no policy": ("draft_head.json", _drop_policy, "field 'policy'"),
+    "a list": ("draft_head.json", lambda f: f.write_text("[1]"), "holds a JSON list"),
+    "policy lacks keys": ("draft_head.json",
+                          lambda f: f.write_text(json.dumps({"format": "specroll-eagle-head/1", "policy": {}})),
+                          "field 'policy' has missing ["),
+    "wrong shapes": ("draft_head.safetensors", _shrink_fc, "does not match draft_head.json (fc.weight is [32, 10]"),
+}
+
+
+@pytest.mark.parametrize("case", list(HEAD_DAMAGE))
+def test_load_head_names_the_damaged_file(head_dir, case):
+    from specroll.drafters.eagle import load_head
+
+    d, model = head_dir
+    name, damage, expected = HEAD_DAMAGE[case]
+    damage(d / name)
+    with pytest.raises(ValueError) as e:
+        load_head(d, model)
+    msg = str(e.value)
+    assert type(e.value) is ValueError and "\n" not in msg
+    assert msg.startswith(f"{d / name}: {expected}")
+    assert "specroll draft train" in msg
+
+
+@pytest.mark.parametrize("case", ["open brace", "no policy", "truncated weights"])
+def test_draft_head_setting_names_the_setting_and_the_file(head_dir, case):
+    from specroll.config import load_config
+    from specroll.drafters.build import build_spec_drafter
+
+    d, model = head_dir
+    name, damage, expected = HEAD_DAMAGE[case]
+    damage(d / name)
+    cfg = load_config(overrides=[f"draft.head={d}", "draft.plan=static"])
+    with pytest.raises(ValueError) as e:
+        build_spec_drafter(cfg, model)
+    assert type(e.value) is ValueError
+    assert str(e.value).startswith(f"draft.head={d}: {d / name}: {expected}")
+
+
+def test_train_with_a_damaged_draft_head_is_one_line(head_dir, tmp_path, capsys):
+    d, _ = head_dir
+    (d / "draft_head.json").write_text("{")
+    line = cli_error(capsys, ["train", "--preset", "quick", "--out", str(tmp_path / "run"), "train.steps=1", *TRAIN,
+                              f"draft.head={d}", "draft.plan=static"])
+    assert f"draft.head={d}: {d / 'draft_head.json'}: not valid JSON" in line
+
+
+# --- local model directories ----------------------------------------------------------------------
+
+@pytest.fixture
+def model_dir(tmp_path):
+    from specroll.models import hub
+
+    d = tmp_path / "model"
+    shutil.copytree(hub.resolve("tiny-llama", quiet=True), d)
+    (d / hub.MARKER).unlink()  # a plain local HF directory, not a cache entry
+    return d
+
+
+def _edit_config(d: Path, **changes) -> None:
+    cfg = json.loads((d / "config.json").read_text())
+    for k, v in changes.items():
+        if v is None:
+            cfg.pop(k)
+        else:
+            cfg[k] = v
+    (d / "config.json").write_text(json.dumps(cfg))
+
+
+def test_generate_with_truncated_weights_names_the_file(model_dir, capsys):
+    truncate(model_dir / "model.safetensors", 1000)
+    line = cli_error(capsys, ["generate", "--model", str(model_dir), "--prompt", "hi", "--max-new-tokens", "2"])
+    assert f"{model_dir / 'model.safetensors'}: not a complete safetensors file" in line
+    assert "download the model again" in line
+
+
+def test_generate_with_a_config_missing_keys_names_them(model_dir, capsys):
+    _edit_config(model_dir, num_attention_heads=None)
+    line = cli_error(capsys, ["generate", "--model", str(model_dir), "--prompt", "hi", "--max-new-tokens", "2"])
+    assert f"{model_dir / 'config.json'}: missing num_attention_heads" in line
+
+
+@pytest.mark.parametrize("changes, expected", [
+    ({"intermediate_size": 96}, "layers.0.gate_up.weight is [256, 64] in the weights but config.json implies [192, 64]"),
+    ({"num_hidden_layers": 3}, "num_hidden_layers is 3 but the weights have 2 layers"),
+    ({"num_hidden_layers": 1}, "num_hidden_layers is 1 but the weights have 2 layers"),
+])
+def test_a_config_that_does_not_match_the_weights_is_named(model_dir, changes, expected):
+    from specroll.models.decoder import load_decoder
+
+    _edit_config(model_dir, **changes)
+    with pytest.raises(ValueError) as e:
+        load_decoder(model_dir)
+    msg = str(e.value)
+    assert msg.startswith(f"{model_dir / 'config.json'} does not match the weights in {model_dir}: {expected}")
+    assert "\n" not in msg
+
+
+def test_generate_with_a_mismatched_config_is_one_line(model_dir, capsys):
+    _edit_config(model_dir, intermediate_size=96)
+    line = cli_error(capsys, ["generate", "--model", str(model_dir), "--prompt", "hi", "--max-new-tokens", "2"])
+    assert f"{model_dir / 'config.json'} does not match the weights" in line
+
+
+def test_a_damaged_generation_config_is_named(model_dir):
+    from specroll.models import hub
+
+    (model_dir / "generation_config.json").write_text("{")
+    with pytest.raises(hub.HubError, match=r"generation_config.json: not a valid generation config"):
+        hub.eos_ids(None, model_dir)
+
+
+def test_a_missing_shard_is_named(model_dir):
+    from safetensors.torch import load_file, save_file
+
+    from specroll.models.decoder import load_decoder
+
+    sd = load_file(str(model_dir / "model.safetensors"))
+    shard = "model-00002-of-00002.safetensors"  # layer 1's tensors: listed in the index, the file is gone
+    weight_map = {k: shard if ".layers.1." in k else "model.safetensors" for k in sd}
+    save_file({k: v for k, v in sd.items() if weight_map[k] != shard}, str(model_dir / "model.safetensors"))
+    (model_dir / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    with pytest.raises(ValueError, match=rf"^{model_dir}: shard {shard} listed in model.safetensors.index.json is "
+                                         "missing; download the model again"):
+        load_decoder(model_dir)
