@@ -321,5 +321,8 @@ def main(argv: list[str] | None = None) -> int:
     return int(rc or 0)
 
 
-if __name__ == "__main__":
-    sys.exit(main())
+if __name__ == "__main__":  # `python -m specroll.cli`: run the imported module's main, whose CliError the
+    # rest of the package raises (this file as __main__ is a second module with classes of its own)
+    from specroll.cli import main as _main
+
+    sys.exit(_main())

@@ -308,3 +308,17 @@ def test_a_missing_shard_is_named(model_dir):
     with pytest.raises(ValueError, match=rf"^{model_dir}: shard {shard} listed in model.safetensors.index.json is "
                                          "missing; download the model again"):
         load_decoder(model_dir)
+
+
+@pytest.mark.parametrize("module", ["specroll", "specroll.cli"])
+def test_python_dash_m_errors_are_one_line(module):
+    """`python -m specroll.cli` runs cli.py as __main__, a second module whose CliError the package's raises
+    would not match; both entry points must still print one line."""
+    import os
+    import subprocess
+    import sys
+
+    r = subprocess.run([sys.executable, "-m", module, "models", "pull", "no-such-model"], capture_output=True,
+                       text=True, timeout=120, env={**os.environ, "SPECROLL_DEBUG": ""})
+    assert r.returncode == 2, r.stderr
+    assert r.stderr.startswith("specroll: error: unknown model 'no-such-model'") and "Traceback" not in r.stderr

@@ -138,3 +138,23 @@ def test_resuming_into_another_runs_directory_is_refused(tmp_path, capsys, no_mo
     for out in (tmp_path / "new", a):
         with pytest.raises(ModelLoaded):
             main(["train", "--resume", str(a / "step_000002"), "--out", str(out)])
+
+
+def test_saving_a_checkpoint_never_prunes_it(tmp_path):
+    """keep_last keeps the highest step numbers; the checkpoint just written survives even when later steps
+    (of another run) are in the directory."""
+    import torch
+    from helpers import tiny_decoder
+
+    model = tiny_decoder(16, 0)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
+    save = lambda step: ckpt.save_checkpoint(tmp_path, step, model=model, optimizer=opt, scheduler=sched,  # noqa: E731
+                                             state={}, config_yaml="", rng={}, keep_last=2)
+    for step in (5, 6):
+        save(step)
+    new = save(2)
+    assert [p.name for p in ckpt.list_checkpoints(tmp_path)] == ["step_000002", "step_000005", "step_000006"]
+    assert ckpt.read_state(new).step == 2
+    save(7)  # the next save prunes as usual (step 7 is among the two highest anyway)
+    assert [p.name for p in ckpt.list_checkpoints(tmp_path)] == ["step_000006", "step_000007"]

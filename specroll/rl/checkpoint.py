@@ -1,8 +1,9 @@
 """Training checkpoints: atomic, self-describing, safe to load.
 
 A checkpoint is a directory ``<out_dir>/step_<NNNNNN>/`` holding:
-- ``model.safetensors``: the decoder's weights (tied embeddings stored once), plus
-  ``decoder_config.json`` so the weights can be rebuilt without the original model;
+- ``model.safetensors``: the decoder's weights in specroll's fused layout (tied embeddings stored
+  once), plus ``decoder_config.json``, the architecture they belong to (``specroll export`` writes a
+  checkpoint as a Hugging Face model directory, with the base model's config and tokenizer);
 - ``optimizer.pt`` / ``scheduler.pt`` / ``rng.pt``: tensors-and-numbers dicts, loaded with
   ``torch.load(weights_only=True)`` (no pickle of arbitrary objects);
 - ``drafter.safetensors`` when the drafter has a ``state_dict()``;
@@ -97,7 +98,7 @@ def save_checkpoint(out_dir: str | Path, step: int, *, model, optimizer, schedul
     else:
         os.replace(tmp, final)
     _fsync_dir(out_dir)
-    prune(out_dir, keep_last)
+    prune(out_dir, keep_last, keep=final)
     return final
 
 
@@ -114,9 +115,12 @@ def list_checkpoints(out_dir: str | Path) -> list[Path]:
     return [p for _, p in sorted(found)]
 
 
-def prune(out_dir: str | Path, keep_last: int) -> None:
+def prune(out_dir: str | Path, keep_last: int, keep: Path | None = None) -> None:
+    """Delete all but the ``keep_last`` highest-numbered checkpoints, never ``keep`` (the one just saved: in a
+    directory that also holds later steps of another run it would otherwise go first)."""
     for p in list_checkpoints(out_dir)[:-keep_last] if keep_last > 0 else []:
-        shutil.rmtree(p, ignore_errors=True)
+        if keep is None or p.resolve() != Path(keep).resolve():
+            shutil.rmtree(p, ignore_errors=True)
 
 
 def resolve(path_or_latest: str | Path, out_dir: str | Path | None = None) -> Path:

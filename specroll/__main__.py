@@ -1,0 +1,7 @@
+"""`python -m specroll ...` == `specroll ...`."""
+
+import sys
+
+from specroll.cli import main
+
+sys.exit(main())
