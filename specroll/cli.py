@@ -114,8 +114,9 @@ def _draft(sub):
     s = p.add_subparsers(dest="draft_cmd", required=True)
     t = s.add_parser("train", help="self-distil a draft head from the policy's own generations")
     t.add_argument("--model", default="smollm2-135m")
-    t.add_argument("--data", default=None, help="JSONL/JSON/CSV/Parquet with a question column "
-                   "(default: the built-in arithmetic prompts)")
+    t.add_argument("--data", default=None, help="JSONL/JSON/CSV/Parquet with a question column, a string or a "
+                   "chat (no answers needed; rows in a seeded order, --prompts caps them; default: the built-in "
+                   "arithmetic prompts)")
     t.add_argument("--prompts", type=int, default=64, help="training prompts (with --data: 0 = every row)")
     t.add_argument("-n", type=int, default=4, help="generations per prompt")
     t.add_argument("--max-new-tokens", type=int, default=128)

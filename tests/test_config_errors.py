@@ -213,10 +213,11 @@ def test_draft_train_prompts_and_data_errors_speak_of_its_options(tmp_path):
     rows = [{"question": f"What is {i} + 1?", "answer": f"It is {i} + 1.\n#### {i + 1}"} for i in range(70)]
     rows += [{"question": "What is 0 + 0?"}]
     ex, _ = distill._examples(_draft_args(data=_jsonl(tmp_path / "gsm.jsonl", rows), prompts=0))
-    assert len(ex) == 71 - 64 and all(isinstance(x["question"], str) for x in ex)
-    with pytest.raises(DataError) as e:
-        distill._examples(_draft_args(data=_jsonl(tmp_path / "small.jsonl", rows[:3])))
-    assert "data." not in str(e.value) and "needs more than 64 usable rows in --data" in str(e.value)
+    assert len(ex) == 71 and all(isinstance(x["question"], str) for x in ex)  # every row: none held out
+    assert sorted(x["question"] for x in ex) == sorted(r["question"] for r in rows)
+    small, _ = distill._examples(_draft_args(data=_jsonl(tmp_path / "small.jsonl", rows[:3])))  # a small file works
+    assert sorted(x["question"] for x in small) == sorted(r["question"] for r in rows[:3])
+    assert len(distill._examples(_draft_args(data=str(tmp_path / "gsm.jsonl"), prompts=5))[0]) == 5
     with pytest.raises(DataError) as e:
         distill._examples(_draft_args(data=_jsonl(tmp_path / "col.jsonl", [{"q": "x"}])))
     assert "data." not in str(e.value) and "rename one to 'question'" in str(e.value)

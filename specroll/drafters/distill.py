@@ -530,8 +530,6 @@ def _for_draft_train(msg: str) -> str:
          f"(`specroll draft train` reads the column 'question', else the first of {alts}: rename one to 'question')"),
     ):
         msg = msg.replace(old, new)
-    msg = re.sub(r"data\.n_eval=(\d+) leaves none for training; lower data\.n_eval or set data\.eval_path",
-                 r"`specroll draft train` holds out \1 rows and needs more than \1 usable rows in --data", msg)
     return re.sub(r"data\.max_prompt_tokens=(\d+); raise it or shorten data\.system_prompt",
                   r"\1 tokens, the prompt limit of `specroll draft train`; use shorter questions in --data", msg)
 
@@ -547,7 +545,9 @@ def _examples(args) -> tuple[list[dict], object]:
         raise CliError(f"--prompts must be >= 1 (the number of built-in arithmetic prompts), got {args.prompts}")
     try:
         if args.data:
-            cfg = DataConfig(task="file", path=args.data, n_train=args.prompts, seed=args.seed)
+            # n_eval=0: no rows held out of the file (`draft train` scores a held-out share of its own, by
+            # prompt key: --eval-frac); the file's rows in the seeded order of ``load_examples``
+            cfg = DataConfig(task="file", path=args.data, n_train=args.prompts, n_eval=0, seed=args.seed)
         else:
             cfg = DataConfig(task="arithmetic", n_train=args.prompts, seed=args.seed)
         return load_examples(cfg, "train", answers=False), cfg  # prompts only: answers are not needed
