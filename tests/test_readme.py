@@ -1,0 +1,98 @@
+"""The README stays true: every `specroll ...` command it shows exists with the options it shows, every dotted
+config key it names (`section.key`) is a real key, and every file path it links is in the repository."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import re
+from pathlib import Path
+
+import pytest
+
+from specroll.cli import build_parser
+from specroll.config import SECTIONS
+
+ROOT = Path(__file__).resolve().parents[1]
+README = (ROOT / "README.md").read_text()
+
+
+def _code() -> list[str]:
+    """Inline code spans and the lines of fenced blocks (where commands and keys are written)."""
+    blocks = re.findall(r"```[a-z]*\n(.*?)```", README, flags=re.S)
+    spans = re.findall(r"`([^`\n]+)`", re.sub(r"```.*?```", "", README, flags=re.S))
+    return [line for b in blocks for line in b.splitlines()] + spans
+
+
+def _commands() -> list[list[str]]:
+    """Each shown command as words, table alternatives (``a\\|b``) expanded, comments and brackets dropped."""
+    out = []
+    for text in _code():
+        text = text.split("#")[0].replace("\\|", "|")
+        if not text.strip().startswith("specroll "):
+            continue
+        words = re.sub(r"[\[\]]", " ", text).split()[1:]
+        out.append(words)
+    return out
+
+
+def _sub(parser: argparse.ArgumentParser) -> dict[str, argparse.ArgumentParser]:
+    for a in parser._actions:
+        if isinstance(a, argparse._SubParsersAction):
+            return dict(a.choices)
+    return {}
+
+
+def _resolve(words: list[str]) -> list[tuple[str, argparse.ArgumentParser, list[str]]]:
+    """(command path, its parser, the rest of the words) for every alternative the words spell."""
+    todo, found = [("specroll", build_parser(), words)], []
+    while todo:
+        path, p, rest = todo.pop()
+        subs = _sub(p)
+        if subs and rest:
+            names = rest[0].split("|")
+            assert all(n in subs for n in names), f"README: `{path} {rest[0]}`: no such command (have {sorted(subs)})"
+            todo += [(f"{path} {n}", subs[n], rest[1:]) for n in names]
+        else:
+            found.append((path, p, rest))
+    return found
+
+
+def test_readme_shows_commands():
+    assert len(_commands()) >= 15  # the test below has something to check
+
+
+@pytest.mark.parametrize("words", _commands(), ids=lambda w: " ".join(w)[:60])
+def test_every_command_and_option_the_readme_shows_exists(words):
+    for path, parser, rest in _resolve(words):
+        options = set(parser._option_string_actions)
+        for w in rest:
+            if w.startswith("-") and not re.fullmatch(r"-?\d[\d.,e-]*", w):
+                flag = w.split("=")[0].rstrip(".,;:)")
+                assert flag in options, f"README: `{path}` has no option {flag} (has {sorted(options)})"
+
+
+def test_every_config_key_the_readme_names_exists():
+    keys = {f"{s}.{f.name}" for s, cls in SECTIONS.items() for f in dataclasses.fields(cls)}
+    key = re.compile(r"(?<![\w/.])(" + "|".join(SECTIONS) + r")\.([A-Za-z_0-9]+)\b(?!\.\w)")  # not a path
+    named = {m for text in _code() for m in key.findall(text)}
+    assert len(named) >= 10
+    missing = sorted(f"{s}.{k}" for s, k in named if f"{s}.{k}" not in keys)
+    assert not missing, f"README names config keys that do not exist: {missing}"
+
+
+def test_every_linked_repository_file_exists():
+    links = re.findall(r"\]\((?!https?://|#)([^)\s]+)\)", README)
+    missing = [link for link in links if not (ROOT / link.split("#")[0]).exists()]
+    assert not missing, f"README links files that are not in the repository: {missing}"
+
+
+def test_every_repository_path_the_readme_shows_exists():
+    """Paths written as code (`specroll/kernels/draft.cpp`, `configs/*.yaml`) exist; none points outside."""
+    paths = [s.strip() for s in _code() if re.fullmatch(r"(\.\./|configs/|scripts/|specroll/|benchmarks/|tests/)[\w.*/-]*",
+                                                        s.strip())]
+    assert len(paths) >= 5
+    outside = [p for p in paths if p.startswith("../")]
+    assert not outside, f"README points outside the repository: {outside}"
+    missing = [p for p in paths if not list(ROOT.glob(p))]
+    assert not missing, f"README shows paths that are not in the repository: {missing}"
