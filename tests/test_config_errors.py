@@ -243,3 +243,18 @@ def test_eval_with_no_eval_problems_fails_before_the_model_loads(monkeypatch, ca
     monkeypatch.setattr(run, "load_policy", no_model)
     assert main(["eval", "--model", "tiny-llama", "data.n_eval=0"]) == 2
     assert "data.n_eval=0 selects no eval problems: set data.n_eval >= 1" in capsys.readouterr().err
+
+
+def test_prompt_length_advice_speaks_of_the_command_that_read_the_data():
+    from specroll.drafters import distill
+    from specroll.models import hub
+
+    tok = hub.load("tiny-llama")[1]
+    ex = [{"question": "What is " + "1 + " * 40 + "1?"}]
+    cfg = DataConfig(max_prompt_tokens=8)
+    with pytest.raises(DataError, match=r"longer than data\.max_prompt_tokens=8; raise it or shorten data\.system"):
+        build_prompts(ex, tok, cfg)
+    with pytest.raises(DataError) as e:
+        build_prompts(ex, tok, cfg, distill._advice())
+    assert "longer than 8 tokens, the prompt limit of `specroll draft train`" in str(e.value)
+    assert "data." not in str(e.value)

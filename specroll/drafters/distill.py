@@ -514,56 +514,41 @@ _DATA_FORMAT_1 = "specroll-distill-data/1"  # no prompt lengths: read with the p
 
 # --- CLI -----------------------------------------------------------------------------------------
 
-def _for_draft_train(msg: str) -> str:
-    """A data error's advice in terms of `specroll draft train`, whose data options are --data and
-    --prompts (the ``data.*`` keys the message names belong to `specroll train`)."""
-    import re
-
-    from ..rl.data import QUESTION_ALIASES
+def _advice():
+    """Data errors in the terms of `specroll draft train`, whose data options are --data and --prompts."""
+    from ..rl.data import QUESTION_ALIASES, Advice
 
     alts = ", ".join(a for a in QUESTION_ALIASES if a != "question")
-    for old, new in (
-        ("fix or delete the line, or set data.skip_bad_rows=true", "fix or delete the line"),
-        ("fix them or set data.skip_bad_rows=true", "fix or delete them"),
-        ("(check data.path / data.eval_path)", "(check --data)"),
-        ("(set data.question_field to one of them)",
-         f"(`specroll draft train` reads the column 'question', else the first of {alts}: rename one to 'question')"),
-    ):
-        msg = msg.replace(old, new)
-    return re.sub(r"data\.max_prompt_tokens=(\d+); raise it or shorten data\.system_prompt",
-                  r"\1 tokens, the prompt limit of `specroll draft train`; use shorter questions in --data", msg)
+    return Advice(bad_line="fix or delete the line", bad_rows="fix or delete them", where="check --data",
+                  column=f"`specroll draft train` reads the column 'question', else the first of {alts}: "
+                         "rename one to 'question'",
+                  too_long="longer than {n} tokens, the prompt limit of `specroll draft train`; use shorter "
+                           "questions in --data")
 
 
 def _examples(args) -> tuple[list[dict], object]:
     """The training examples and their ``DataConfig`` for --data / --prompts (before any model loads)."""
     from ..cli import CliError
-    from ..rl.data import DataConfig, DataError, load_examples
+    from ..rl.data import DataConfig, load_examples
 
     if args.data and args.prompts < 0:
         raise CliError(f"--prompts must be >= 0 (0 = every row of --data), got {args.prompts}")
     if not args.data and args.prompts < 1:
         raise CliError(f"--prompts must be >= 1 (the number of built-in arithmetic prompts), got {args.prompts}")
-    try:
-        if args.data:
-            # n_eval=0: no rows held out of the file (`draft train` scores a held-out share of its own, by
-            # prompt key: --eval-frac); the file's rows in the seeded order of ``load_examples``
-            cfg = DataConfig(task="file", path=args.data, n_train=args.prompts, n_eval=0, seed=args.seed)
-        else:
-            cfg = DataConfig(task="arithmetic", n_train=args.prompts, seed=args.seed)
-        return load_examples(cfg, "train", answers=False), cfg  # prompts only: answers are not needed
-    except DataError as e:
-        raise DataError(_for_draft_train(str(e))) from None
+    if args.data:
+        # n_eval=0: no rows held out of the file (`draft train` scores a held-out share of its own, by
+        # prompt key: --eval-frac); the file's rows in the seeded order of ``load_examples``
+        cfg = DataConfig(task="file", path=args.data, n_train=args.prompts, n_eval=0, seed=args.seed)
+    else:
+        cfg = DataConfig(task="arithmetic", n_train=args.prompts, seed=args.seed)
+    return load_examples(cfg, "train", answers=False, advice=_advice()), cfg  # prompts only: no answers needed
 
 
 def _prompts(args, tokenizer, loaded=None) -> list[list[int]]:
-    from ..rl.data import DataError, build_prompts
+    from ..rl.data import build_prompts
 
     examples, cfg = loaded if loaded is not None else _examples(args)
-    try:
-        ids, _, _ = build_prompts(examples, tokenizer, cfg)
-    except DataError as e:
-        raise DataError(_for_draft_train(str(e))) from None
-    return ids
+    return build_prompts(examples, tokenizer, cfg, _advice())[0]
 
 
 def cli(args) -> int:

@@ -40,6 +40,22 @@ class DataError(ValueError):
     """A dataset problem; the message is one line naming the file / line / field and the fix."""
 
 
+@dataclass(frozen=True)
+class Advice:
+    """The fixes data errors suggest, in the terms of the command that read the data: by default
+    `specroll train`'s ``data.*`` keys; `specroll draft train` passes its own (--data, --prompts).
+    ``column`` is formatted with the column's ``role``, ``too_long`` with the prompt limit ``n``."""
+
+    bad_line: str = "fix or delete the line, or set data.skip_bad_rows=true"
+    bad_rows: str = "fix them or set data.skip_bad_rows=true"
+    where: str = "check data.path / data.eval_path"
+    column: str = "set data.{role}_field to one of them"
+    too_long: str = "longer than data.max_prompt_tokens={n}; raise it or shorten data.system_prompt"
+
+
+TRAIN_ADVICE = Advice()
+
+
 DEFAULT_SYSTEM_PROMPT = "Answer the math question. End your reply with the final answer as a single number."
 ANSWER_FORMATS = ("plain", "gsm8k", "boxed", "auto")
 QUESTION_ALIASES = ("question", "problem", "prompt", "query", "input", "instruction")
@@ -243,7 +259,7 @@ def _read_text(path: Path) -> str:
         raise DataError(f"{path}:{line}: not UTF-8 text (byte 0x{raw[e.start]:02x}); save the file as UTF-8") from None
 
 
-def _read_jsonl(path: Path, skip: bool) -> tuple[list[tuple[int, dict]], list[str]]:
+def _read_jsonl(path: Path, skip: bool, advice: Advice = TRAIN_ADVICE) -> tuple[list[tuple[int, dict]], list[str]]:
     rows, bad = [], []
     with io.StringIO(_read_text(path), newline=None) as f:  # lines as a text-mode file splits them
         for ln, line in enumerate(f, 1):
@@ -256,7 +272,7 @@ def _read_jsonl(path: Path, skip: bool) -> tuple[list[tuple[int, dict]], list[st
             except ValueError as e:
                 msg = f"{path}:{ln}: not a JSON object ({str(e).splitlines()[0]})"
                 if not skip:
-                    raise DataError(msg + "; fix or delete the line, or set data.skip_bad_rows=true") from None
+                    raise DataError(f"{msg}; {advice.bad_line}") from None
                 bad.append(msg)
                 continue
             rows.append((ln, obj))
@@ -296,18 +312,18 @@ def _read_parquet(path: Path) -> list[tuple[int, dict]]:
     return [(i + 1, r) for i, r in enumerate(table.to_pylist())]
 
 
-def read_rows(path: str | Path, skip_bad_rows: bool = False) -> list[tuple[int, dict]]:
+def read_rows(path: str | Path, skip_bad_rows: bool = False, advice: Advice = TRAIN_ADVICE) -> list[tuple[int, dict]]:
     """All rows of a data file as (line or row number, dict)."""
     p = Path(path)
     if p.is_dir():
         raise DataError(f"data file {str(path)!r} is a directory, not a .jsonl, .json, .csv or .parquet file "
-                        "(check data.path / data.eval_path)")
+                        f"({advice.where})")
     if not p.is_file():
-        raise DataError(f"data file {str(path)!r} does not exist (check data.path / data.eval_path)")
+        raise DataError(f"data file {str(path)!r} does not exist ({advice.where})")
     suffix = p.suffix.lower()
     bad: list[str] = []
     if suffix in (".jsonl", ".ndjson"):
-        rows, bad = _read_jsonl(p, skip_bad_rows)
+        rows, bad = _read_jsonl(p, skip_bad_rows, advice)
     elif suffix == ".json":
         rows = _read_json(p)
     elif suffix == ".csv":
@@ -321,7 +337,8 @@ def read_rows(path: str | Path, skip_bad_rows: bool = False) -> list[tuple[int, 
     return rows
 
 
-def _pick_field(want: str, default: str, aliases: tuple[str, ...], columns: set[str], path, role: str) -> str:
+def _pick_field(want: str, default: str, aliases: tuple[str, ...], columns: set[str], path, role: str,
+                advice: Advice = TRAIN_ADVICE) -> str:
     if want in columns:
         return want
     if want == default:  # the user kept the default name: look for an obvious alternative
@@ -330,7 +347,7 @@ def _pick_field(want: str, default: str, aliases: tuple[str, ...], columns: set[
                 return alt
     raise DataError(
         f"{path}: no {role} column {want!r}; the file has columns {sorted(columns)} "
-        f"(set data.{role}_field to one of them)"
+        f"({advice.column.format(role=role)})"
     )
 
 
@@ -350,12 +367,12 @@ def final_of(value, fmt: str) -> str | None:
     return s or None
 
 
-def _convert(rows, path, cfg: DataConfig, answers: bool = True) -> list[dict]:
+def _convert(rows, path, cfg: DataConfig, answers: bool = True, advice: Advice = TRAIN_ADVICE) -> list[dict]:
     if not rows:
         raise DataError(f"{path}: the file has no rows")
     columns = set().union(*(r.keys() for _, r in rows))
-    qf = _pick_field(cfg.question_field, "question", QUESTION_ALIASES, columns, path, "question")
-    af = _pick_field(cfg.answer_field, "answer", ANSWER_ALIASES, columns, path, "answer") if answers else None
+    qf = _pick_field(cfg.question_field, "question", QUESTION_ALIASES, columns, path, "question", advice)
+    af = _pick_field(cfg.answer_field, "answer", ANSWER_ALIASES, columns, path, "answer", advice) if answers else None
     out, bad = [], []
     for ln, row in rows:
         msg = _row_problem(row, qf, af, cfg.answer_format)
@@ -375,7 +392,7 @@ def _convert(rows, path, cfg: DataConfig, answers: bool = True) -> list[dict]:
         out.append(ex)
     if bad and not cfg.skip_bad_rows:
         more = ("the same holds for every row" if len(bad) == len(rows) else
-                f"{len(bad)} bad row(s) in all; fix them or set data.skip_bad_rows=true")
+                f"{len(bad)} bad row(s) in all; {advice.bad_rows}")
         raise DataError(f"{bad[0]} ({more})")
     if bad:
         logger.warning("skipped %d bad row(s) in %s (first: %s)", len(bad), path, bad[0])
@@ -446,18 +463,18 @@ def _holdout(examples: list[dict], cfg: DataConfig, path) -> tuple[list[dict], l
     return [examples[i] for i in perm[n_eval:]], [examples[i] for i in perm[:n_eval]]
 
 
-def load_examples(cfg: DataConfig, split: str, answers: bool = True) -> list[dict]:
+def load_examples(cfg: DataConfig, split: str, answers: bool = True, advice: Advice = TRAIN_ADVICE) -> list[dict]:
     """Examples of ``split`` ("train" | "eval") for ``cfg``. ``answers=False`` (prompts only, e.g. for
     distilling a draft head): a file needs no answer column and its answers are not checked (each
-    example keeps its row's ``answer`` as it is, None if the row has none)."""
+    example keeps its row's ``answer`` as it is, None if the row has none). ``advice``: see ``Advice``."""
     if split not in _SPLITS:
         raise DataError(f"split must be 'train' or 'eval', got {split!r}")
     if cfg.task == "arithmetic":
         return arithmetic(split, cfg.n_train if split == "train" else cfg.n_eval, cfg.level, cfg.seed)
     if cfg.eval_path and split == "eval":
-        ev = _convert(read_rows(cfg.eval_path, cfg.skip_bad_rows), cfg.eval_path, cfg, answers)
+        ev = _convert(read_rows(cfg.eval_path, cfg.skip_bad_rows, advice), cfg.eval_path, cfg, answers, advice)
         return ev[: cfg.n_eval] if cfg.n_eval else ev  # n_eval caps an eval file (0 = all of it)
-    rows = _convert(read_rows(cfg.path, cfg.skip_bad_rows), cfg.path, cfg, answers)
+    rows = _convert(read_rows(cfg.path, cfg.skip_bad_rows, advice), cfg.path, cfg, answers, advice)
     if cfg.eval_path:
         train = rows
     else:
@@ -492,7 +509,8 @@ def prompt_text(question: str | list[dict], tokenizer, system_prompt: str | None
     return "\n\n".join(m["content"] for m in messages) + "\n"
 
 
-def build_prompts(examples: list[dict], tokenizer, cfg: DataConfig) -> tuple[list[list[int]], list[dict], int]:
+def build_prompts(examples: list[dict], tokenizer, cfg: DataConfig, advice: Advice = TRAIN_ADVICE
+                  ) -> tuple[list[list[int]], list[dict], int]:
     """Token ids of each example's prompt. Returns (kept prompt ids, kept examples, number dropped for
     exceeding ``cfg.max_prompt_tokens``). Questions are strings or chats (see ``prompt_text``)."""
     if not examples:
@@ -509,7 +527,6 @@ def build_prompts(examples: list[dict], tokenizer, cfg: DataConfig) -> tuple[lis
     dropped = len(examples) - len(kept)
     if not kept:
         raise DataError(
-            f"all {len(examples)} prompts are longer than data.max_prompt_tokens={cfg.max_prompt_tokens}; "
-            "raise it or shorten data.system_prompt"
+            f"all {len(examples)} prompts are {advice.too_long.format(n=cfg.max_prompt_tokens)}"
         )
     return ids_out, kept, dropped
