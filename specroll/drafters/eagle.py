@@ -58,9 +58,11 @@ from ..models.decoder import (
     DecoderConfig,
     FastLinear,
     RMSNorm,
+    UnreadableWeights,
     bf16_weights,
     bf16_weights_on,
     fold_mask,
+    read_safetensors,
     rope_inv_freq,
     rope_tables,
 )
@@ -192,16 +194,10 @@ def _read_head_config(cfg_file: Path) -> tuple[dict, DecoderConfig]:
 
 
 def _read_head_weights(w_file: Path, cfg_file: Path, cfg: DecoderConfig) -> DraftHead:
-    from safetensors import SafetensorError
-    from safetensors.torch import load_file
-
     try:
-        sd = load_file(str(w_file))
-    except SafetensorError as e:
-        why = (str(e).strip().splitlines() or [""])[0].removeprefix("Error while deserializing header: ")
-        raise _head_error(w_file, f"not a complete safetensors file ({why})") from e
-    except OSError as e:
-        raise _head_error(w_file, f"unreadable ({e.strerror or e})") from e
+        sd = read_safetensors(w_file)
+    except UnreadableWeights as e:
+        raise _head_error(w_file, str(e)) from e
     ids = sd.get("vocab_ids")
     if ids is None or ids.dim() != 1 or ids.dtype.is_floating_point or ids.dtype == torch.bool:
         raise _head_error(w_file, "no integer 'vocab_ids' tensor (the draft vocabulary)")

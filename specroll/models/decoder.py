@@ -502,14 +502,31 @@ def decoder_to_hf_state(model: Decoder) -> dict[str, torch.Tensor]:
 WEIGHTS_FIX = "download the model again, or re-save it with save_pretrained(safe_serialization=True)"
 
 
+class UnreadableWeights(ValueError):
+    """A safetensors file that cannot be read; the message is the short reason, for the caller to wrap
+    with the file's role and fix."""
+
+
+def read_safetensors(f: str | Path) -> dict[str, torch.Tensor]:
+    """``safetensors.torch.load_file`` with a truncated, corrupt or unreadable file as ``UnreadableWeights``
+    ("not a complete safetensors file (invalid header length)", "unreadable (Permission denied)")."""
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    try:
+        return load_file(str(f))
+    except SafetensorError as e:
+        why = (str(e).strip().splitlines() or [""])[0].removeprefix("Error while deserializing header: ")
+        raise UnreadableWeights(f"not a complete safetensors file ({why})") from e
+    except OSError as e:
+        raise UnreadableWeights(f"unreadable ({e.strerror or e})") from e
+
+
 def load_decoder(path: str | Path, dtype: torch.dtype = torch.float32) -> Decoder:
     """Load a decoder from an HF model directory (config.json + *.safetensors).
 
     Missing files raise ``FileNotFoundError``; a damaged config or weight file, or a config.json that does
     not match the weights, a one-line ``ValueError`` naming the file."""
-    from safetensors import SafetensorError
-    from safetensors.torch import load_file
-
     path = Path(path)
     cfg_file = path / "config.json"
     if not cfg_file.is_file():
@@ -543,12 +560,9 @@ def load_decoder(path: str | Path, dtype: torch.dtype = torch.float32) -> Decode
     sd: dict[str, torch.Tensor] = {}
     for f in files:
         try:
-            sd.update(load_file(str(f)))
-        except SafetensorError as e:
-            why = (str(e).strip().splitlines() or [""])[0].removeprefix("Error while deserializing header: ")
-            raise ValueError(f"{f}: not a complete safetensors file ({why}); {WEIGHTS_FIX}") from e
-        except OSError as e:
-            raise ValueError(f"{f}: unreadable ({e.strerror or e}); {WEIGHTS_FIX}") from e
+            sd.update(read_safetensors(f))
+        except UnreadableWeights as e:
+            raise ValueError(f"{f}: {e}; {WEIGHTS_FIX}") from e
     mismatch = f"{cfg_file} does not match the weights in {path}"
     layers = {int(m.group(1)) for k in sd if (m := re.match(r"model\.layers\.(\d+)\.", k))}
     if layers and max(layers) + 1 != cfg.num_layers:

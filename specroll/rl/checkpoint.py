@@ -26,8 +26,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from safetensors import SafetensorError
-from safetensors.torch import load_file, save_file, save_model
+from safetensors.torch import save_file, save_model
+
+from ..models.decoder import UnreadableWeights, read_safetensors
 
 STEP_RE = re.compile(r"^step_(\d{6,})$")
 
@@ -163,12 +164,9 @@ def _read_safetensors(path: Path, name: str) -> dict[str, torch.Tensor]:
     if not f.is_file():
         raise _damaged(path, name, "missing")
     try:
-        return load_file(str(f))
-    except SafetensorError as e:
-        why = _short(e).removeprefix("Error while deserializing header: ")
-        raise _damaged(path, name, f"not a complete safetensors file: {why}") from e
-    except OSError as e:
-        raise _damaged(path, name, f"unreadable: {e.strerror or _short(e)}") from e
+        return read_safetensors(f)
+    except UnreadableWeights as e:
+        raise _damaged(path, name, str(e)) from e
 
 
 def _torch_load(path: Path, name: str) -> dict:
