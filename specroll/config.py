@@ -36,7 +36,7 @@ import yaml
 from .device import DTYPE_NAMES
 from .drafters.build import DraftConfig
 from .drafters.reuse import ReuseConfig
-from .rl.data import DataConfig
+from .rl.data import DataConfig, read_utf8
 from .rl.losses import LossConfig
 from .rl.rewards import RewardConfig
 
@@ -414,17 +414,9 @@ def parse_override(text: str) -> dict:
 
 
 def build(merged: dict) -> Config:
-    """Instantiate every section from a merged dict, checking and converting values to the fields'
-    annotated types."""
-    sections = {}
-    for name, cls in SECTIONS.items():
-        given = merged.get(name, {})
-        kwargs = {}
-        for f in dataclasses.fields(cls):
-            if f.name in given:
-                kwargs[f.name] = _coerce(given[f.name], _hints(cls)[f.name], _default(f), f"{name}.{f.name}")
-        sections[name] = cls(**kwargs)
-    return Config(**sections)
+    """Instantiate every section from a dict ``_merge`` built (its values already checked and converted to
+    the fields' annotated types); each section's ``__post_init__`` checks the ranges."""
+    return Config(**{name: cls(**merged.get(name, {})) for name, cls in SECTIONS.items()})
 
 
 def load_config(path: str | Path | None = None, preset: str | None = None,
@@ -441,13 +433,7 @@ def load_config(path: str | Path | None = None, preset: str | None = None,
             raise ValueError(f"config file {p} is a directory; --config expects a YAML file (e.g. configs/quick.yaml)")
         if not p.is_file():
             raise FileNotFoundError(f"config file {p} does not exist")
-        raw = p.read_bytes()
-        try:
-            text = raw.decode("utf-8")
-        except UnicodeDecodeError as e:
-            line = raw[: e.start].count(b"\n") + 1
-            raise ValueError(f"{p}:{line}: not UTF-8 text (byte 0x{raw[e.start]:02x}); save the config file as "
-                             "UTF-8") from None
+        text = read_utf8(p)
         try:
             data = yaml.load(text, Loader=_Loader) or {}
         except yaml.YAMLError as e:

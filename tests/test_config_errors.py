@@ -99,7 +99,7 @@ def test_config_that_is_a_directory_or_not_utf8_is_named(tmp_path):
         load_config(tmp_path)
     f = tmp_path / "latin1.yaml"
     f.write_bytes(b"train:\n  steps: 3\ndata:\n  system_prompt: caf\xe9\n")
-    with pytest.raises(ValueError, match=f"^{f}:4: not UTF-8 text \\(byte 0xe9\\); save the config file as UTF-8$"):
+    with pytest.raises(ValueError, match=f"^{f}:4: not UTF-8 text \\(byte 0xe9\\); save the file as UTF-8$"):
         load_config(f)
 
 

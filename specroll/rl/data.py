@@ -249,8 +249,9 @@ def arithmetic(split: str, n: int, level: int, seed: int) -> list[dict]:
 # ------------------------------------------------------------------------------------------------
 
 
-def _read_text(path: Path) -> str:
-    """The file's text; a file that is not UTF-8 is a ``DataError`` naming it and the line."""
+def read_utf8(path: Path) -> str:
+    """The file's text; a file that is not UTF-8 is a ``DataError`` (a ``ValueError``) naming it and the line
+    (data files here, config files in ``config.load_config``)."""
     raw = path.read_bytes()
     try:
         return raw.decode("utf-8")
@@ -261,7 +262,7 @@ def _read_text(path: Path) -> str:
 
 def _read_jsonl(path: Path, skip: bool, advice: Advice = TRAIN_ADVICE) -> tuple[list[tuple[int, dict]], list[str]]:
     rows, bad = [], []
-    with io.StringIO(_read_text(path), newline=None) as f:  # lines as a text-mode file splits them
+    with io.StringIO(read_utf8(path), newline=None) as f:  # lines as a text-mode file splits them
         for ln, line in enumerate(f, 1):
             if not line.strip():
                 continue
@@ -280,7 +281,7 @@ def _read_jsonl(path: Path, skip: bool, advice: Advice = TRAIN_ADVICE) -> tuple[
 
 
 def _read_json(path: Path) -> list[tuple[int, dict]]:
-    text = _read_text(path)
+    text = read_utf8(path)
     try:
         obj = json.loads(text)
     except ValueError as e:
@@ -293,7 +294,7 @@ def _read_json(path: Path) -> list[tuple[int, dict]]:
 
 
 def _read_csv(path: Path) -> list[tuple[int, dict]]:
-    with io.StringIO(_read_text(path), newline="") as f:
+    with io.StringIO(read_utf8(path), newline="") as f:
         reader = csv.DictReader(f)
         if not reader.fieldnames:
             raise DataError(f"{path}: empty CSV (no header line)")

@@ -194,9 +194,9 @@ def train_cli(args) -> int:
             base = str(ck / "config.yaml")  # resume with the run's own config unless told otherwise
         cfg = load_config(base, args.preset, args.overrides)
         _mkdir(run_dir, how)
-        if run_dir.resolve() != ck.parent.resolve() and _previous_run(run_dir):
-            # resuming into another run's directory would mix the two runs' metrics and prune its checkpoints
-            raise CliError(f"{how} {run_dir} holds another run ({', '.join(_previous_run(run_dir))}), not the one "
+        other = _previous_run(run_dir) if run_dir.resolve() != ck.parent.resolve() else []
+        if other:  # resuming into another run's directory would mix the runs' metrics and prune its checkpoints
+            raise CliError(f"{how} {run_dir} holds another run ({', '.join(other)}), not the one "
                            f"{ck} belongs to: resume into {ck.parent} (drop {how}) or into a new or empty directory")
     else:
         cfg = given
