@@ -230,6 +230,21 @@ def test_train_with_a_damaged_draft_head_is_one_line(head_dir, tmp_path, capsys)
     assert f"draft.head={d}: {d / 'draft_head.json'}: not valid JSON" in line
 
 
+@pytest.mark.parametrize("option", ["--init", "--draft"])
+def test_head_options_name_the_option_and_the_file(head_dir, tmp_path, capsys, option):
+    d, _ = head_dir
+    (d / "draft_head.json").write_text("{")
+    if option == "--init":
+        argv = ["draft", "train", "--model", "tiny-llama", "--prompts", "2", "--steps", "0", "--init", str(d),
+                "--out", str(tmp_path / "out")]
+    else:
+        argv = ["bench", "spec", "--model", "tiny-llama", "--draft", str(d), "--batch-sizes", "1",
+                "--max-new-tokens", "2", "--out", str(tmp_path / "b.json")]
+    line = cli_error(capsys, argv)
+    assert f"{option} {d}: {d / 'draft_head.json'}: not valid JSON" in line
+    assert not (tmp_path / "out").exists() and not (tmp_path / "b.json").exists()
+
+
 # --- local model directories ----------------------------------------------------------------------
 
 @pytest.fixture

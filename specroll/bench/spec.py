@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from ..drafters.eagle import EagleDrafter, Plan, load_head
+from ..drafters.eagle import EagleDrafter, Plan, load_head_as
 from ..engine.engine import Engine
 from ..engine.sampling import SamplingParams
 from .common import DTYPES, machine_info, parse_float_list, parse_int_list, write_json
@@ -122,7 +122,7 @@ def run_bench(args) -> dict:
     stops = parse_float_list(args.chain_stop, "--chain-stop", lambda x: 0 <= x < 1, "numbers in [0, 1), e.g. 0,0.15")
     dtype = DTYPES[args.dtype]
     model, tok = hub.load(args.model, torch.float32)
-    head = load_head(args.draft, model)
+    head = load_head_as(f"--draft {args.draft}", args.draft, model)
     eos = hub.eos_ids(tok, hub.resolve(args.model, quiet=True))
     engine = Engine(model, eos_ids=eos, dtype=dtype)
     params = SamplingParams(temperature=args.temperature, top_p=args.top_p, max_new_tokens=args.max_new_tokens,

@@ -125,19 +125,14 @@ def random_head_vocab(prompt_ids, vocab_size: int, n: int, eos_ids=()):
 
 def make_head(dc: DraftConfig, model, prompt_ids=None, eos_ids=(), seed: int = 0):
     """The head ``draft.head`` names, checked against ``model`` (None when it is "")."""
-    from .eagle import head_for, load_head
+    from .eagle import head_for, load_head_as
 
     if not dc.head:
         return None
     if dc.head == "random":
         ids = random_head_vocab(prompt_ids, model.cfg.vocab_size, dc.vocab, eos_ids)
         return head_for(model, ids, seed=seed)
-    try:
-        return load_head(dc.head, model)
-    except FileNotFoundError as e:  # the head directory or one of its two files is not there
-        raise FileNotFoundError(f"draft.head={dc.head}: {e}") from None
-    except ValueError as e:  # any subclass (e.g. json.JSONDecodeError) becomes a plain one-line ValueError
-        raise ValueError(f"draft.head={dc.head}: {e}") from None
+    return load_head_as(f"draft.head={dc.head}", dc.head, model)
 
 
 RECIPE = ("w_feat", "w_ce", "w_tv", "unroll")  # the loss settings online updates share with `draft train`

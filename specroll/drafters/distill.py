@@ -44,7 +44,7 @@ import torch.nn.functional as F
 from ..engine.engine import Engine
 from ..engine.sampling import SamplingParams
 from ..models.decoder import Decoder
-from .eagle import DraftHead, DraftVocab, head_for, load_head, save_head
+from .eagle import DraftHead, DraftVocab, head_for, load_head_as, save_head
 from .reuse import prompt_key
 
 
@@ -573,7 +573,7 @@ def cli(args) -> int:
         print(f"step {info['step']:5d}  loss {info['loss']:.4f}  feat {info['feat']:.4f}  ce {info['ce']:.3f}  "
               f"top1 {info['top1']:.3f}{ev}  {info['elapsed']:.0f}s", flush=True)
 
-    init = load_head(args.init, policy) if args.init else None
+    init = load_head_as(f"--init {args.init}", args.init, policy) if args.init else None
     head, info = distill(policy, prompts, eos_ids=eos, n=args.n, max_new_tokens=args.max_new_tokens,
                          temperature=args.temperature, dtype=getattr(torch, args.dtype), draft_vocab=args.draft_vocab,
                          cfg=cfg, log=log, time_budget=args.time_budget, init=init,

@@ -238,6 +238,17 @@ def load_head(path: str | Path, policy: Decoder | None = None) -> DraftHead:
     return _read_head_weights(w_file, cfg_file, cfg).eval()
 
 
+def load_head_as(label: str, path: str | Path, policy: Decoder | None = None) -> DraftHead:
+    """``load_head`` whose errors start with ``label``, the option that named the head (``--draft X``,
+    ``draft.head=X``): a one-line ``FileNotFoundError`` or plain ``ValueError`` (never a JSONDecodeError)."""
+    try:
+        return load_head(path, policy)
+    except FileNotFoundError as e:  # the head directory or one of its two files is not there
+        raise FileNotFoundError(f"{label}: {e}") from None
+    except ValueError as e:  # any subclass (e.g. json.JSONDecodeError) becomes a plain one-line ValueError
+        raise ValueError(f"{label}: {e}") from None
+
+
 # --- the tree ------------------------------------------------------------------------------------
 
 @dataclass
