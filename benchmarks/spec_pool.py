@@ -1,0 +1,54 @@
+"""Pool `specroll bench spec` runs: total tokens over total seconds on each side, and the ratio.
+
+    python benchmarks/spec_pool.py benchmarks/spec/b1_d6_t5_r32_seed*_s18.json [--batch 1]
+
+Each run is one draw of prompts and one stretch of machine time, so the spread is taken over runs: a
+leave-one-run-out jackknife of the pooled ratio gives its standard error, and the per-run ratios are
+printed beside it. Only rows of the given batch size are read.
+"""
+import argparse
+import json
+import math
+import sys
+
+
+def pooled(rows):
+    vt = sum(r["vanilla_tokens"] for r in rows)
+    vs = sum(r["vanilla_s"] for r in rows)
+    st = sum(r["spec_tokens"] for r in rows)
+    ss = sum(r["spec_s"] for r in rows)
+    return (st / ss) / (vt / vs), vt / vs, st / ss
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("files", nargs="+")
+    ap.add_argument("--batch", type=int, default=1)
+    a = ap.parse_args(argv)
+    rows = []
+    for f in a.files:
+        try:
+            with open(f) as fh:
+                data = json.load(fh)
+        except (OSError, json.JSONDecodeError) as e:
+            sys.exit(f"{f}: cannot read a bench spec JSON ({e})")
+        got = [r for r in data.get("rows", []) if r.get("batch") == a.batch]
+        if not got:
+            sys.exit(f"{f}: no row with batch {a.batch}")
+        for r in got:
+            rows.append((f, r))
+    for f, r in rows:
+        print(f"{f}: {r['speedup']:.3f}x  accept {r['accept_length']:.2f}")
+    ratio, v, s = pooled([r for _, r in rows])
+    n = len(rows)
+    line = f"pooled over {n} runs: vanilla {v:.1f} tok/s, spec {s:.1f} tok/s, {ratio:.3f}x"
+    if n >= 3:
+        loo = [pooled([r for j, (_, r) in enumerate(rows) if j != i])[0] for i in range(n)]
+        m = sum(loo) / n
+        se = math.sqrt((n - 1) / n * sum((x - m) ** 2 for x in loo))
+        line += f", jackknife s.e. {se:.3f} (95% interval {ratio - 1.96 * se:.3f}-{ratio + 1.96 * se:.3f})"
+    print(line)
+
+
+if __name__ == "__main__":
+    main()
