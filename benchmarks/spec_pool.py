@@ -4,7 +4,8 @@
 
 Each run is one draw of prompts and one stretch of machine time, so the spread is taken over runs: a
 leave-one-run-out jackknife of the pooled ratio gives its standard error, and the per-run ratios are
-printed beside it. Only rows of the given batch size are read.
+printed beside it. Only rows of the given batch size (and ``--plan``) are read; rows of several plans are
+not pooled together.
 """
 import argparse
 import json
@@ -24,6 +25,7 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("files", nargs="+")
     ap.add_argument("--batch", type=int, default=1)
+    ap.add_argument("--plan", default=None, help="the plan whose rows to pool (needed when the files hold several)")
     a = ap.parse_args(argv)
     rows = []
     for f in a.files:
@@ -32,11 +34,14 @@ def main(argv=None):
                 data = json.load(fh)
         except (OSError, json.JSONDecodeError) as e:
             sys.exit(f"{f}: cannot read a bench spec JSON ({e})")
-        got = [r for r in data.get("rows", []) if r.get("batch") == a.batch]
+        got = [r for r in data.get("rows", []) if r.get("batch") == a.batch and a.plan in (None, r.get("plan"))]
         if not got:
-            sys.exit(f"{f}: no row with batch {a.batch}")
+            sys.exit(f"{f}: no row with batch {a.batch}" + (f" and plan {a.plan}" if a.plan else ""))
         for r in got:
             rows.append((f, r))
+    plans = sorted({r.get("plan") for _, r in rows})
+    if len(plans) > 1:
+        sys.exit(f"rows of several plans ({', '.join(map(str, plans))}): choose one with --plan")
     for f, r in rows:
         print(f"{f}: {r['speedup']:.3f}x  accept {r['accept_length']:.2f}")
     ratio, v, s = pooled([r for _, r in rows])
