@@ -4,8 +4,8 @@
 
 Each run is one draw of prompts and one stretch of machine time, so the spread is taken over runs: a
 leave-one-run-out jackknife of the pooled ratio gives its standard error, and the per-run ratios are
-printed beside it. Only rows of the given batch size (and ``--plan``) are read; rows of several plans are
-not pooled together.
+printed beside it. Only rows of the given batch size (and ``--plan``) are read, and runs of different
+settings (plan, head, dtype, chain stop, head weights, plan size) are refused rather than pooled.
 """
 import argparse
 import json
@@ -38,10 +38,15 @@ def main(argv=None):
         if not got:
             sys.exit(f"{f}: no row with batch {a.batch}" + (f" and plan {a.plan}" if a.plan else ""))
         for r in got:
-            rows.append((f, r))
+            rows.append((f, {**r, "draft": data.get("draft"), "dtype": data.get("dtype")}))
     plans = sorted({r.get("plan") for _, r in rows})
     if len(plans) > 1:
         sys.exit(f"rows of several plans ({', '.join(map(str, plans))}): choose one with --plan")
+    settings = {(r["draft"], r["dtype"], r.get("chain_stop"), r.get("head_weights"),
+                 json.dumps(r.get("plan_max"), sort_keys=True)) for _, r in rows}
+    if len(settings) > 1:
+        sys.exit("rows of several settings (head, dtype, chain stop, head weights, plan size): "
+                 "pool one setting's files at a time")
     for f, r in rows:
         print(f"{f}: {r['speedup']:.3f}x  accept {r['accept_length']:.2f}")
     ratio, v, s = pooled([r for _, r in rows])
