@@ -6,7 +6,8 @@ Each run is one draw of prompts and one stretch of machine time, so the spread i
 leave-one-run-out jackknife of the pooled ratio gives its standard error, the two-sided 95% interval and the
 one-sided 95% lower bound take Student's t with n - 1 degrees of freedom (few runs), and the per-run
 ratios are printed beside it. Only rows of the given batch size (and ``--plan``) are read, a file named twice
-counts once, and runs of different settings (plan, head, dtype, chain stop, head weights, plan size) are refused rather than pooled.
+counts once, and runs of different settings (plan, head, dtype, chain stop, head weights, plan size) are
+refused rather than pooled.
 """
 import argparse
 import json
@@ -34,6 +35,14 @@ def pooled(rows):
     return (st / ss) / (vt / vs), vt / vs, st / ss
 
 
+def jackknife_se(runs) -> float:
+    """Leave-one-run-out jackknife standard error of the pooled ratio."""
+    n = len(runs)
+    loo = [pooled(runs[:i] + runs[i + 1:])[0] for i in range(n)]
+    m = sum(loo) / n
+    return math.sqrt((n - 1) / n * sum((x - m) ** 2 for x in loo))
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("files", nargs="+")
@@ -55,23 +64,19 @@ def main(argv=None):
             if missing:
                 sys.exit(f"{f}: a batch-{a.batch} row lacks {', '.join(missing)} (written by an older bench spec?)")
             rows.append((f, {**r, "draft": data.get("draft"), "dtype": data.get("dtype")}))
-    plans = sorted({r.get("plan") for _, r in rows})
-    if len(plans) > 1:
-        sys.exit(f"rows of several plans ({', '.join(map(str, plans))}): choose one with --plan")
-    settings = {(r["draft"], r["dtype"], r.get("chain_stop"), r.get("head_weights"),
+    settings = {(r.get("plan"), r["draft"], r["dtype"], r.get("chain_stop"), r.get("head_weights"),
                  json.dumps(r.get("plan_max"), sort_keys=True)) for _, r in rows}
     if len(settings) > 1:
-        sys.exit("rows of several settings (head, dtype, chain stop, head weights, plan size): "
-                 "pool one setting's files at a time")
+        sys.exit("rows of several settings (plan, head, dtype, chain stop, head weights, plan size): "
+                 "pool one setting's files at a time (--plan picks one plan's rows)")
     for f, r in rows:
         print(f"{f}: {r['speedup']:.3f}x  accept {r['accept_length']:.2f}")
-    ratio, v, s = pooled([r for _, r in rows])
-    n = len(rows)
+    runs = [r for _, r in rows]
+    ratio, v, s = pooled(runs)
+    n = len(runs)
     line = f"pooled over {n} runs: vanilla {v:.1f} tok/s, spec {s:.1f} tok/s, {ratio:.3f}x"
     if n >= 3:
-        loo = [pooled([r for j, (_, r) in enumerate(rows) if j != i])[0] for i in range(n)]
-        m = sum(loo) / n
-        se = math.sqrt((n - 1) / n * sum((x - m) ** 2 for x in loo))
+        se = jackknife_se(runs)
         t = T975.get(n - 1, 1.96)
         line += (f", jackknife s.e. {se:.3f}, 95% interval {ratio - t * se:.3f}-{ratio + t * se:.3f} (t = {t}), "
                  f"one-sided 95% lower bound {ratio - T95.get(n - 1, 1.645) * se:.3f}")
