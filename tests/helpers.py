@@ -50,17 +50,29 @@ def draft_sets(model, engine, params: dict, n_rows: int, seed: int) -> dict[str,
     }
 
 
-def chi2_pvalue(counts, probs: dict, n: int) -> float:
-    """Pearson chi-square p-value of ``counts`` against ``probs``; cells expecting < 5 are pooled.
-    An outcome with zero probability that was observed gives p = 0."""
-    if any(probs.get(k, 0.0) <= 0 for k in counts):
+def chi2_gof(counts: torch.Tensor, probs: torch.Tensor) -> float:
+    """Pearson chi-square goodness-of-fit p-value of observed ``counts`` against ``probs`` over the same
+    cells (the expected counts are ``probs * counts.sum()``). Cells expecting fewer than 5 are pooled into
+    one. An observation in a cell of zero probability gives p = 0."""
+    counts, probs = counts.double().flatten(), probs.double().flatten()
+    if bool((counts[probs <= 0] > 0).any()):
         return 0.0
-    cells = sorted(probs, key=probs.get)
-    exp = torch.tensor([n * probs[k] for k in cells], dtype=torch.float64)
-    obs = torch.tensor([counts.get(k, 0) for k in cells], dtype=torch.float64)
+    exp, obs = probs * counts.sum(), counts
     small = exp < 5
     exp = torch.cat([exp[~small], exp[small].sum()[None]])
     obs = torch.cat([obs[~small], obs[small].sum()[None]])
-    x2 = float(((obs - exp) ** 2 / exp.clamp(min=1e-12)).sum())
+    keep = exp > 0  # the pooled cell is empty when no cell is small
+    exp, obs = exp[keep], obs[keep]
+    x2 = float(((obs - exp) ** 2 / exp).sum())
     df = len(exp) - 1
     return float(torch.special.gammaincc(torch.tensor(df / 2, dtype=torch.float64), torch.tensor(x2 / 2)))
+
+
+def chi2_pvalue(counts: dict, probs: dict, n: int) -> float:
+    """``chi2_gof`` over outcomes as dict keys: ``counts`` {outcome: count} (``n`` in all) against
+    ``probs`` {outcome: probability}. An observed outcome missing from ``probs`` has zero probability."""
+    if any(probs.get(k, 0.0) <= 0 for k in counts):
+        return 0.0
+    cells = list(probs)
+    assert sum(counts.values()) == n, f"counts sum to {sum(counts.values())}, not {n}"
+    return chi2_gof(torch.tensor([counts.get(k, 0) for k in cells]), torch.tensor([probs[k] for k in cells]))

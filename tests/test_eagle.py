@@ -10,11 +10,10 @@ from __future__ import annotations
 
 import functools
 import json
-import math
 
 import pytest
 import torch
-from helpers import tiny_decoder
+from helpers import chi2_gof, tiny_decoder
 
 from specroll import kernels
 from specroll.drafters.distill import DistillConfig, distill, head_loss, hidden_states, train_head
@@ -59,20 +58,6 @@ def exact_probs(model: Decoder, prompt, params: SamplingParams, M: int) -> torch
     weights = V ** torch.arange(M)
     order = (prefixes * weights).sum(1)
     return torch.zeros(V**M, dtype=torch.float64).index_put_((order,), probs)
-
-
-def chi2_pvalue(counts: torch.Tensor, probs: torch.Tensor) -> float:
-    """Goodness of fit; cells with expected count < 5 are lumped. Wilson-Hilferty tail."""
-    n = counts.sum().double()
-    exp = probs * n
-    big = exp >= 5
-    obs = torch.cat([counts[big].double(), counts[~big].double().sum()[None]])
-    ex = torch.cat([exp[big], exp[~big].sum()[None]])
-    keep = ex > 0
-    obs, ex = obs[keep], ex[keep]
-    stat, k = float(((obs - ex) ** 2 / ex).sum()), int(keep.sum()) - 1
-    z = ((stat / k) ** (1 / 3) - (1 - 2 / (9 * k))) / math.sqrt(2 / (9 * k))
-    return 0.5 * math.erfc(z / math.sqrt(2))
 
 
 def sample_counts(engine, params, S, drafter=None) -> torch.Tensor:
@@ -137,7 +122,7 @@ def test_speculation_is_lossless(small, kind, pname, mode):
     plan = Plan(n_verify=7, k=3, depth=3) if mode == "tree" else Plan(n_verify=4, k=1, depth=3)
     drafter = cls(head, plan, sampled=mode == "chain")
     counts = sample_counts(Engine(model), params, S, drafter)
-    p = chi2_pvalue(counts, exact_probs(model, PROMPT, params, M_SMALL))
+    p = chi2_gof(counts, exact_probs(model, PROMPT, params, M_SMALL))
     assert p > 1e-3, f"{kind} draft, {mode}, at {pname}: chi-square p = {p:.2e}"
     # drafts were actually accepted (a top-K adversarial tree may never land; a sampled one sometimes does)
     assert drafter.totals[3] > 0 or (kind == "adversarial" and mode == "tree")
@@ -157,7 +142,7 @@ def test_chains_cut_short_by_the_heads_doubt_are_lossless(small, kind, pname):
         outs = engine.generate([PROMPT], SamplingParams(**{**params.__dict__, "seed": 500 + i}), n=4, drafter=drafter)
         counts += torch.bincount(torch.stack([(o.completion_ids * V ** torch.arange(M_SMALL)).sum() for o in outs]),
                                  minlength=V**M_SMALL)
-    p = chi2_pvalue(counts, exact_probs(model, PROMPT, params, M_SMALL))
+    p = chi2_gof(counts, exact_probs(model, PROMPT, params, M_SMALL))
     assert p > 1e-3, f"{kind} draft, chain_stop, at {pname}: chi-square p = {p:.2e}"
     steps, _, drafted, accepted = (int(x) for x in drafter.totals)
     assert steps < drafted < 3 * steps  # some chains stopped before depth 3, some went on
@@ -240,7 +225,7 @@ def test_bf16_head_chains_are_lossless(small):
         counts += torch.bincount(idx, minlength=V**M_SMALL)
     assert "skinny_bf16" in trained.fc._packed and "skinny_bf16" in trained.block.qkv._packed
     assert "skinny_bf16" not in model.layers[0].qkv._packed  # the policy keeps its fp32 weights
-    p = chi2_pvalue(counts, exact_probs(model, PROMPT, params, M_SMALL))
+    p = chi2_gof(counts, exact_probs(model, PROMPT, params, M_SMALL))
     assert p > 1e-3, f"bf16 head chains: chi-square p = {p:.2e}"
     assert drafter.totals[3] > 0
 
@@ -253,13 +238,13 @@ def test_the_statistic_detects_resampling_from_p_at_the_cut(small, pname):
     drafter = EagleDrafter(head_for(model, seed=5), Plan(n_verify=4, k=1, depth=3), sampled=True)
     drafter.chain_rule = functools.partial(rejection_chain, residual=False)
     counts = sample_counts(Engine(model), params, S, drafter)
-    assert chi2_pvalue(counts, exact_probs(model, PROMPT, params, M_SMALL)) < 1e-6
+    assert chi2_gof(counts, exact_probs(model, PROMPT, params, M_SMALL)) < 1e-6
 
 
 def test_vanilla_sampler_passes_the_same_statistic(small):
     model, _ = small
     counts = sample_counts(Engine(model), PARAMS["t07p09"], S)
-    assert chi2_pvalue(counts, exact_probs(model, PROMPT, PARAMS["t07p09"], M_SMALL)) > 1e-3
+    assert chi2_gof(counts, exact_probs(model, PROMPT, PARAMS["t07p09"], M_SMALL)) > 1e-3
 
 
 @pytest.mark.parametrize("pname", ["t1", "t07p09"])
@@ -268,7 +253,7 @@ def test_the_statistic_detects_a_wrong_rule(small, pname):
     params = PARAMS[pname]
     drafter = EagleDrafter(head, Plan(n_verify=7, k=3, depth=3), rule=wrong_rule)
     counts = sample_counts(Engine(model), params, S, drafter)
-    assert chi2_pvalue(counts, exact_probs(model, PROMPT, params, M_SMALL)) < 1e-6
+    assert chi2_gof(counts, exact_probs(model, PROMPT, params, M_SMALL)) < 1e-6
 
 
 # --- greedy, ragged batches, logprobs ---------------------------------------------------------------

@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import copy
-import math
 
 import pytest
 import torch
+from helpers import chi2_gof
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
 from specroll.engine.cache import KVCache, compaction_order
@@ -237,20 +237,6 @@ def reference_probs(logits: torch.Tensor, T: float, top_k: int, top_p: float) ->
     return out
 
 
-def chi2_pvalue(counts: torch.Tensor, probs: torch.Tensor) -> float:
-    """Pearson chi-square goodness of fit; cells with zero expected mass must have zero counts."""
-    n = counts.sum().item()
-    zero = probs == 0
-    if counts[zero].sum() > 0:
-        return 0.0
-    exp = probs[~zero] * n
-    stat = float(((counts[~zero] - exp) ** 2 / exp).sum())
-    dof = int((~zero).sum()) - 1
-    # Wilson-Hilferty normal approximation of the chi-square tail
-    z = ((stat / dof) ** (1 / 3) - (1 - 2 / (9 * dof))) / math.sqrt(2 / (9 * dof))
-    return 0.5 * math.erfc(z / math.sqrt(2))
-
-
 @pytest.mark.parametrize("T,top_k,top_p", [(1.0, 0, 1.0), (0.7, 0, 0.9), (1.3, 5, 1.0), (0.8, 6, 0.75)])
 def test_sampler_matches_reference_distribution(T, top_k, top_p):
     g = torch.Generator().manual_seed(0)
@@ -260,7 +246,7 @@ def test_sampler_matches_reference_distribution(T, top_k, top_p):
     toks, plp, slp = sample(logits.expand(n, 12), params, params.generator())
     counts = torch.bincount(toks, minlength=12).double()
     ref = reference_probs(logits, T, top_k, top_p)
-    assert chi2_pvalue(counts, ref) > 1e-3
+    assert chi2_gof(counts, ref) > 1e-3
     # logprobs returned with the tokens are the reference's
     torch.testing.assert_close(slp, ref.log()[toks].float(), atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(plp, torch.log_softmax(logits, -1)[toks], atol=1e-5, rtol=1e-5)
@@ -278,7 +264,7 @@ def test_chi2_check_rejects_a_wrong_top_p():
     boundary = kept[wrong[kept].argmin()]
     wrong[boundary] = 0
     wrong /= wrong.sum()
-    assert chi2_pvalue(counts, wrong) < 1e-6
+    assert chi2_gof(counts, wrong) < 1e-6
 
 
 def test_engine_first_token_distribution():
@@ -291,7 +277,7 @@ def test_engine_first_token_distribution():
     outs = eng.generate([PROMPTS[0]], params, n=6000)
     counts = torch.bincount(torch.stack([o.completion_ids[0] for o in outs]), minlength=V).double()
     ref = reference_probs(hf_logits, 3.0, 0, 0.95)
-    assert chi2_pvalue(counts, ref) > 1e-3
+    assert chi2_gof(counts, ref) > 1e-3
 
 
 @pytest.mark.parametrize("bad,field", [
