@@ -1,0 +1,62 @@
+"""Seconds per GRPO update of SmolLM2 over successive steps' rollouts (4 prompts x G = 8, every completion
+forced to 64 tokens, fp32), the process's resident memory after each, and the time a profiled last update
+spent zero-filling (vocabulary x hidden) tensors.
+
+    python benchmarks/update_steps.py [--updates 7] [--out FILE.json]
+
+To compare two versions of specroll, run it once per checkout, alternating, e.g.
+``PYTHONPATH=/path/to/other/checkout python benchmarks/update_steps.py`` (BENCHMARKS.md, session 20).
+"""
+import argparse
+import json
+import time
+
+import torch
+
+import specroll
+from specroll.bench.common import machine_info
+from specroll.config import load_config
+from specroll.rl.run import build_trainer
+
+
+def rss_mb() -> int:
+    return int(open("/proc/self/statm").read().split()[1]) * 4096 >> 20
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--updates", type=int, default=7)
+    ap.add_argument("--out", default="")
+    a = ap.parse_args()
+    torch.set_num_threads(2)
+    cfg = load_config(None, None, ["rollout.max_new_tokens=64", "train.prompts_per_step=4", "rollout.G=8",
+                                   "model.rollout_dtype=float32", "train.bf16=false"])
+    tr = build_trainer(cfg, None)
+    params = tr.rollout_params(0)
+    params.min_new_tokens = cfg.rollout.max_new_tokens
+    V, D = tr.model.cfg.vocab_size, tr.model.cfg.hidden_size
+    rows = []
+    for step in range(a.updates + 1):
+        rollouts = tr.engine.generate(tr.train_set.take(tr.batch_indices(step)).ids, params, n=cfg.rollout.G)
+        rewards = torch.tensor([float(i % 3 == 0) for i in range(len(rollouts))])  # no group skipped
+        if step < a.updates:
+            t = time.perf_counter()
+            tr.update(rollouts, rewards)
+            rows.append({"update": step, "update_s": time.perf_counter() - t, "rss_mb": rss_mb()})
+            print(f"update {step}: {rows[-1]['update_s']:.2f} s, RSS {rows[-1]['rss_mb']} MB", flush=True)
+    from torch.profiler import ProfilerActivity, profile
+    with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
+        tr.update(rollouts, rewards)
+    fills = [e for e in prof.key_averages(group_by_input_shape=True)
+             if e.key == "aten::fill_" and e.input_shapes and list(e.input_shapes[0]) == [V, D]]
+    fill = {"calls": sum(e.count for e in fills), "s": sum(e.self_cpu_time_total for e in fills) / 1e6}
+    print(f"profiled update: {fill['calls']} zero-fills of ({V}, {D}) took {fill['s']:.3f} s")
+    if a.out:
+        with open(a.out, "w") as f:
+            json.dump({"benchmark": "update_steps", "specroll": specroll.__file__, "rows": rows, "vd_fill": fill,
+                       "machine": machine_info()}, f, indent=1)
+        print(f"wrote {a.out}")
+
+
+if __name__ == "__main__":
+    main()
