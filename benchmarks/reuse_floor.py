@@ -2,7 +2,7 @@
 
   python benchmarks/reuse_floor.py [--prompts 8] [-G 8] [--max-new-tokens 48] [--repeats 3] [--out FILE.json]
 
-Same prompts (built-in arithmetic, level 1, chat-templated), same sampling seed, one process: each repeat
+Same prompts (built-in arithmetic, level 1, templated as training templates them), same sampling seed, one process: each repeat
 runs a plain rollout, then the same rollout with every row drafted by the previous plain rollout's
 completions at l = inf (nothing is sampled: verification alone, then the rows finish). At l = inf no
 reuse setting can be cheaper, so ``inf_s / off_s`` bounds every lenience's rollout-time ratio from below.
@@ -12,17 +12,16 @@ a CPU whose GEMMs run at the same rate for a prefill as for a wide decode step).
 from __future__ import annotations
 
 import argparse
-import json
 import time
 
 import torch
 
-from specroll.bench.common import machine_info
+from specroll.bench.common import machine_info, write_json
 from specroll.drafters.reuse import ReuseDrafter
 from specroll.engine.engine import Engine
 from specroll.engine.sampling import SamplingParams
 from specroll.models import hub
-from specroll.rl.data import arithmetic
+from specroll.rl.data import DataConfig, arithmetic, build_prompts
 
 
 def linear_flops_per_token(model) -> tuple[float, float]:
@@ -44,9 +43,7 @@ def main() -> None:
     torch.set_num_threads(min(2, torch.get_num_threads()))
     model, tok = hub.load(a.model)
     eng = Engine(model, eos_ids=hub.eos_ids(tok, hub.resolve(a.model)))
-    prompts = [tok(tok.apply_chat_template([{"role": "user", "content": e["question"]}], tokenize=False,
-                                           add_generation_prompt=True), add_special_tokens=False).input_ids
-               for e in arithmetic("train", a.prompts, 1, 0)]
+    prompts, _, _ = build_prompts(arithmetic("train", a.prompts, 1, 0), tok, DataConfig())  # as training sends them
 
     def params(seed):
         return SamplingParams(temperature=1.0, max_new_tokens=a.max_new_tokens, seed=seed)
@@ -88,8 +85,7 @@ def main() -> None:
            "median_ratio": ratios[len(ratios) // 2], "machine": machine_info()}
     print(f"l = inf against plain rollouts: {out['median_ratio']:.2f}x (median of {len(rows)})")
     if a.out:
-        with open(a.out, "w") as f:
-            json.dump(out, f, indent=1)
+        write_json(a.out, out)
         print(f"wrote {a.out}")
 
 

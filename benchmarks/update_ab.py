@@ -14,17 +14,34 @@ group is skipped.
 
 import argparse
 import copy
-import json
 import sys
 import time
 
 import torch
 
-from specroll.bench.common import machine_info
+from specroll.bench.common import machine_info, write_json
 from specroll.config import load_config
 from specroll.rl import trainer as T
 from specroll.rl.logprobs import materialised_logprobs, token_logprobs
 from specroll.rl.run import build_trainer
+
+
+def update_trainer(overrides=()):
+    """The SmolLM2 trainer these update benchmarks time (4 prompts x G = 8, fp32, no autocast), and a
+    ``batch(step) -> (rollouts, rewards)`` of that step's prompts, every completion forced to 64 tokens and
+    rewards 1 on every third row, so that no group is skipped (``update_steps.py`` uses it too)."""
+    torch.set_num_threads(2)
+    cfg = load_config(None, None, ["rollout.max_new_tokens=64", "train.prompts_per_step=4", "rollout.G=8",
+                                   "model.rollout_dtype=float32", "train.bf16=false", *overrides])
+    tr = build_trainer(cfg, None)
+    params = tr.rollout_params(0)
+    params.min_new_tokens = cfg.rollout.max_new_tokens
+
+    def batch(step: int):
+        rollouts = tr.engine.generate(tr.train_set.take(tr.batch_indices(step)).ids, params, n=cfg.rollout.G)
+        return rollouts, torch.tensor([float(i % 3 == 0) for i in range(len(rollouts))])
+
+    return tr, batch
 
 
 def main() -> None:
@@ -33,14 +50,8 @@ def main() -> None:
     ap.add_argument("--out", default="")
     ap.add_argument("overrides", nargs="*")
     args = ap.parse_args()
-    torch.set_num_threads(2)
-    cfg = load_config(None, None, ["rollout.max_new_tokens=64", "train.prompts_per_step=4", "rollout.G=8",
-                                   "model.rollout_dtype=float32", "train.bf16=false", *args.overrides])
-    tr = build_trainer(cfg, None)
-    params = tr.rollout_params(0)
-    params.min_new_tokens = cfg.rollout.max_new_tokens
-    rollouts = tr.engine.generate(tr.train_set.take(tr.batch_indices(0)).ids, params, n=cfg.rollout.G)
-    rewards = torch.tensor([float(i % 3 == 0) for i in range(len(rollouts))])
+    tr, batch = update_trainer(args.overrides)
+    rollouts, rewards = batch(0)
     state, opt_state = copy.deepcopy(tr.model.state_dict()), copy.deepcopy(tr.opt.state_dict())
     rows = []
     for r in range(args.repeats):
@@ -57,9 +68,7 @@ def main() -> None:
                   f"grad norm {m.get('actor/grad_norm', 0):.6f}", flush=True)
     T.token_logprobs = token_logprobs
     if args.out:
-        with open(args.out, "w") as f:
-            json.dump({"rows": rows, "overrides": args.overrides, "argv": sys.argv, "machine": machine_info()}, f,
-                      indent=1)
+        write_json(args.out, {"rows": rows, "overrides": args.overrides, "argv": sys.argv, "machine": machine_info()})
         print("wrote", args.out)
 
 

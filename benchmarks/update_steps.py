@@ -8,15 +8,12 @@ To compare two versions of specroll, run it once per checkout, alternating, e.g.
 ``PYTHONPATH=/path/to/other/checkout python benchmarks/update_steps.py`` (BENCHMARKS.md, session 20).
 """
 import argparse
-import json
 import time
 
-import torch
+from update_ab import update_trainer  # benchmarks/ is on sys.path when this script runs
 
 import specroll
-from specroll.bench.common import machine_info
-from specroll.config import load_config
-from specroll.rl.run import build_trainer
+from specroll.bench.common import machine_info, write_json
 
 
 def rss_mb() -> int:
@@ -28,17 +25,11 @@ def main() -> None:
     ap.add_argument("--updates", type=int, default=7)
     ap.add_argument("--out", default="")
     a = ap.parse_args()
-    torch.set_num_threads(2)
-    cfg = load_config(None, None, ["rollout.max_new_tokens=64", "train.prompts_per_step=4", "rollout.G=8",
-                                   "model.rollout_dtype=float32", "train.bf16=false"])
-    tr = build_trainer(cfg, None)
-    params = tr.rollout_params(0)
-    params.min_new_tokens = cfg.rollout.max_new_tokens
+    tr, batch = update_trainer()
     V, D = tr.model.cfg.vocab_size, tr.model.cfg.hidden_size
     rows = []
     for step in range(a.updates + 1):
-        rollouts = tr.engine.generate(tr.train_set.take(tr.batch_indices(step)).ids, params, n=cfg.rollout.G)
-        rewards = torch.tensor([float(i % 3 == 0) for i in range(len(rollouts))])  # no group skipped
+        rollouts, rewards = batch(step)
         if step < a.updates:
             t = time.perf_counter()
             tr.update(rollouts, rewards)
@@ -52,9 +43,8 @@ def main() -> None:
     fill = {"calls": sum(e.count for e in fills), "s": sum(e.self_cpu_time_total for e in fills) / 1e6}
     print(f"profiled update: {fill['calls']} zero-fills of ({V}, {D}) took {fill['s']:.3f} s")
     if a.out:
-        with open(a.out, "w") as f:
-            json.dump({"benchmark": "update_steps", "specroll": specroll.__file__, "rows": rows, "vd_fill": fill,
-                       "machine": machine_info()}, f, indent=1)
+        write_json(a.out, {"benchmark": "update_steps", "specroll": specroll.__file__, "rows": rows, "vd_fill": fill,
+                           "machine": machine_info()})
         print(f"wrote {a.out}")
 
 
