@@ -168,6 +168,10 @@ def _train(sub):
     p.add_argument("--out", default=None, help="run directory (default: train.out_dir or runs/<timestamp>[-N]); a fresh run needs a new or "
                    "empty one")
     p.add_argument("--resume", default=None, help="checkpoint dir, run dir, or 'latest' (in --out or train.out_dir)")
+    p.add_argument("--nproc", type=int, default=1,
+                   help="data-parallel processes on this machine (torch.distributed, gloo); each rank rolls out and "
+                        "differentiates train.prompts_per_step / N prompt groups and uses cores / N threads. "
+                        "Several machines: torchrun ... -m specroll train")
     p.set_defaults(func=_run("specroll.rl.run:train_cli"))
 
 

@@ -25,7 +25,7 @@ def no_model(monkeypatch):
     monkeypatch.delenv("SPECROLL_DEBUG", raising=False)
     calls = []
 
-    def stub(cfg, run_dir, console=None, drafter=None):
+    def stub(cfg, run_dir, console=None, drafter=None, dist=None):
         calls.append(Path(run_dir))
         raise ModelLoaded(str(run_dir))
 

@@ -232,5 +232,15 @@ def eagle_of(drafter):
     return inner if isinstance(inner, EagleDrafter) else None
 
 
+def reuse_of(drafter):
+    """The ``ReuseDrafter`` inside ``drafter`` (itself, or a combined drafter's ``reuse``), else None."""
+    from .reuse import ReuseDrafter
+
+    if isinstance(drafter, ReuseDrafter):
+        return drafter
+    inner = getattr(drafter, "reuse", None)
+    return inner if isinstance(inner, ReuseDrafter) else None
+
+
 __all__ = ["DraftConfig", "PLANS", "build_eagle", "build_spec_drafter", "eagle_of", "make_head", "make_plan",
-           "random_head_vocab", "recipe_note"]
+           "random_head_vocab", "recipe_note", "reuse_of"]

@@ -7,6 +7,7 @@ This is glue only: everything that trains lives in ``trainer.py``. A run directo
 from __future__ import annotations
 
 import itertools
+import logging
 import sys
 import time
 from pathlib import Path
@@ -19,10 +20,10 @@ from . import checkpoint as ckpt
 from .trainer import PromptSet, Trainer
 
 
-def _console():
+def _console(quiet: bool = False):
     from rich.console import Console
 
-    return Console(stderr=False)
+    return Console(stderr=False, quiet=quiet)
 
 
 def prompt_set(examples, tokenizer, data_cfg, label: str, say=print) -> PromptSet:
@@ -46,7 +47,7 @@ def load_policy(cfg: Config, checkpoint: str | Path | None = None):
     return model, tok, eos
 
 
-def build_trainer(cfg: Config, run_dir: str | Path | None, console=None, drafter=None) -> Trainer:
+def build_trainer(cfg: Config, run_dir: str | Path | None, console=None, drafter=None, dist=None) -> Trainer:
     """Everything a run needs, in the order that fails fastest: reward, data, then the model."""
     from .data import load_examples
     from .rewards import build_reward
@@ -64,7 +65,7 @@ def build_trainer(cfg: Config, run_dir: str | Path | None, console=None, drafter
         # None unless reuse.mode is lenient / exact or draft.head is set (see drafters/build.py)
         drafter = build_spec_drafter(cfg, model, train_set.ids, eos, log=say)
     return Trainer(cfg, model, train_set, eval_set, reward, decode, eos, drafter=drafter, run_dir=run_dir,
-                   console=console)
+                   console=console, dist=dist)
 
 
 def save_draft_head(trainer: Trainer, cfg: Config, run_dir: Path, say=print) -> Path | None:
@@ -173,11 +174,80 @@ def _progress(console, total: int):
     return p
 
 
+def _check_splittable(cfg: Config, nproc: int) -> None:
+    from ..cli import CliError
+    from .distributed import Dist
+    from .trainer import _check_data_parallel
+
+    try:
+        _check_data_parallel(cfg, Dist(0, nproc), None)
+    except ValueError as e:
+        raise CliError(str(e)) from None
+
+
+def _launch(args, nproc: int) -> int:
+    """``specroll train --nproc N``: the same command in N processes under torch.distributed's launcher
+    (one machine, a free port), each with cores / N threads. One line if a process fails: the failing
+    process has printed its own error above it."""
+    import os
+
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
+    from ..cli import CliError
+
+    given = load_config(args.config, args.preset, args.overrides)
+    _check_splittable(given, nproc)  # one error line here rather than one per process
+    argv = ["-m", "specroll", "train"]
+    for flag in ("config", "preset", "out", "resume"):
+        if getattr(args, flag, None):
+            argv += [f"--{flag}", str(getattr(args, flag))]
+    argv += list(args.overrides)
+    os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
+    conf = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=nproc, run_id=f"specroll-{os.getpid()}",
+                        rdzv_backend="c10d", rdzv_endpoint="localhost:0", max_restarts=0, monitor_interval=0.5)
+    logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)  # failures: one line below
+    try:
+        elastic_launch(conf, sys.executable)(*argv)
+    except ChildFailedError as e:
+        codes = sorted({f.exitcode for f in e.failures.values()})
+        raise CliError(f"{len(e.failures)} of {nproc} training processes failed (exit code "
+                       f"{', '.join(map(str, codes))}); the first error is printed above") from None
+    return 0
+
+
 def train_cli(args) -> int:
     from ..cli import CliError
+    from . import distributed
     from .metrics import summary_table
 
-    console = _console()
+    nproc = getattr(args, "nproc", 1)
+    if nproc < 1:
+        raise CliError(f"--nproc must be >= 1, got {nproc}")
+    d = distributed.from_env()
+    if nproc > 1 and not d.active:
+        return _launch(args, nproc)
+    try:
+        return _train_ranks(args, d, summary_table)
+    except (CliError, ValueError, FileNotFoundError, KeyboardInterrupt):
+        raise
+    except Exception as e:
+        if not d.active or d.main:
+            raise
+        # another rank died mid-collective: say so in one line instead of a gloo traceback
+        print(f"specroll: rank {d.rank} stopped: {str(e).splitlines()[0] if str(e) else type(e).__name__}",
+              file=sys.stderr)
+        return 1
+    finally:
+        distributed.close(d)
+
+
+def _train_ranks(args, d, summary_table) -> int:
+    """``train_cli`` in one process of ``d`` (the only one without data parallel). Rank 0 owns the run
+    directory, the console and the files; the other ranks follow it."""
+    from ..cli import CliError
+
+    console = _console(quiet=not d.main)
     resume = getattr(args, "resume", None)
     # the run directory: --out, else train.out_dir as given on this command line (preset, --config,
     # overrides), never a resumed run's own config.yaml (written wherever that run lived)
@@ -193,28 +263,45 @@ def train_cli(args) -> int:
         if base is None and args.preset is None:
             base = str(ck / "config.yaml")  # resume with the run's own config unless told otherwise
         cfg = load_config(base, args.preset, args.overrides)
-        _mkdir(run_dir, how)
-        other = _previous_run(run_dir) if run_dir.resolve() != ck.parent.resolve() else []
-        if other:  # resuming into another run's directory would mix the runs' metrics and prune its checkpoints
-            raise CliError(f"{how} {run_dir} holds another run ({', '.join(other)}), not the one "
-                           f"{ck} belongs to: resume into {ck.parent} (drop {how}) or into a new or empty directory")
+        if d.main:
+            _mkdir(run_dir, how)
+            other = _previous_run(run_dir) if run_dir.resolve() != ck.parent.resolve() else []
+            if other:  # resuming into another run's directory would mix the runs' metrics and prune its checkpoints
+                raise CliError(f"{how} {run_dir} holds another run ({', '.join(other)}), not the one "
+                               f"{ck} belongs to: resume into {ck.parent} (drop {how}) or into a new or empty directory")
     else:
         cfg = given
-        # refuse a directory holding an earlier run before the model loads, so the error is instant
-        run_dir, created = _claim_run_dir(out, how, yaml.safe_dump(cfg.to_dict(), sort_keys=False))
+        if d.main:  # refuse a directory holding an earlier run before the model loads, so the error is instant
+            try:
+                run_dir, created = _claim_run_dir(out, how, yaml.safe_dump(cfg.to_dict(), sort_keys=False))
+            except CliError:
+                d.gather(None)  # release the other ranks (they stop quietly) before the error is printed
+                raise
+    if d.active:  # rank 0's run directory (e.g. runs/<timestamp>) for every rank; its model cache first
+        if d.main:
+            from ..models import hub
+
+            hub.resolve(cfg.model.name, quiet=True)
+        shared = d.gather(str(run_dir) if d.main else None)[0]
+        if shared is None:
+            return 2  # rank 0 reports why
+        run_dir = Path(shared)
     try:
-        trainer = build_trainer(cfg, run_dir, console)
+        trainer = build_trainer(cfg, run_dir, console, dist=d)
         if resume:
             step = trainer.resume(ck)
             console.print(f"resumed from {ck} at step {step}")
             if step >= cfg.train.steps:
                 raise CliError(f"{ck} is already at step {step} >= train.steps={cfg.train.steps}; "
                                f"raise it (e.g. train.steps={step + 10}) to continue")
-            cfg.save(run_dir / "config.yaml")
+            if d.main:
+                cfg.save(run_dir / "config.yaml")
         n = trainer.model.num_params()
         console.print(f"specroll train: {cfg.model.name} ({n / 1e6:.0f}M params), task {cfg.data.task}, "
                       f"{cfg.train.steps} steps x {cfg.train.prompts_per_step} prompts x G={cfg.rollout.G}, "
-                      f"max_new_tokens={cfg.rollout.max_new_tokens} -> {run_dir}")
+                      f"max_new_tokens={cfg.rollout.max_new_tokens} -> {run_dir}"
+                      + (f" ({d.world} processes, {cfg.train.prompts_per_step // d.world} prompts each)"
+                         if d.active else ""))
         t0 = time.perf_counter()
         with _progress(console, cfg.train.steps) as prog:
             task = prog.add_task("train", total=cfg.train.steps, completed=trainer.step, info="")
@@ -228,12 +315,13 @@ def train_cli(args) -> int:
             finally:
                 getattr(trainer.reward, "close", lambda: None)()
     except BaseException:
-        if not resume:  # a fresh run that failed before writing anything leaves its directory reusable
+        if not resume and d.main:  # a fresh run that failed before writing anything leaves its directory reusable
             _release_run_dir(run_dir, created)
         raise
     wall = time.perf_counter() - t0
-    console.print(summary_table(rows, wall, run_dir))
-    save_draft_head(trainer, cfg, run_dir, console.print)
+    if d.main:
+        console.print(summary_table(rows, wall, run_dir))
+        save_draft_head(trainer, cfg, run_dir, console.print)
     return 0
 
 

@@ -15,6 +15,11 @@ padding-aware causal mask), one micro-batch at a time; log-probabilities only at
 in vocabulary blocks (``logprobs.token_logprobs``: no B*T*V logits in memory). Loss weights are computed once over the whole mini-batch (``losses.token_weights``), so
 micro-batching (gradient accumulation) gives exactly the full-batch gradient.
 
+Data parallel (``rl/distributed.py``): with ``dist`` of N processes each rank rolls out, scores and
+differentiates its own whole groups, the loss weights are computed from every rank's row lengths, and
+the gradients are summed before the (identical) optimizer step on every rank; metrics cover all ranks
+and only rank 0 writes them and the checkpoints.
+
 Departures: rows whose advantage is exactly 0 (zero-variance groups, ``None`` rewards) are not
 forwarded when beta = 0 -- their loss and gradient are exactly zero -- so ``actor/entropy`` and
 ``actor/clip_ratio`` describe the rows that were trained on. Rollout randomness is a pure function
@@ -37,6 +42,7 @@ from ..device import keep_freed_memory, torch_dtype, use_bf16
 from ..engine.engine import Engine, Rollout
 from ..engine.sampling import SamplingParams
 from . import checkpoint as ckpt
+from .distributed import Dist
 from .logprobs import token_logprobs
 from .losses import group_advantages, policy_loss, token_weights, zero_variance_groups
 from .metrics import MetricsWriter, step_line
@@ -197,6 +203,23 @@ def shared_prompt_logprobs(model, batch: Batch, rows: torch.Tensor, group: torch
     return _pad_to_batch(token_logprobs(model, h, cids, valid, with_entropy), batch)
 
 
+def _check_data_parallel(cfg, dist: Dist, drafter) -> None:
+    """What data parallel cannot split, refused before any work with the setting to change."""
+    from ..drafters.build import eagle_of
+
+    tc, w = cfg.train, dist.world
+    if tc.prompts_per_step % w:
+        raise ValueError(f"train.prompts_per_step={tc.prompts_per_step} cannot be split between {w} processes "
+                         f"by whole prompt groups: make it a multiple of {w}")
+    if tc.mini_batches > tc.prompts_per_step // w:
+        raise ValueError(f"train.mini_batches={tc.mini_batches} exceeds the {tc.prompts_per_step // w} prompt groups "
+                         f"each of {w} processes holds: lower it or raise train.prompts_per_step")
+    eagle = eagle_of(drafter)
+    if eagle is not None and getattr(eagle, "learner", None) is not None:
+        raise ValueError(f"draft.online=true learns the draft head from one process's rollouts; with {w} processes "
+                         "each would learn its own head: set draft.online=false or run one process")
+
+
 def lr_lambda(warmup: int, total: int, cosine: bool, min_ratio: float) -> Callable[[int], float]:
     def f(i: int) -> float:
         if i < warmup:
@@ -224,8 +247,12 @@ class Trainer:
 
     def __init__(self, cfg, model, train_set: PromptSet, eval_set: PromptSet | None, reward: Callable,
                  decode: Callable[[list[int]], str], eos_ids=(), drafter=None, run_dir: str | Path | None = None,
-                 console=None):
+                 console=None, dist: Dist | None = None):
         self.cfg = cfg
+        self.dist = dist = dist if dist is not None else Dist()
+        if dist.active:
+            _check_data_parallel(cfg, dist, drafter)
+            dist.broadcast_params(model)  # every replica starts from rank 0's weights
         self.model = model
         self.train_set, self.eval_set = train_set, eval_set
         self.reward, self.decode, self.drafter = reward, decode, drafter
@@ -243,11 +270,11 @@ class Trainer:
             self.opt, lr_lambda(tc.warmup, self.total_opt_steps, tc.cosine, tc.min_lr_ratio))
         self.step = 0
         self.run_dir = Path(run_dir) if run_dir is not None else None
-        self.console = console
+        self.console = console if dist.main else None
         self.metrics: list[dict] = []
         self.rollout_hooks: list[Callable] = []
         self._perms: dict[int, torch.Tensor] = {}
-        self.writer = MetricsWriter(self.run_dir, tc.tensorboard) if self.run_dir is not None else None
+        self.writer = MetricsWriter(self.run_dir, tc.tensorboard) if self.run_dir is not None and dist.main else None
 
     # -- data ---------------------------------------------------------------------------------
     def _perm(self, epoch: int) -> torch.Tensor:
@@ -266,15 +293,16 @@ class Trainer:
 
     def rollout_params(self, step: int) -> SamplingParams:
         rc = self.cfg.rollout
+        seed = self.cfg.train.seed * 100_003 + step + 1 + self.dist.rank * 1_000_000_007  # ranks draw apart
         return SamplingParams(temperature=rc.temperature, top_p=rc.top_p, top_k=rc.top_k,
-                              max_new_tokens=rc.max_new_tokens, seed=self.cfg.train.seed * 100_003 + step + 1)
+                              max_new_tokens=rc.max_new_tokens, seed=seed)
 
     # -- one step -----------------------------------------------------------------------------
     def train_step(self) -> dict:
         """Run step ``self.step + 1``. Returns its metrics (also written and kept in ``self.metrics``)."""
         G = self.cfg.rollout.G
         t_step, cpu_step = time.perf_counter(), time.process_time()
-        prompts = self.train_set.take(self.batch_indices(self.step))
+        prompts = self.train_set.take(self.dist.shard(self.batch_indices(self.step)))  # this rank's groups
         m: dict = {}
         t = time.perf_counter()
         params = self.rollout_params(self.step)
@@ -285,11 +313,12 @@ class Trainer:
         if self.drafter is not None and hasattr(self.drafter, "after_rollout"):
             t = time.perf_counter()
             self.drafter.after_rollout(rollouts, self.step)
+            self._share_drafts(rollouts)
             m["timing/draft_update"] = time.perf_counter() - t
         t = time.perf_counter()
         rewards, per_func = self.score(prompts, rollouts)
         m["timing/reward"] = time.perf_counter() - t
-        m.update(self._rollout_metrics(rollouts, rewards, per_func))
+        m.update(self._rollout_metrics(self.dist.gather(self._rollout_summary(rollouts, rewards, per_func))))
         m.update(self.update(rollouts, rewards))
         self.step += 1
         m["lr"] = self.sched.get_last_lr()[0]
@@ -305,10 +334,39 @@ class Trainer:
         rep = lambda xs: [x for x in xs for _ in range(G)]  # noqa: E731
         return call_reward(self.reward, rep(prompts.texts), texts, rep(prompts.columns))
 
-    def _rollout_metrics(self, rollouts: list[Rollout], rewards: torch.Tensor, per_func: dict) -> dict:
+    def _share_drafts(self, rollouts: list[Rollout]) -> None:
+        """Data parallel with rollout reuse: every rank's store also keeps the other ranks' completions,
+        so a prompt finds its previous draft whichever rank it lands on next epoch."""
+        from ..drafters.build import reuse_of
+
+        reuse = reuse_of(self.drafter)
+        if not self.dist.active or reuse is None or reuse.mode == "off":
+            return
+        mine = [(r.prompt_ids, r.sample_index, r.completion_ids, r.sample_logprobs) for r in rollouts]
+        for rank, rows in enumerate(self.dist.gather(mine)):
+            if rank != self.dist.rank:
+                for prompt_ids, index, ids, logprobs in rows:
+                    reuse.store.put(prompt_ids, index, ids, logprobs, self.step)
+
+    @staticmethod
+    def _rollout_summary(rollouts: list[Rollout], rewards: torch.Tensor, per_func: dict) -> dict:
+        """What the step metrics need of one rank's rollouts (small: gathered across ranks)."""
+        return {"rewards": rewards, "lens": torch.tensor([len(r.completion_ids) for r in rollouts], dtype=torch.float),
+                "truncated": sum(r.finish_reason == "length" for r in rollouts),
+                "reused": sum(r.n_reused for r in rollouts), "drafted": sum(r.n_drafted for r in rollouts),
+                "accepted": sum(r.n_accepted for r in rollouts), "per_func": per_func}
+
+    def _rollout_metrics(self, parts: list[dict]) -> dict:
+        """Step metrics over every rank's ``_rollout_summary`` (rank order: groups stay contiguous).
+        Per-function reward means are averaged over the ranks that report them."""
         G = self.cfg.rollout.G
+        rewards = torch.cat([p["rewards"] for p in parts])
+        lens = torch.cat([p["lens"] for p in parts])
         valid = rewards[~torch.isnan(rewards)]
-        lens = torch.tensor([len(r.completion_ids) for r in rollouts], dtype=torch.float)
+        per_func: dict[str, list[float]] = {}
+        for p in parts:
+            for k, v in p["per_func"].items():
+                per_func.setdefault(k, []).append(v)
         m = {
             "reward/mean": float(valid.mean()) if valid.numel() else float("nan"),
             "reward/std": float(valid.std()) if valid.numel() > 1 else 0.0,
@@ -316,14 +374,14 @@ class Trainer:
             "frac_reward_zero_std": float(zero_variance_groups(rewards, G).float().mean()),
             "rollout/tokens_generated": int(lens.sum()),
             "rollout/completion_len_mean": float(lens.mean()),
-            "rollout/truncated_frac": sum(r.finish_reason == "length" for r in rollouts) / len(rollouts),
+            "rollout/truncated_frac": sum(p["truncated"] for p in parts) / len(lens),
         }
-        m.update({f"reward/{k}": v for k, v in per_func.items()})
-        drafted = sum(r.n_drafted for r in rollouts)
+        m.update({f"reward/{k}": sum(v) / len(v) for k, v in per_func.items()})
+        drafted = sum(p["drafted"] for p in parts)
         if self.drafter is not None:
-            m["spec/reuse_ratio"] = sum(r.n_reused for r in rollouts) / max(1, int(lens.sum()))
+            m["spec/reuse_ratio"] = sum(p["reused"] for p in parts) / max(1, int(lens.sum()))
             if drafted:
-                m["rollout/spec_accept_rate"] = sum(r.n_accepted for r in rollouts) / drafted
+                m["rollout/spec_accept_rate"] = sum(p["accepted"] for p in parts) / drafted
             if hasattr(self.drafter, "metrics"):
                 for k, v in (self.drafter.metrics() or {}).items():
                     m[k if "/" in k else f"spec/{k}"] = v
@@ -361,10 +419,20 @@ class Trainer:
     def _autocast(self):
         return torch.autocast("cpu", dtype=torch.bfloat16, enabled=use_bf16(self.cfg.train.bf16))
 
+    def _advantages(self, rewards: torch.Tensor) -> torch.Tensor:
+        """Group advantages of this rank's rows; with data parallel they are computed over every rank's
+        rewards (gathered), which ``loss.scale_rewards=batch`` needs for its batch std."""
+        lc, G = self.cfg.loss, self.cfg.rollout.G
+        if not self.dist.active:
+            return group_advantages(rewards, G, lc.scale_rewards, lc.adv_eps)
+        every = self.dist.gather(rewards)
+        start = sum(len(r) for r in every[: self.dist.rank])
+        return group_advantages(torch.cat(every), G, lc.scale_rewards, lc.adv_eps)[start:start + len(rewards)]
+
     def update(self, rollouts: list[Rollout], rewards: torch.Tensor) -> dict:
         cfg, G = self.cfg, self.cfg.rollout.G
         batch = Batch.from_rollouts(rollouts)
-        adv = group_advantages(rewards, G, cfg.loss.scale_rewards, cfg.loss.adv_eps)
+        adv = self._advantages(rewards)
         keep = self._row_mask(batch, rewards)
         m: dict = {"timing/logprob": 0.0}
         all_rows = keep.nonzero().squeeze(1)
@@ -387,6 +455,15 @@ class Trainer:
                 rows = rows[keep[rows]]
                 self._optimizer_step(batch, rows, adv, old, ref, acc)
         m["timing/update"] = time.perf_counter() - t
+        if self.dist.active:  # the sums of every rank's rows (gn and n_opt are the same on every rank)
+            keys = ("clip", "kl", "w", "ent", "ntok", "loss", "rows")
+            tot = self.dist.sum_(torch.tensor([float(acc[k]) for k in keys] + [float(all_rows.numel())],
+                                              dtype=torch.float64))
+            acc.update(zip(keys, tot[:-1].tolist()))
+            acc["rows"] = int(acc["rows"])
+            n_rows = int(tot[-1])
+        else:
+            n_rows = int(all_rows.numel())
         m["actor/loss"] = acc["loss"] / max(1, acc["n_opt"])
         m["actor/n_optimizer_steps"] = acc["n_opt"]
         if acc["w"] > 0:
@@ -397,18 +474,31 @@ class Trainer:
             m["actor/entropy"] = acc["ent"] / acc["ntok"]
         if acc["gn"]:
             m["actor/grad_norm"] = sum(acc["gn"]) / len(acc["gn"])
-        m["actor/rows_in_loss"] = int(all_rows.numel())
+        m["actor/rows_in_loss"] = n_rows
         m["actor/rows_forwarded"] = acc["rows"]  # rows with a nonzero gradient, summed over optimizer steps
         return m
+
+    def _token_weights(self, batch: Batch, rows: torch.Tensor) -> torch.Tensor:
+        """``losses.token_weights`` of ``rows`` as part of the whole mini-batch: with data parallel, the mask
+        of every rank's rows is rebuilt from their lengths (gathered), so each aggregation normalises over
+        the global batch."""
+        lc = self.cfg.loss
+        mask = batch.cmask[rows]
+        if not self.dist.active:
+            return token_weights(mask, lc.type, self.cfg.rollout.max_new_tokens)
+        lens = self.dist.gather(batch.clen[rows].tolist())
+        every = torch.tensor([n for part in lens for n in part], dtype=torch.long)
+        width = max(mask.shape[1], int(every.max()) if every.numel() else 0)
+        w = token_weights((torch.arange(width)[None] < every[:, None]).float(), lc.type, self.cfg.rollout.max_new_tokens)
+        start = sum(len(part) for part in lens[: self.dist.rank])
+        return w[start:start + len(rows), : mask.shape[1]]
 
     def _optimizer_step(self, batch: Batch, rows: torch.Tensor, adv, old, ref, acc: dict) -> None:
         """One optimizer step on ``rows``; skipped (no step at all) when no row carries a gradient."""
         cfg = self.cfg
-        if rows.numel() == 0:
-            return
-        w_all = token_weights(batch.cmask[rows], cfg.loss.type, cfg.rollout.max_new_tokens)  # (r, C)
+        w_all = self._token_weights(batch, rows)  # (r, C)
         live = adv[rows] != 0 if cfg.loss.beta == 0 else torch.ones(len(rows), dtype=torch.bool)
-        if not bool(live.any()):
+        if not self.dist.any(bool(live.any())):  # every rank skips the step together
             return
         pos = live.nonzero().squeeze(1)
         acc["rows"] += len(pos)
@@ -416,7 +506,7 @@ class Trainer:
         pos = pos[torch.argsort(batch.clen[rows[pos]] + batch.plen[rows[pos]], stable=True)]
         self.opt.zero_grad(set_to_none=True)
         total = 0.0
-        for chunk in pos.split(cfg.train.micro_batch_size):
+        for chunk in pos.split(cfg.train.micro_batch_size) if len(pos) else ():  # a rank may have no live row
             r = rows[chunk]
             with self._autocast():
                 logp, ent = self._forward(self.model, batch, r, with_entropy=True)
@@ -429,6 +519,7 @@ class Trainer:
             acc["w"] += float(w.sum())
             acc["ent"] += float((ent * batch.cmask[r]).sum())
             acc["ntok"] += float(batch.cmask[r].sum())
+        self.dist.sum_grads(self.params)  # the global batch's gradient on every rank (weights are global)
         clip = cfg.train.grad_clip if cfg.train.grad_clip > 0 else float("inf")
         gn = torch.nn.utils.clip_grad_norm_(self.params, clip)
         self.opt.step()
@@ -440,33 +531,50 @@ class Trainer:
 
     # -- evaluation ---------------------------------------------------------------------------
     def evaluate(self) -> dict:
-        """pass@1 on the eval split: greedy by default (``train.eval_temperature``)."""
+        """pass@1 on the eval split: greedy by default (``train.eval_temperature``).
+
+        With data parallel each rank generates every N-th problem; rank 0 scores them all in the split's
+        order and returns the metrics (the other ranks return ``{}``)."""
         if self.eval_set is None or len(self.eval_set) == 0:
             return {}
         t = time.perf_counter()
         T = self.cfg.train.eval_temperature
         params = SamplingParams(temperature=T, max_new_tokens=self.cfg.rollout.max_new_tokens,
-                                seed=self.cfg.train.seed + 7)
-        rollouts = self.engine.generate(self.eval_set.ids, params, n=1)
-        texts = [self.decode(r.completion_ids.tolist()) for r in rollouts]
+                                seed=self.cfg.train.seed + 7 + self.dist.rank * 1_000_000_007)
+        mine = list(range(self.dist.rank, len(self.eval_set), self.dist.world))
+        rollouts = self.engine.generate(self.eval_set.take(mine).ids, params, n=1) if mine else []
+        done = self.dist.gather([(i, self.decode(r.completion_ids.tolist()), len(r.completion_ids))
+                                 for i, r in zip(mine, rollouts)])
+        if not self.dist.main:
+            return {}
+        rows = sorted(x for part in done for x in part)
+        texts = [text for _, text, _ in rows]
         rewards, per = call_reward(self.reward, self.eval_set.texts, texts, self.eval_set.columns)
         valid = rewards[~torch.isnan(rewards)]
         acc = per.get("accuracy", float(valid.mean()) if valid.numel() else float("nan"))
         return {"eval/accuracy": acc, "eval/reward_mean": float(valid.mean()) if valid.numel() else float("nan"),
-                "eval/completion_len": sum(len(r.completion_ids) for r in rollouts) / len(rollouts),
-                "eval/n": len(rollouts), "timing/eval": time.perf_counter() - t}
+                "eval/completion_len": sum(n for _, _, n in rows) / len(rows),
+                "eval/n": len(rows), "timing/eval": time.perf_counter() - t}
 
     # -- checkpoints --------------------------------------------------------------------------
-    def save(self) -> Path:
+    def save(self) -> Path | None:
+        """Write a checkpoint of step ``self.step`` (rank 0 only; every rank waits until it is written).
+        Returns its directory (``None`` on the other ranks)."""
         if self.run_dir is None:
             raise ValueError("the trainer has no run directory to save into")
+        if not self.dist.main:
+            self.dist.barrier()
+            return None
         state = {"data_position": self.step * self.cfg.train.prompts_per_step,
                  "rollout_seed_next": self.rollout_params(self.step).seed,
                  "policy_version": self.engine.policy_version}
-        return ckpt.save_checkpoint(
-            self.run_dir, self.step, model=self.model, optimizer=self.opt, scheduler=self.sched, state=state,
-            config_yaml=yaml.safe_dump(self.cfg.to_dict(), sort_keys=False), rng=ckpt.rng_state(),
-            drafter=self.drafter, keep_last=self.cfg.train.keep_last)
+        try:
+            return ckpt.save_checkpoint(
+                self.run_dir, self.step, model=self.model, optimizer=self.opt, scheduler=self.sched, state=state,
+                config_yaml=yaml.safe_dump(self.cfg.to_dict(), sort_keys=False), rng=ckpt.rng_state(),
+                drafter=self.drafter, keep_last=self.cfg.train.keep_last)
+        finally:
+            self.dist.barrier()
 
     def resume(self, path: str | Path) -> int:
         """Restore everything from a checkpoint directory; returns the step it was taken at."""
@@ -479,6 +587,8 @@ class Trainer:
 
     # -- the loop -----------------------------------------------------------------------------
     def _log(self, m: dict) -> None:
+        if not self.dist.main:
+            return
         self.metrics.append({"step": self.step, **m})
         if self.writer is not None:
             self.writer.write(self.step, m)

@@ -1,0 +1,199 @@
+"""Data parallel on torch.distributed (gloo, 2 CPU processes) against the one-process trainer.
+
+The naive reference for the distributed update is the one-process update on the union of the ranks'
+rows: the same parameters after the optimizer step and the same metrics, for every loss aggregation,
+with mini-batches, and when one rank has no row with a gradient at all.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as tdist
+import torch.multiprocessing as mp
+from test_trainer import decode, make_cfg, prompts, target_fraction, tiny_model
+
+from specroll.drafters.build import build_spec_drafter, reuse_of
+from specroll.engine.sampling import SamplingParams
+from specroll.rl import checkpoint as ckpt
+from specroll.rl.distributed import Dist
+from specroll.rl.trainer import Trainer
+
+WORLD = 2
+G = 4
+ACTOR = ("actor/loss", "actor/clip_ratio", "actor/entropy", "actor/grad_norm", "actor/rows_in_loss",
+         "actor/rows_forwarded", "actor/n_optimizer_steps", "actor/kl")
+
+# name -> (overrides, order of the 4 prompt groups in the one-process reference, reward pattern)
+CASES = {
+    "grpo": (["loss.type=grpo"], [0, 1, 2, 3], "distinct"),
+    "dapo": (["loss.type=dapo"], [0, 1, 2, 3], "distinct"),
+    "batch_std": (["loss.type=grpo", "loss.scale_rewards=batch"], [0, 1, 2, 3], "distinct"),
+    "dr_grpo": (["loss.type=dr_grpo", "train.micro_batch_size=3"], [0, 1, 2, 3], "distinct"),
+    # each rank's 2 groups split into 2 mini-batches: global mini-batch i = group i of every rank
+    "mini_batches": (["loss.type=dapo", "train.mini_batches=2"], [0, 2, 1, 3], "distinct"),
+    # rank 1's groups have zero variance: no gradient rows there, yet it must join every reduction
+    "idle_rank": (["loss.type=grpo"], [0, 1, 2, 3], "rank1_flat"),
+    "kl": (["loss.type=grpo", "loss.beta=0.05", "train.mu=2"], [0, 1, 2, 3], "distinct"),
+}
+
+
+def _rewards(rollouts, pattern: str) -> torch.Tensor:
+    r = torch.tensor(target_fraction(None, [decode(x.completion_ids.tolist()) for x in rollouts]))
+    r = r + torch.arange(len(rollouts)) * 0.01  # no accidental zero-variance group
+    if pattern == "rank1_flat":
+        r[len(rollouts) // 2:] = 0.5
+    return r
+
+
+def _rollouts():
+    tr = Trainer(make_cfg(), tiny_model(0), prompts(), None, target_fraction, decode, eos_ids=[0])
+    return tr.engine.generate(prompts().ids[:4], SamplingParams(temperature=1.0, max_new_tokens=8, seed=3), n=G)
+
+
+def _group_major(rollouts, order):
+    return [rollouts[g * G + j] for g in order for j in range(G)]
+
+
+def _join(rank: int, init_file: str) -> Dist:
+    torch.set_num_threads(1)
+    tdist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=WORLD)
+    return Dist(rank, WORLD)
+
+
+def _update_worker(rank, init_file, out, rollouts):
+    d = _join(rank, init_file)
+    res = {}
+    for name, (over, _, pattern) in CASES.items():
+        rewards = _rewards(rollouts, pattern)
+        # rank-dependent initial weights: the trainer must start every replica from rank 0's
+        tr = Trainer(make_cfg(*over), tiny_model(rank), prompts(), None, target_fraction, decode, eos_ids=[0], dist=d)
+        k = len(rollouts) // WORLD
+        m = tr.update(rollouts[rank * k:(rank + 1) * k], rewards[rank * k:(rank + 1) * k])
+        res[name] = {"params": [p.detach().clone() for p in tr.model.parameters()],
+                     "grads": [p.grad.clone() for p in tr.model.parameters()],  # the last optimizer step's
+                     "metrics": {a: float(m[a]) for a in ACTOR if a in m}}
+    torch.save(res, f"{out}/rank{rank}.pt")
+    tdist.destroy_process_group()
+
+
+def _spawn(fn, *args):
+    mp.start_processes(fn, args=args, nprocs=WORLD, start_method="spawn", join=True)
+
+
+def test_distributed_update_equals_one_process_update(tmp_path):
+    rollouts = _rollouts()
+    _spawn(_update_worker, str(tmp_path / "init"), str(tmp_path), rollouts)
+    ranks = [torch.load(tmp_path / f"rank{r}.pt", weights_only=True) for r in range(WORLD)]
+    for name, (over, order, pattern) in CASES.items():
+        tr = Trainer(make_cfg(*over), tiny_model(0), prompts(), None, target_fraction, decode, eos_ids=[0])
+        before = [p.detach().clone() for p in tr.model.parameters()]
+        m = tr.update(_group_major(rollouts, order), torch.stack(_group_major(_rewards(rollouts, pattern), order)))
+        assert m["actor/n_optimizer_steps"] >= 1, name
+        moved = max(float((a.detach() - b).abs().max()) for a, b in zip(tr.model.parameters(), before))
+        for r, res in enumerate(ranks):
+            got = res[name]
+            # the gradient is the direct check (Adam's first step is ~lr * sign(g), blind to its scale);
+            # parameters may differ by a few ulps of lr where a gradient entry is ~0 and its sign is noise
+            want = torch.cat([p.grad.flatten() for p in tr.model.parameters()])
+            err = float((torch.cat([g.flatten() for g in got["grads"]]) - want).norm() / want.norm())
+            one = m["actor/n_optimizer_steps"] == 1  # later steps start from parameters a few ulps apart
+            assert err < (1e-6 if one else 1e-4), (name, r, err)
+            for a, b in zip(got["params"], tr.model.parameters()):
+                torch.testing.assert_close(a, b.detach(), atol=2e-5 if one else 1e-4, rtol=0,
+                                           msg=f"{name} rank {r}: parameters differ")
+            for k, v in got["metrics"].items():
+                assert v == pytest.approx(float(m[k]), rel=1e-4, abs=1e-6), (name, r, k)
+            assert set(got["metrics"]) == {a for a in ACTOR if a in m}, name
+        assert moved > 1e-4, name  # the step did something, so the equality above is not trivial
+        for a, b in zip(ranks[0][name]["params"], ranks[1][name]["params"]):
+            assert torch.equal(a, b), name  # the replicas stay identical
+
+
+def _run_worker(rank, init_file, out):
+    """2 steps of ``fit`` with a checkpoint each step; then a fresh trainer resumes from step 1 and
+    retakes step 2; then rollout reuse over two epochs."""
+    d = _join(rank, init_file)
+    res = {}
+    cfg = make_cfg("train.steps=2", "train.save_every=1", "train.eval_before=true")
+    tr = Trainer(cfg, tiny_model(0), prompts(), prompts(5), target_fraction, decode, eos_ids=[0],
+                 run_dir=f"{out}/run", dist=d)
+    rows = tr.fit()
+    last = [p.detach().clone() for p in tr.model.parameters()]
+    res["fit_rows"] = len(rows)
+    res["params"] = last
+    # resume from step 1 into a differently initialised replica: everything must come from disk
+    again = Trainer(cfg, tiny_model(123), prompts(), None, target_fraction, decode, eos_ids=[0], dist=d)
+    res["resumed_at"] = again.resume(f"{out}/run/step_000001")
+    m2 = again.train_step()
+    res["resume_equal"] = all(torch.equal(a, b) for a, b in zip(again.model.parameters(), last))
+    res["step2_reward"] = m2["reward/mean"]
+    res["step2_loss"] = m2["actor/loss"]
+    # reuse: 8 prompts, 4 per step, so each epoch is 2 steps and every rank sees other ranks' old prompts
+    rcfg = make_cfg("reuse.mode=lenient", "reuse.lenience=inf")
+    model = tiny_model(0)
+    drafter = build_spec_drafter(rcfg, model, prompts().ids, [0], log=lambda *a: None)
+    rt = Trainer(rcfg, model, prompts(), None, target_fraction, decode, eos_ids=[0], drafter=drafter, dist=d)
+    ms = [rt.train_step() for _ in range(3)]
+    res["store"] = len(reuse_of(drafter).store)
+    res["reuse_ratio"] = [m["spec/reuse_ratio"] for m in ms]
+    res["tokens"] = [m["rollout/tokens_generated"] for m in ms]
+    torch.save(res, f"{out}/run{rank}.pt")
+    tdist.destroy_process_group()
+
+
+def test_distributed_fit_checkpoints_resume_and_shared_reuse_store(tmp_path):
+    _spawn(_run_worker, str(tmp_path / "init"), str(tmp_path))
+    r0, r1 = (torch.load(tmp_path / f"run{r}.pt", weights_only=True) for r in range(WORLD))
+    # rank 0 logs (base eval + 2 steps) and writes the checkpoints; the others log nothing
+    assert (r0["fit_rows"], r1["fit_rows"]) == (3, 0)
+    lines = (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
+    assert len(lines) == 3 and "eval/accuracy" in lines[0] and '"eval/n": 5' in lines[-1]
+    assert [p.name for p in ckpt.list_checkpoints(tmp_path / "run")] == ["step_000001", "step_000002"]
+    for a, b in zip(r0["params"], r1["params"]):
+        assert torch.equal(a, b)
+    # a resumed distributed run retakes step 2 exactly: same data shard, rollout seeds and update
+    assert r0["resumed_at"] == r1["resumed_at"] == 1
+    assert r0["resume_equal"] and r1["resume_equal"]
+    step2 = [r for r in map(__import__("json").loads, lines) if r.get("step") == 2][0]
+    assert r0["step2_reward"] == pytest.approx(step2["reward/mean"]) and r0["step2_loss"] == pytest.approx(
+        step2["actor/loss"])
+    # both stores hold all 8 prompts x G after one epoch; epoch 2 (step 3) reuses every token at lenience inf
+    assert r0["store"] == r1["store"] == 8 * G
+    assert r0["reuse_ratio"][:2] == [0.0, 0.0] and r0["reuse_ratio"][2] == r1["reuse_ratio"][2] == 1.0
+    assert r0["tokens"][2] == 0
+
+
+def test_data_parallel_refuses_what_it_cannot_split():
+    with pytest.raises(ValueError, match="multiple of 2"):
+        from specroll.rl.trainer import _check_data_parallel
+
+        _check_data_parallel(make_cfg("train.prompts_per_step=3"), Dist(0, 2), None)
+    with pytest.raises(ValueError, match="mini_batches=3 exceeds the 2 prompt groups"):
+        _check_data_parallel(make_cfg("train.mini_batches=3"), Dist(1, 2), None)
+    with pytest.raises(ValueError, match="outside a world"):
+        Dist(2, 2)
+    assert Dist(1, 2).shard(list(range(6))) == [3, 4, 5] and Dist().shard([1, 2]) == [1, 2]
+    with pytest.raises(ValueError, match="evenly"):
+        Dist(0, 2).shard([1, 2, 3])
+
+
+def test_cli_train_nproc_2(tmp_path, capsys):
+    from specroll.cli import main
+
+    common = ["model.name=tiny-llama", "rollout.max_new_tokens=6", "data.n_train=16", "data.n_eval=4",
+              "train.prompts_per_step=2", "rollout.G=2", "model.rollout_dtype=float32"]
+    out = tmp_path / "run"
+    assert main(["train", "--nproc", "2", "--preset", "quick", "--out", str(out), "train.steps=2", *common]) == 0
+    lines = (out / "metrics.jsonl").read_text().splitlines()
+    assert len(lines) == 3 and [p.name for p in ckpt.list_checkpoints(out)] == ["step_000002"]
+    assert main(["train", "--nproc", "2", "--out", str(out), "--resume", "latest", "train.steps=3"]) == 0
+    assert [p.name for p in ckpt.list_checkpoints(out)] == ["step_000002", "step_000003"]
+    capsys.readouterr()
+    # bad input: refused before any process starts, in one line
+    assert main(["train", "--nproc", "2", "--out", str(tmp_path / "x"), *common, "train.prompts_per_step=3"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("cannot be split between 2 processes") == 1 and "Traceback" not in err
+    assert not (tmp_path / "x").exists()
+    assert main(["train", "--nproc", "0"]) == 2
+    assert "--nproc must be >= 1" in capsys.readouterr().err
