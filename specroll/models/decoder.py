@@ -446,6 +446,19 @@ class Decoder(nn.Module):
     def num_params(self) -> int:
         return sum(p.numel() for p in self.parameters())
 
+    def drop_packed(self) -> None:
+        """Forget every packed copy of the weights (each linear's oneDNN / skinny-kernel panels and the fused
+        layer list), so the next no-grad forward re-packs from the parameters.
+
+        The copies are keyed by the parameters' version counters, which in-place updates normally bump. Not
+        all do: torch's fused AdamW on CPU (``fused=True``, the default optimizer of transformers' Trainer and
+        so of TRL) rewrites the parameters without bumping them (torch 2.13), and the engine would go on
+        sampling from the weights of before the step. Whoever updates weights that way calls this after."""
+        for m in self.modules():
+            if isinstance(m, FastLinear):
+                m._packed = {}
+        self.__dict__.pop("_fused_hit", None)
+
 
 # --- HF weight loading ------------------------------------------------------------------------
 
