@@ -73,6 +73,14 @@ def _update_worker(rank, init_file, out, rollouts):
         res[name] = {"params": [p.detach().clone() for p in tr.model.parameters()],
                      "grads": [p.grad.clone() for p in tr.model.parameters()],  # the last optimizer step's
                      "metrics": {a: float(m[a]) for a in ACTOR if a in m}}
+    # a replica that already packed its inference weights (a no-grad forward) before the trainer broadcast
+    # rank 0's weights into it must sample from the broadcast ones
+    model = tiny_model(rank)
+    with torch.no_grad():
+        model(torch.tensor([[1, 2, 3]]), torch.arange(3)[None])
+    tr = Trainer(make_cfg(), model, prompts(), None, target_fraction, decode, eos_ids=[0], dist=d)
+    got = tr.engine.generate(prompts().ids[:2], SamplingParams(temperature=1.0, max_new_tokens=8, seed=9), n=2)
+    res["sampled"] = [r.completion_ids for r in got] + [r.logprobs for r in got]
     torch.save(res, f"{out}/rank{rank}.pt")
     tdist.destroy_process_group()
 
@@ -108,6 +116,8 @@ def test_distributed_update_equals_one_process_update(tmp_path):
         assert moved > 1e-4, name  # the step did something, so the equality above is not trivial
         for a, b in zip(ranks[0][name]["params"], ranks[1][name]["params"]):
             assert torch.equal(a, b), name  # the replicas stay identical
+    for a, b in zip(ranks[0]["sampled"], ranks[1]["sampled"]):
+        assert torch.equal(a, b)
 
 
 def _run_worker(rank, init_file, out):

@@ -253,6 +253,8 @@ class Trainer:
         if dist.active:
             _check_data_parallel(cfg, dist, drafter)
             dist.broadcast_params(model)  # every replica starts from rank 0's weights
+            if hasattr(model, "drop_packed"):  # c10d writes do not bump version counters: re-pack from them
+                model.drop_packed()
         self.model = model
         self.train_set, self.eval_set = train_set, eval_set
         self.reward, self.decode, self.drafter = reward, decode, drafter
@@ -456,6 +458,7 @@ class Trainer:
                 self._optimizer_step(batch, rows, adv, old, ref, acc)
         m["timing/update"] = time.perf_counter() - t
         if self.dist.active:  # the sums of every rank's rows (gn and n_opt are the same on every rank)
+            m["timing/grad_sync"] = acc.get("sync", 0.0)  # part of timing/update: waiting for + summing gradients
             keys = ("clip", "kl", "w", "ent", "ntok", "loss", "rows")
             tot = self.dist.sum_(torch.tensor([float(acc[k]) for k in keys] + [float(all_rows.numel())],
                                               dtype=torch.float64))
@@ -519,7 +522,9 @@ class Trainer:
             acc["w"] += float(w.sum())
             acc["ent"] += float((ent * batch.cmask[r]).sum())
             acc["ntok"] += float(batch.cmask[r].sum())
+        t = time.perf_counter()
         self.dist.sum_grads(self.params)  # the global batch's gradient on every rank (weights are global)
+        acc["sync"] = acc.get("sync", 0.0) + time.perf_counter() - t
         clip = cfg.train.grad_clip if cfg.train.grad_clip > 0 else float("inf")
         gn = torch.nn.utils.clip_grad_norm_(self.params, clip)
         self.opt.step()
