@@ -81,6 +81,12 @@ def _update_worker(rank, init_file, out, rollouts):
     tr = Trainer(make_cfg(), model, prompts(), None, target_fraction, decode, eos_ids=[0], dist=d)
     got = tr.engine.generate(prompts().ids[:2], SamplingParams(temperature=1.0, max_new_tokens=8, seed=9), n=2)
     res["sampled"] = [r.completion_ids for r in got] + [r.logprobs for r in got]
+    # gradient averaging over the ranks that had data (the online head's steps)
+    p = torch.nn.Parameter(torch.zeros(3))
+    p.grad = torch.full((3,), float(2 * rank + 1))  # 1 and 3
+    res["mean_both"] = (d.mean_grads([p], True), p.grad.clone())
+    p.grad = torch.full((3,), 5.0) if rank == 0 else None
+    res["mean_one"] = (d.mean_grads([p], rank == 0), p.grad.clone())
     torch.save(res, f"{out}/rank{rank}.pt")
     tdist.destroy_process_group()
 
@@ -118,6 +124,9 @@ def test_distributed_update_equals_one_process_update(tmp_path):
             assert torch.equal(a, b), name  # the replicas stay identical
     for a, b in zip(ranks[0]["sampled"], ranks[1]["sampled"]):
         assert torch.equal(a, b)
+    for res in ranks:
+        assert res["mean_both"][0] == 2 and torch.equal(res["mean_both"][1], torch.full((3,), 2.0))
+        assert res["mean_one"][0] == 1 and torch.equal(res["mean_one"][1], torch.full((3,), 5.0))
 
 
 def _run_worker(rank, init_file, out):
@@ -148,6 +157,20 @@ def _run_worker(rank, init_file, out):
     res["store"] = len(reuse_of(drafter).store)
     res["reuse_ratio"] = [m["spec/reuse_ratio"] for m in ms]
     res["tokens"] = [m["rollout/tokens_generated"] for m in ms]
+    # the draft head learning online: one head for both ranks, trained on both ranks' rollouts
+    ocfg = make_cfg("draft.head=random", "draft.online=true", "draft.vocab=16", "draft.plan=static",
+                    "draft.n_verify=6", "draft.k=2", "draft.depth=3", "draft.lr=1e-2", "draft.update_steps=2")
+    model = tiny_model(0)
+    drafter = build_spec_drafter(ocfg, model, prompts().ids, [0], log=None)
+    with torch.no_grad():  # rank-dependent starting heads: the trainer must share rank 0's
+        for q in drafter.head.parameters():
+            q.add_(0.5 * rank)
+    ot = Trainer(ocfg, model, prompts(), None, target_fraction, decode, eos_ids=[0], drafter=drafter, dist=d)
+    start = {k: v.clone() for k, v in drafter.head.state_dict().items()}
+    om = [ot.train_step() for _ in range(2)]
+    res["online_start"], res["online_head"] = start, {k: v.clone() for k, v in drafter.head.state_dict().items()}
+    res["online_updates"] = drafter.learner.updates
+    res["online_loss"] = [m.get("draft/loss") for m in om]
     torch.save(res, f"{out}/run{rank}.pt")
     tdist.destroy_process_group()
 
@@ -172,15 +195,21 @@ def test_distributed_fit_checkpoints_resume_and_shared_reuse_store(tmp_path):
     assert r0["store"] == r1["store"] == 8 * G
     assert r0["reuse_ratio"][:2] == [0.0, 0.0] and r0["reuse_ratio"][2] == r1["reuse_ratio"][2] == 1.0
     assert r0["tokens"][2] == 0
+    # online head: the same start and the same learned head on both ranks, and it did learn
+    assert r0["online_updates"] == r1["online_updates"] == 4
+    for k, v in r0["online_head"].items():
+        assert torch.equal(v, r1["online_head"][k]) and torch.equal(r0["online_start"][k], r1["online_start"][k]), k
+    assert not torch.equal(r0["online_head"]["fc.weight"], r0["online_start"]["fc.weight"])
+    assert all(x is not None for x in r0["online_loss"] + r1["online_loss"])
 
 
 def test_data_parallel_refuses_what_it_cannot_split():
     with pytest.raises(ValueError, match="multiple of 2"):
         from specroll.rl.trainer import _check_data_parallel
 
-        _check_data_parallel(make_cfg("train.prompts_per_step=3"), Dist(0, 2), None)
+        _check_data_parallel(make_cfg("train.prompts_per_step=3"), Dist(0, 2))
     with pytest.raises(ValueError, match="mini_batches=3 exceeds the 2 prompt groups"):
-        _check_data_parallel(make_cfg("train.mini_batches=3"), Dist(1, 2), None)
+        _check_data_parallel(make_cfg("train.mini_batches=3"), Dist(1, 2))
     with pytest.raises(ValueError, match="outside a world"):
         Dist(2, 2)
     assert Dist(1, 2).shard(list(range(6))) == [3, 4, 5] and Dist().shard([1, 2]) == [1, 2]

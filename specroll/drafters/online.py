@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
+from collections.abc import Callable
 
 import torch
 
@@ -63,6 +64,9 @@ class OnlineLearner:
         self.rollouts = 0  # rollouts collected
         self.updates = 0  # AdamW steps taken
         self.last: dict = {}
+        # data parallel (rl/distributed.py): ``grad_sync(params, has_data) -> ranks with data`` averages the head's
+        # gradients over the ranks before each step; every rank then takes the same steps
+        self.grad_sync: Callable[[list, bool], int] | None = None
         self.start()
 
     # -- collection -------------------------------------------------------------------------------
@@ -133,7 +137,9 @@ class OnlineLearner:
 
     # -- learning -----------------------------------------------------------------------------------
     def due(self) -> bool:
-        return (bool(self.buffer) and self.rollouts >= self.cfg.first_update()
+        """An update is due. With ``grad_sync`` it does not ask for a filled buffer, so that every rank (whose
+        rollout counts agree) enters ``update`` together; a rank without pairs contributes no gradient there."""
+        return ((bool(self.buffer) or self.grad_sync is not None) and self.rollouts >= self.cfg.first_update()
                 and self.rollouts % self.cfg.update_every == 0)
 
     def lr_at(self, i: int) -> float:
@@ -145,30 +151,37 @@ class OnlineLearner:
     def update(self, policy) -> dict:
         """``update_steps`` AdamW steps over the buffer (policy frozen). Returns mean loss / top1."""
         pool = [s for part in self.buffer for s in part]
-        if not pool:
+        if not pool and self.grad_sync is None:
             return {}
         lm = DraftVocab(policy, self.head.vocab_ids)  # frozen: no gradient reaches the policy
         self.head.train()
         losses, top1, tv = [], [], []
         for _ in range(self.cfg.update_steps):
-            idx = torch.randperm(len(pool), generator=self.gen)[: self.cfg.batch].tolist()
-            ids, H, valid = _batch([pool[i][0] for i in idx], [pool[i][1] for i in idx], list(range(len(idx))),
-                                   [pool[i][2] for i in idx])  # completion targets only, as offline
-            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=use_bf16(self.cfg.bf16)):
-                loss, info = head_loss(self.head, lm, policy.embed, ids, H, valid, self.loss_cfg)
             self.opt.zero_grad(set_to_none=True)
-            loss.backward()
+            if pool:
+                idx = torch.randperm(len(pool), generator=self.gen)[: self.cfg.batch].tolist()
+                ids, H, valid = _batch([pool[i][0] for i in idx], [pool[i][1] for i in idx], list(range(len(idx))),
+                                       [pool[i][2] for i in idx])  # completion targets only, as offline
+                with torch.autocast("cpu", dtype=torch.bfloat16, enabled=use_bf16(self.cfg.bf16)):
+                    loss, info = head_loss(self.head, lm, policy.embed, ids, H, valid, self.loss_cfg)
+                loss.backward()
+            if self.grad_sync is not None and not self.grad_sync(self.params, bool(pool)):
+                break  # no rank had pairs
             torch.nn.utils.clip_grad_norm_(self.params, 1.0)
             for g in self.opt.param_groups:  # the first AdamW steps move every weight by ~lr whatever the gradient
                 g["lr"] = self.lr_at(self.updates)
             self.opt.step()
             self.updates += 1
+            if not pool:
+                continue
             losses.append(float(loss.detach()))
             top1.append(info["top1"])
             if "tv" in info:
                 tv.append(info["tv"])
         self.opt.zero_grad(set_to_none=True)
         self.head.eval()
+        if not losses:
+            return {}
         self.last = {"draft/loss": sum(losses) / len(losses), "draft/top1": sum(top1) / len(top1),
                      "draft/loss_first": losses[0], "draft/loss_last": losses[-1]}
         if tv:  # w_tv > 0: a depth-1 sampled draft's mean rejection probability on the update batches

@@ -13,7 +13,9 @@ at once:
 
 The result is the single-process update on the union of the ranks' rows, up to floating-point summation
 order (``tests/test_distributed.py`` checks it for every aggregation and for mini-batches). Rank 0
-writes metrics and checkpoints; the others wait at a barrier.
+writes metrics and checkpoints; the others wait at a barrier. Rollout reuse: every rank's store also
+gets the other ranks' completions. An online draft head: broadcast once, then each of its AdamW steps
+averages the head's gradients over the ranks (``mean_grads``).
 
 Launch: ``specroll train --nproc N`` (re-launches itself through ``torch.distributed.run``), or
 ``torchrun --nproc-per-node N -m specroll train ...`` for several machines. Outside such a launcher
@@ -77,17 +79,34 @@ class Dist:
                 p.grad = torch.zeros_like(p)
             dist.all_reduce(p.grad, op=dist.ReduceOp.SUM)
 
+    def mean_grads(self, params: Sequence[torch.nn.Parameter], has_data: bool) -> int:
+        """Average every parameter's ``.grad`` over the ranks that had data (``has_data``; the others pass
+        zeros). Returns how many had data (0: nobody did, and the caller skips its step). For learners whose
+        loss is a mean over each rank's own batch, e.g. the online draft head."""
+        if not self.active:
+            return int(has_data)
+        n = int(self.sum_(torch.tensor([int(has_data)]))[0])
+        self.sum_grads(params)
+        if n > 1:
+            for p in params:
+                p.grad.div_(n)
+        return n
+
     def any(self, flag: bool) -> bool:
         """True if ``flag`` is true on any rank."""
         return bool(self.sum_(torch.tensor([int(flag)]))[0]) if self.active else flag
 
     def broadcast_params(self, module: torch.nn.Module) -> None:
-        """Rank 0's parameters and buffers into every rank's replica."""
+        """Rank 0's parameters and buffers into every rank's replica. Written with an in-place copy, which
+        bumps each tensor's version counter (a c10d write into it would not), so caches keyed on those
+        counters (the decoder's packed weights) see the change."""
         if not self.active:
             return
         with torch.no_grad():
             for t in list(module.parameters()) + list(module.buffers()):
-                dist.broadcast(t.data, src=0)
+                buf = t.detach().clone()
+                dist.broadcast(buf, src=0)
+                t.copy_(buf)
 
     def barrier(self) -> None:
         if self.active:

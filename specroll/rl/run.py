@@ -180,7 +180,7 @@ def _check_splittable(cfg: Config, nproc: int) -> None:
     from .trainer import _check_data_parallel
 
     try:
-        _check_data_parallel(cfg, Dist(0, nproc), None)
+        _check_data_parallel(cfg, Dist(0, nproc))
     except ValueError as e:
         raise CliError(str(e)) from None
 

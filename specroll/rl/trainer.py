@@ -203,10 +203,8 @@ def shared_prompt_logprobs(model, batch: Batch, rows: torch.Tensor, group: torch
     return _pad_to_batch(token_logprobs(model, h, cids, valid, with_entropy), batch)
 
 
-def _check_data_parallel(cfg, dist: Dist, drafter) -> None:
+def _check_data_parallel(cfg, dist: Dist) -> None:
     """What data parallel cannot split, refused before any work with the setting to change."""
-    from ..drafters.build import eagle_of
-
     tc, w = cfg.train, dist.world
     if tc.prompts_per_step % w:
         raise ValueError(f"train.prompts_per_step={tc.prompts_per_step} cannot be split between {w} processes "
@@ -214,10 +212,19 @@ def _check_data_parallel(cfg, dist: Dist, drafter) -> None:
     if tc.mini_batches > tc.prompts_per_step // w:
         raise ValueError(f"train.mini_batches={tc.mini_batches} exceeds the {tc.prompts_per_step // w} prompt groups "
                          f"each of {w} processes holds: lower it or raise train.prompts_per_step")
+
+
+def _share_online_head(drafter, dist: Dist) -> None:
+    """Data parallel with ``draft.online``: one head for all ranks. Rank 0's head is broadcast, and each
+    online AdamW step averages the head's gradients over the ranks (each rank's batch comes from its own
+    rollouts), so the heads stay identical."""
+    from ..drafters.build import eagle_of
+
     eagle = eagle_of(drafter)
-    if eagle is not None and getattr(eagle, "learner", None) is not None:
-        raise ValueError(f"draft.online=true learns the draft head from one process's rollouts; with {w} processes "
-                         "each would learn its own head: set draft.online=false or run one process")
+    learner = getattr(eagle, "learner", None)
+    if learner is not None:
+        dist.broadcast_params(eagle.head)
+        learner.grad_sync = dist.mean_grads
 
 
 def lr_lambda(warmup: int, total: int, cosine: bool, min_ratio: float) -> Callable[[int], float]:
@@ -251,10 +258,9 @@ class Trainer:
         self.cfg = cfg
         self.dist = dist = dist if dist is not None else Dist()
         if dist.active:
-            _check_data_parallel(cfg, dist, drafter)
+            _check_data_parallel(cfg, dist)
             dist.broadcast_params(model)  # every replica starts from rank 0's weights
-            if hasattr(model, "drop_packed"):  # c10d writes do not bump version counters: re-pack from them
-                model.drop_packed()
+            _share_online_head(drafter, dist)
         self.model = model
         self.train_set, self.eval_set = train_set, eval_set
         self.reward, self.decode, self.drafter = reward, decode, drafter
