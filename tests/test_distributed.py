@@ -157,6 +157,7 @@ def _run_worker(rank, init_file, out):
     res["store"] = len(reuse_of(drafter).store)
     res["reuse_ratio"] = [m["spec/reuse_ratio"] for m in ms]
     res["tokens"] = [m["rollout/tokens_generated"] for m in ms]
+    res["completion_tokens"] = [m["rollout/completion_len_mean"] * 4 * G for m in ms]  # both ranks' 4 x G rows
     # the draft head learning online: one head for both ranks, trained on both ranks' rollouts
     ocfg = make_cfg("draft.head=random", "draft.online=true", "draft.vocab=16", "draft.plan=static",
                     "draft.n_verify=6", "draft.k=2", "draft.depth=3", "draft.lr=1e-2", "draft.update_steps=2")
@@ -194,7 +195,10 @@ def test_distributed_fit_checkpoints_resume_and_shared_reuse_store(tmp_path):
     # both stores hold all 8 prompts x G after one epoch; epoch 2 (step 3) reuses every token at lenience inf
     assert r0["store"] == r1["store"] == 8 * G
     assert r0["reuse_ratio"][:2] == [0.0, 0.0] and r0["reuse_ratio"][2] == r1["reuse_ratio"][2] == 1.0
-    assert r0["tokens"][2] == 0
+    assert r0["tokens"][2] == r1["tokens"][2] == 0
+    # the reuse drafter's token count covers both ranks, like the rest of the step metrics
+    assert r0["tokens"][0] == r1["tokens"][0] == pytest.approx(r0["completion_tokens"][0])
+    assert r0["tokens"][0] > 0
     # online head: the same start and the same learned head on both ranks, and it did learn
     assert r0["online_updates"] == r1["online_updates"] == 4
     for k, v in r0["online_head"].items():

@@ -203,6 +203,20 @@ def shared_prompt_logprobs(model, batch: Batch, rows: torch.Tensor, group: torch
     return _pad_to_batch(token_logprobs(model, h, cids, valid, with_entropy), batch)
 
 
+# drafter figures that are counts over the step's rows: summed over the ranks (the others are averaged)
+_RANK_SUMS = ("rollout/tokens_generated", "draft/pairs", "draft/rows_dropped")
+
+
+def _across_ranks(parts: list[dict]) -> dict:
+    """Every rank's drafter metrics as one: counts summed, rates and times averaged over the ranks that
+    report them (rank 0's key order)."""
+    out = {}
+    for k in dict.fromkeys(k for p in parts for k in p):
+        vals = [float(p[k]) for p in parts if k in p]
+        out[k] = sum(vals) if k in _RANK_SUMS else sum(vals) / len(vals)
+    return out
+
+
 def _check_data_parallel(cfg, dist: Dist) -> None:
     """What data parallel cannot split, refused before any work with the setting to change."""
     tc, w = cfg.train, dist.world
@@ -391,7 +405,10 @@ class Trainer:
             if drafted:
                 m["rollout/spec_accept_rate"] = sum(p["accepted"] for p in parts) / drafted
             if hasattr(self.drafter, "metrics"):
-                for k, v in (self.drafter.metrics() or {}).items():
+                dm = self.drafter.metrics() or {}
+                if self.dist.active:
+                    dm = _across_ranks(self.dist.gather(dm))
+                for k, v in dm.items():
                     m[k if "/" in k else f"spec/{k}"] = v
         return m
 
