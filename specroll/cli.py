@@ -201,7 +201,8 @@ def _report(sub):
 
 
 def _bench_e2e(s):
-    b = s.add_parser("e2e", help="GRPO steps: specroll's trainer vs TRL's GRPOTrainer (if installed)")
+    b = s.add_parser("e2e", help="GRPO steps: specroll's trainer vs TRL's GRPOTrainer (if installed), plain and "
+                     "generating with specroll's engine (trl+specroll)")
     b.add_argument("--model", default="smollm2-135m")
     b.add_argument("--prompts-per-step", type=int, default=4)
     b.add_argument("--generations", type=int, default=8)
@@ -211,13 +212,19 @@ def _bench_e2e(s):
     b.add_argument("--epochs", type=int, default=3, help="passes over --prompts (steps = epochs x prompts / per step)")
     b.add_argument("--steps", type=int, default=None, help="GRPO steps per row (overrides --epochs)")
     b.add_argument("--dtype", default="float32", choices=["auto", "float32", "bfloat16"],
-                   help="both systems: bfloat16 = bf16 rollouts + bf16 autocast (TRL: bf16=True)")
-    b.add_argument("--systems", default="specroll,trl")
+                   help="every system: bfloat16 = bf16 rollouts + bf16 autocast (TRL rows: bf16=True); "
+                   "float32 = fp32 throughout (TRL rows: bf16=False)")
+    b.add_argument("--systems", default="specroll,trl",
+                   help="comma-separated: specroll (a row per --spec mode), trl (TRL's GRPOTrainer), trl+specroll "
+                   "(the same GRPOTrainer with rollout_func=specroll_rollout_func: specroll's engine generates)")
     b.add_argument("--spec", default="off", help="specroll rows, comma-separated: off, reuse, draft, reuse+draft")
     b.add_argument("--draft", default="random", help="draft head of the draft modes: a `specroll draft train` "
                    "directory, or random (a fresh head; add draft.online=true to let it learn)")
     b.add_argument("--reuse-mode", default="lenient", choices=["lenient", "exact"], help="rule of the reuse modes")
     b.add_argument("--lenience", type=float, default=None, help="lenient reuse's l (default: reuse.lenience's)")
+    b.add_argument("--trl-reuse", default=None, choices=["off", "lenient", "exact"],
+                   help="the trl+specroll row's rollout reuse across epochs (specroll_rollout_func(reuse=...)); "
+                   "default off")
     b.add_argument("--warmup", type=int, default=1,
                    help="untimed GRPO steps of a throwaway trainer before any timed row (the first update of a "
                    "process pays one-off costs); 0 = none")

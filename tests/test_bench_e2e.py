@@ -1,10 +1,13 @@
 """`specroll bench e2e --spec ...`: one specroll row per speculation mode over repeated epochs of the same
-prompts, speedups against off (and TRL), reward curves and the figure; argument errors are one line."""
+prompts, speedups against off (and TRL), reward curves and the figure; the TRL rows (``trl`` and
+``trl+specroll``, TRL's GRPOTrainer generating with specroll's engine); argument errors are one line."""
 
 from __future__ import annotations
 
 import json
 import math
+import statistics
+import sys
 
 import pytest
 
@@ -50,14 +53,81 @@ def test_bench_e2e_spec_modes_rows_ratios_and_figure(tmp_path, capsys):
 def test_ratios_against_trl():
     res = {"rows": [{"system": "specroll", "spec": "off", "step_s_median": 4.0, "reward_mean_per_step": [0.1]},
                     {"system": "specroll", "spec": "reuse+draft", "step_s_median": 1.0, "reward_mean_per_step": [0.2]},
-                    {"system": "trl", "spec": "off", "step_s_median": 10.0, "reward_mean_per_step": [0.3]}]}
+                    {"system": "trl", "spec": "off", "step_s_median": 10.0, "reward_mean_per_step": [0.3]},
+                    {"system": "trl+specroll", "spec": "off", "step_s_median": 8.0, "reward_mean_per_step": [0.4]}]}
     e2e.add_ratios(res)
-    off, comb, trl = res["rows"]
+    off, comb, trl, trl_spec = res["rows"]
     assert (off["speedup_vs_off"], comb["speedup_vs_off"], trl["speedup_vs_off"]) == (1.0, 4.0, 0.4)
     assert (off["speedup_vs_trl"], comb["speedup_vs_trl"], trl["speedup_vs_trl"]) == (2.5, 10.0, 1.0)
+    assert (trl_spec["speedup_vs_trl"], trl_spec["speedup_vs_off"]) == (1.25, 0.5)  # TRL's median over its own
     assert res["speedup_vs_trl"] == 2.5  # the off row's, as before the spec modes existed
     assert res["best"] == {"spec": "reuse+draft", "step_s_median": 1.0, "speedup_vs_off": 4.0, "speedup_vs_trl": 10.0}
-    assert res["reward_curves"] == {"off": [0.1], "reuse+draft": [0.2], "trl": [0.3]}
+    assert res["reward_curves"] == {"off": [0.1], "reuse+draft": [0.2], "trl": [0.3], "trl+specroll": [0.4]}
+
+
+ROW_KEYS = {"system", "spec", "step_s_median", "tokens_per_step", "phases", "step_s_all", "phases_all",
+            "reward_mean_per_step", "speedup_vs_off", "speedup_vs_trl"}
+TRL_KEYS = ROW_KEYS | {"bf16", "step_s_median_after_epoch1"}
+TRL_SPECROLL_KEYS = TRL_KEYS | {"rollout_s", "rollout_s_all", "rollout_func", "reuse_mode", "spec_metrics_per_step"}
+
+
+def trl_bench(tmp_path, extra, name="e2e"):
+    pytest.importorskip("trl")
+    out = tmp_path / f"{name}.json"
+    assert main(COMMON + ["--epochs", "2", "--warmup", "0", *extra, "--out", str(out)]) == 0
+    return json.loads(out.read_text())
+
+
+@pytest.mark.usefixtures("one_thread")
+def test_trl_specroll_row_is_trl_with_specrolls_rollout_func(tmp_path, capsys):
+    res = trl_bench(tmp_path, ["--systems", "specroll,trl,trl+specroll"])
+    assert [r["system"] for r in res["rows"]] == ["specroll", "trl", "trl+specroll"]
+    assert res["config"]["systems"] == ["specroll", "trl", "trl+specroll"] and "trl_missing" not in res
+    ours, trl, row = res["rows"]
+    assert TRL_KEYS <= set(trl) and "rollout_s" not in trl and "spec_metrics_per_step" not in trl
+    assert TRL_SPECROLL_KEYS <= set(row), TRL_SPECROLL_KEYS - set(row)
+    # the same GRPOTrainer set-up: fp32 training (not GRPOConfig's bf16=True default) in both TRL rows
+    assert trl["bf16"] is row["bf16"] is False
+    assert row["rollout_func"] == {"dtype": "float32", "reuse": None} and (row["spec"], row["reuse_mode"]) == ("off", None)
+    for r in (trl, row):
+        assert len(r["step_s_all"]) == len(r["reward_mean_per_step"]) == 2
+        assert r["step_s_median"] > 0 and all(t > 0 for t in r["step_s_all"])
+        assert 0 < r["tokens_per_step"] <= 2 * 2 * 6
+        assert set(r["phases"]) == set(e2e.PHASES) and r["phases"]["rollout"] > 0
+        assert r["speedup_vs_trl"] == pytest.approx(trl["step_s_median"] / r["step_s_median"])
+        assert r["speedup_vs_off"] == pytest.approx(ours["step_s_median"] / r["step_s_median"])
+        assert res["reward_curves"][r["system"]] == r["reward_mean_per_step"]
+    # the rollout_func really generated: its logged figures, one per step, account for every completion token
+    sm = row["spec_metrics_per_step"]
+    assert all(t > 0 for t in sm["specroll/tokens"])
+    assert statistics.mean(sm["specroll/tokens"]) == pytest.approx(row["tokens_per_step"])
+    assert all(t > 0 for t in sm["specroll/rollout_s"])  # the integration's own timing, as TRL logged it
+    assert row["rollout_s_all"] == [round(t, 3) for t in sm["specroll/rollout_s"]]
+    assert row["rollout_s"] == pytest.approx(statistics.median(sm["specroll/rollout_s"]))
+    assert 0 < row["rollout_s"] <= row["phases"]["rollout"]  # the engine's share of TRL's _generate
+    assert res["speedup_vs_trl"] == ours["speedup_vs_trl"]  # top level: still the specroll off row's
+    text = capsys.readouterr().out
+    assert "trl+specroll" in text and "engine rollout" in text
+
+
+@pytest.mark.usefixtures("one_thread")
+def test_trl_specroll_row_reuses_the_earlier_epochs_rollouts(tmp_path):
+    res = trl_bench(tmp_path, ["--systems", "trl+specroll", "--trl-reuse", "lenient", "--lenience", "inf"])
+    (row,) = res["rows"]
+    assert (row["spec"], row["reuse_mode"], row["rollout_func"]["reuse"]) == ("reuse", "lenient", "lenient")
+    assert res["config"]["trl_reuse"] == "lenient" and row["speedup_vs_trl"] is None  # no trl row ran
+    # epoch 1 has nothing to reuse; with lenience inf epoch 2 reuses every token (as the specroll reuse row)
+    assert row["spec_metrics_per_step"]["specroll/reuse_ratio"] == [0.0, 1.0]
+
+
+def test_trl_rows_skipped_when_trl_is_missing(tmp_path, monkeypatch, capsys):
+    monkeypatch.setitem(sys.modules, "trl", None)  # `import trl` raises ImportError
+    out = tmp_path / "e2e.json"
+    assert main(COMMON + ["--warmup", "0", "--systems", "specroll,trl,trl+specroll", "--out", str(out)]) == 0
+    res = json.loads(out.read_text())
+    assert [r["system"] for r in res["rows"]] == ["specroll"]
+    assert res["trl_missing"].startswith("TRL is not installed (") and "specroll[bench]" in res["trl_missing"]
+    assert capsys.readouterr().out.count(res["trl_missing"]) == 1
 
 
 def test_steps_from_epochs_and_overrides():
@@ -82,10 +152,16 @@ def test_steps_from_epochs_and_overrides():
     (["--lenience", "0"], "--lenience must be > 0"),
     (["--epochs", "0"], "--epochs must be >= 1"),
     (["--warmup", "-1"], "--warmup must be >= 0"),
+    (["--systems", "specroll,vllm"], "--systems must be a comma-separated list of distinct systems"),
+    (["--systems", "trl,trl"], "--systems must be"),
+    (["--systems", "trl", "--trl-reuse", "exact"], "--trl-reuse exact applies to the trl+specroll row"),
 ])
 def test_bad_arguments_are_one_line_errors(extra, msg, capsys):
     assert main(COMMON + extra) == 2
-    assert msg in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert msg in err and err.count("\n") == 1
+    if "--systems" in extra and "--trl-reuse" not in extra:
+        assert str(list(e2e.SYSTEMS)) in err  # the valid names
     with pytest.raises(CliError, match=msg.replace("+", "\\+")):
         e2e.check_args(build_parser().parse_args(COMMON + extra))
 

@@ -1,15 +1,32 @@
 """`specroll bench e2e`: GRPO steps of specroll's trainer vs TRL's ``GRPOTrainer``, in one process.
 
-Both systems get the same model directory, the same chat-formatted arithmetic prompts, the same
-reward (``rl.rewards``' accuracy), the same group size, generation budget, learning rate, loss
-(``grpo`` aggregation, group-scaled advantages, beta = 0, one optimisation pass) and dtype. TRL runs
-only when it is installed (``pip install specroll[bench]``); otherwise its row says why it is
-missing. Phases:
-- specroll: its own ``timing/*`` metrics;
-- TRL: ``_generate`` (rollout), ``_calculate_rewards`` (reward), the rest of
-  ``_generate_and_score_completions`` (logprob), and the step time minus all of that (update).
+Systems (``--systems``, comma-separated; default ``specroll,trl``):
+- ``specroll``: specroll's own trainer, one row per ``--spec`` mode;
+- ``trl``: TRL's ``GRPOTrainer`` generating with its own ``model.generate``;
+- ``trl+specroll``: the same ``GRPOTrainer``, configured identically (one ``run_trl``), with
+  ``rollout_func=specroll_rollout_func(dtype=--dtype, reuse=--trl-reuse)`` (``integrations/trl.py``):
+  TRL trains, specroll's engine generates, so against the ``trl`` row it isolates what specroll's
+  generation buys inside TRL.
 
-``--dtype bfloat16`` means bf16 rollouts + bf16 autocast training for specroll and TRL's ``bf16=True``.
+Every system gets the same model directory, the same chat-formatted arithmetic prompts, the same
+reward (``rl.rewards``' accuracy), the same group size, generation budget, learning rate, loss
+(``grpo`` aggregation, group-scaled advantages, beta = 0, one optimisation pass) and dtype. The TRL
+rows run only when TRL is installed (``pip install specroll[bench]``); otherwise ``trl_missing`` says
+why they are missing. They run after the specroll rows, ``trl`` then ``trl+specroll``, one after the
+other (not interleaved). Phases:
+- specroll: its own ``timing/*`` metrics;
+- TRL rows: ``_generate`` (rollout), ``_calculate_rewards`` (reward), the rest of
+  ``_generate_and_score_completions`` (logprob), and the step time minus all of that (update). In the
+  ``trl+specroll`` row the rollout phase is TRL's ``_generate`` around the ``rollout_func`` call; the
+  engine's own share of it is ``rollout_s`` (median; ``rollout_s_all`` per step), read from the
+  ``specroll/rollout_s`` metric the integration logs into TRL's metrics (the decoder build on the first
+  call is outside it). Its other ``specroll/*`` metrics (``tokens``, and with ``--trl-reuse`` the reuse
+  figures) are in ``spec_metrics_per_step``.
+
+``--dtype bfloat16`` means bf16 rollouts + bf16 autocast training for specroll and TRL's ``bf16=True``;
+``float32`` means fp32 rollouts and fp32 training everywhere, TRL's ``bf16=False`` (not GRPOConfig's
+default ``bf16=True``). Both TRL rows take the same setting, recorded as ``bf16`` in each row; with
+``bf16=False`` the engine samples from exactly the fp32 policy TRL scores (see ``integrations/trl.py``).
 The step time is the median over ``--steps`` steps. Before any timed row, ``--warmup`` (1) untimed steps of a
 throwaway trainer take the process's one-off costs: without it the first row's first update ran at about half
 speed (2026-11-24: 13.9-14.2 s against 6.8-7.2 s for the same step-1 batch in the rows after it). Each trainer's
@@ -27,9 +44,16 @@ has nothing to reuse. The modes map to config overrides (``drafters/build.py`` p
     draft        reuse.mode=off            draft.head=--draft
     reuse+draft  reuse.mode=--reuse-mode   draft.head=--draft
 
-Every row gets ``speedup_vs_off`` and ``speedup_vs_trl`` (ratios of median step times), its per-step
-reward curve and spec metrics; ``reward_curves`` and a PNG (reward and step time against step, every
-mode) sit beside the timings.
+``--trl-reuse lenient|exact`` gives the ``trl+specroll`` row SPEC-RL rollout reuse across the epochs'
+repeated prompts (the integration's ``reuse=``; ``--lenience`` as for the specroll rows); its ``spec``
+is then ``reuse`` and its ``reuse_mode`` names the rule (without it: ``off`` and None).
+
+Every row gets ``speedup_vs_off`` and ``speedup_vs_trl``: the median step time of the reference row
+(specroll ``off``; ``trl``) divided by this row's, so > 1 means this row is faster, None when the
+reference did not run. For ``trl+specroll`` that is TRL's own median step over TRL-with-specroll's:
+the whole-step gain of swapping in specroll's generation. Each row also has its per-step reward curve
+and spec metrics, and ``step_s_median_after_epoch1`` when there is more than one epoch;
+``reward_curves`` and a PNG (reward and step time against step, every row) sit beside the timings.
 """
 
 from __future__ import annotations
@@ -45,6 +69,8 @@ import torch
 from .common import machine_info, save_figure, write_json
 
 SPEC_MODES = ("off", "reuse", "draft", "reuse+draft")
+SYSTEMS = ("specroll", "trl", "trl+specroll")
+TRL_MISSING = "TRL is not installed ({}); install the bench extra: pip install 'specroll[bench]'"
 PHASES = ("rollout", "reward", "logprob", "update", "draft_update")
 SPEC_KEYS = ("spec/reuse_ratio", "spec/skip_ratio", "spec/avg_cut_idx", "spec/accept_length", "spec/accept_rate",
              "rollout/spec_accept_length", "rollout/spec_accept_rate", "rollout/tokens_generated", "timing/verify",
@@ -58,6 +84,17 @@ def spec_modes(s: str) -> list[str]:
     bad = [m for m in out if m not in SPEC_MODES]
     if not out or bad or len(set(out)) != len(out):
         raise CliError(f"--spec must be a comma-separated list of distinct modes from {list(SPEC_MODES)}, got {s!r}")
+    return out
+
+
+def systems(s: str) -> list[str]:
+    from ..cli import CliError
+
+    out = [m.strip() for m in s.split(",") if m.strip()]
+    bad = [m for m in out if m not in SYSTEMS]
+    if not out or bad or len(set(out)) != len(out):
+        raise CliError(f"--systems must be a comma-separated list of distinct systems from {list(SYSTEMS)}, "
+                       f"got {s!r}")
     return out
 
 
@@ -188,7 +225,9 @@ class _Timed:
             self.total += time.perf_counter() - t
 
 
-def run_trl(cfg, model_dir) -> dict:
+def run_trl(cfg, model_dir, rollout_func=None, first_epoch: int = 0) -> dict:
+    """The ``trl`` row, or with ``rollout_func`` (a ``specroll_rollout_func``) the ``trl+specroll`` row: the
+    same ``GRPOTrainer`` set-up either way, only ``rollout_func=`` differs."""
     from datasets import Dataset
     from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
@@ -232,7 +271,7 @@ def run_trl(cfg, model_dir) -> dict:
             steps.append({"step": time.perf_counter() - self.t, **{n: w.total for n, w in timers.items()}})
 
     trainer = GRPOTrainer(model=model, reward_funcs=[accuracy], args=targs, train_dataset=ds,
-                          processing_class=tok, callbacks=[StepTimer()])
+                          processing_class=tok, callbacks=[StepTimer()], rollout_func=rollout_func)
     timers = {n: _Timed(getattr(trainer, m)) for n, m in
               (("rollout", "_generate"), ("reward", "_calculate_rewards"), ("score", "_generate_and_score_completions"))}
     for n, m in (("rollout", "_generate"), ("reward", "_calculate_rewards"), ("score", "_generate_and_score_completions")):
@@ -244,23 +283,45 @@ def run_trl(cfg, model_dir) -> dict:
     for s in steps:
         s["logprob"] = max(0.0, s["score"] - s["rollout"] - s["reward"])
         s["update"] = max(0.0, s["step"] - s["score"])
-    tok_per_step = [m.get("completions/mean_length", 0) * rows for m in trainer.state.log_history
-                    if "completions/mean_length" in m]
-    for s, t in zip(steps, tok_per_step):
-        s["tokens"] = t
+    logs = [m for m in trainer.state.log_history if "completions/mean_length" in m]  # one per step (logging_steps=1)
+    for s, m in zip(steps, logs):
+        s["tokens"] = m["completions/mean_length"] * rows
+        s["reward_mean"] = m.get("reward")
+        s["specroll"] = {k: v for k, v in m.items() if k.startswith("specroll/")}  # the rollout_func's own figures
     for s in steps:
         s.setdefault("tokens", float("nan"))
-    rewards = [m.get("reward") for m in trainer.state.log_history if "reward" in m]
-    for s, r in zip(steps, rewards):
-        s["reward_mean"] = r
-    return _summary("trl", steps)
+    if rollout_func is None:
+        row = _summary("trl", steps, first_epoch=first_epoch)
+    else:
+        row = _summary("trl+specroll", steps, "reuse" if rollout_func.reuse else "off", first_epoch)
+        keys = sorted({k for s in steps for k in s.get("specroll", {})})
+        row["spec_metrics_per_step"] = {k: [s.get("specroll", {}).get(k) for s in steps] for k in keys}
+        rs = row["spec_metrics_per_step"].get("specroll/rollout_s", [])
+        row["rollout_s"] = statistics.median(x or 0.0 for x in rs) if rs else None
+        row["rollout_s_all"] = [None if x is None else round(x, 3) for x in rs]
+        row["rollout_func"] = {"dtype": rollout_func.dtype, "reuse": rollout_func.reuse}
+        row["reuse_mode"] = rollout_func.reuse
+    row["bf16"] = bool(targs.bf16)
+    return row
+
+
+def trl_rollout_func(args, cfg):
+    """The ``trl+specroll`` row's ``specroll_rollout_func``: rollouts in ``--dtype`` (as the specroll rows'),
+    ``--trl-reuse`` as its ``reuse`` (``--lenience`` or the config's, and the config's store bound)."""
+    from ..integrations.trl import specroll_rollout_func
+
+    mode = getattr(args, "trl_reuse", None)
+    reuse = None if mode in (None, "off") else mode
+    lenience = cfg.reuse.lenience if getattr(args, "lenience", None) is None else args.lenience
+    return specroll_rollout_func(dtype=cfg.model.rollout_dtype, reuse=reuse, lenience=lenience,
+                                 store_mb=cfg.reuse.store_mb)
 
 
 def run_bench(args) -> dict:
     from ..models import hub
 
     cfg = _config(args)
-    systems = [s.strip() for s in args.systems.split(",") if s.strip()]
+    wanted = systems(args.systems)
     specs = spec_modes(getattr(args, "spec", "off"))
     steps = n_steps(args)
     res: dict = {"config": {"model": args.model, "prompts_per_step": args.prompts_per_step,
@@ -269,7 +330,8 @@ def run_bench(args) -> dict:
                             "prompts": args.prompts or None, "epochs": None if args.steps else args.epochs,
                             "spec": specs, "draft": args.draft, "reuse_mode": args.reuse_mode,
                             "lenience": cfg.reuse.lenience if args.lenience is None else args.lenience,
-                            "overrides": list(getattr(args, "overrides", []))},
+                            "overrides": list(getattr(args, "overrides", [])), "systems": wanted,
+                            "trl_reuse": getattr(args, "trl_reuse", None) or "off"},
                  "machine": machine_info(), "rows": []}
     first_epoch = math.ceil(args.prompts / args.prompts_per_step) if args.prompts else 0
     warm = getattr(args, "warmup", 0)
@@ -279,27 +341,33 @@ def run_bench(args) -> dict:
     res["config"]["warmup"] = warm
     order = getattr(args, "order", "interleaved")
     res["config"]["order"] = order
-    if "specroll" in systems:
+    if "specroll" in wanted:
         print(f"specroll, spec={','.join(specs)}: {steps} steps each, {order}", flush=True)
         rows = run_specroll_modes({spec: _config(args, spec) for spec in specs}, first_epoch,
                                   interleave=order == "interleaved", say=lambda m: print(m, flush=True))
         res["rows"].extend(rows[spec] for spec in specs)
-    if "trl" in systems:
+    trl_rows = [s for s in ("trl", "trl+specroll") if s in wanted]
+    if trl_rows:
         try:
             import trl
 
             res["trl_version"] = trl.__version__
         except ImportError as e:
-            res["trl_missing"] = f"TRL is not installed ({e}); install the bench extra: pip install 'specroll[bench]'"
+            res["trl_missing"] = TRL_MISSING.format(e)
         else:
-            res["rows"].append(run_trl(_config(args), hub.resolve(args.model, quiet=True)))
+            model_dir = hub.resolve(args.model, quiet=True)
+            for system in trl_rows:
+                print(f"{system}: {steps} steps", flush=True)
+                c = _config(args)
+                rf = trl_rollout_func(args, c) if system == "trl+specroll" else None
+                res["rows"].append(run_trl(c, model_dir, rf, first_epoch))
     add_ratios(res)
     return res
 
 
 def add_ratios(res: dict) -> None:
-    """Per row ``speedup_vs_off`` / ``speedup_vs_trl`` (median step time ratios, None when the reference
-    did not run); top level: ``speedup_vs_trl`` of the first specroll row (``off`` when it ran), the
+    """Per row ``speedup_vs_off`` / ``speedup_vs_trl`` (the reference row's median step time over this row's,
+    None when the reference did not run; ``trl+specroll`` too is measured against ``trl``); top level: ``speedup_vs_trl`` of the first specroll row (``off`` when it ran), the
     ``best`` specroll row, and ``reward_curves`` per row."""
     rows = res["rows"]
     ours = [r for r in rows if r["system"] == "specroll"]
@@ -369,6 +437,9 @@ def check_args(args) -> None:
     if getattr(args, "warmup", 0) < 0:
         raise CliError(f"--warmup must be >= 0 (untimed steps before the timed rows), got {args.warmup}")
     specs = spec_modes(args.spec)
+    wanted = systems(args.systems)
+    if getattr(args, "trl_reuse", None) not in (None, "off") and "trl+specroll" not in wanted:
+        raise CliError(f"--trl-reuse {args.trl_reuse} applies to the trl+specroll row; add trl+specroll to --systems")
     if args.lenience is not None and not args.lenience > 0:
         raise CliError(f"--lenience must be > 0 (inf = reuse everything), got {args.lenience}")
     if any("draft" in s for s in specs) and args.draft != "random" and not (Path(args.draft) / "draft_head.json").is_file():
@@ -389,8 +460,9 @@ def cli(args) -> int:
     for r in res["rows"]:
         ph = ", ".join(f"{k} {v:.2f}" for k, v in r["phases"].items())
         vs = "".join(f"  {v:.2f}x vs {k[11:]}" for k in ("speedup_vs_off", "speedup_vs_trl") if (v := r.get(k)))
-        print(f"{r['system']:9s} {_label(r):12s} step {r['step_s_median']:.2f}s  tokens/step "
-              f"{r['tokens_per_step']:.0f}{vs}  ({ph})")
+        eng = f", engine rollout {r['rollout_s']:.2f}" if r.get("rollout_s") is not None else ""
+        print(f"{r['system']:12s} {_label(r):12s} step {r['step_s_median']:.2f}s  tokens/step "
+              f"{r['tokens_per_step']:.0f}{vs}  ({ph}{eng})")
     if res.get("trl_missing"):
         print(res["trl_missing"])
     print(f"wrote {args.out} and {res['figure']}")
