@@ -203,7 +203,11 @@ def _launch(args, nproc: int) -> int:
         if getattr(args, flag, None):
             argv += [f"--{flag}", str(getattr(args, flag))]
     argv += list(args.overrides)
-    os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
+    cores = os.cpu_count() or 1
+    if nproc > cores:
+        print(f"specroll: note: {nproc} processes on {cores} cores share them (1 thread each); "
+              f"--nproc {cores} or fewer avoids that", file=sys.stderr)
+    os.environ.setdefault("OMP_NUM_THREADS", str(max(1, cores // nproc)))
     conf = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=nproc, run_id=f"specroll-{os.getpid()}",
                         rdzv_backend="c10d", rdzv_endpoint="localhost:0", max_restarts=0, monitor_interval=0.5)
     logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)  # failures: one line below
