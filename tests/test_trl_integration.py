@@ -271,3 +271,16 @@ def tiny_hf_model_mistral():
     cfg = MistralConfig(vocab_size=320, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
                         num_attention_heads=2, num_key_value_heads=1, head_dim=16)
     return MistralForCausalLM(cfg)
+
+
+def test_stop_ids_when_the_trainer_lists_none():
+    # the fallback of a trainer without eos_token_ids: the tokenizer's eos, then the generation config's, no repeats
+    from types import SimpleNamespace
+
+    from specroll.integrations.trl import eos_ids_of
+
+    tok, hf = tiny_tokenizer(), tiny_hf_model("llama", seed=1)
+    hf.generation_config.eos_token_id = [tok.eos_token_id, 5]
+    assert eos_ids_of(SimpleNamespace(processing_class=tok), hf) == [tok.eos_token_id, 5]
+    hf.generation_config.eos_token_id = None
+    assert eos_ids_of(SimpleNamespace(processing_class=tok), hf) == [tok.eos_token_id]

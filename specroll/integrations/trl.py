@@ -413,11 +413,12 @@ def sampling_kwargs(args) -> dict:
 
 
 def eos_ids_of(trainer, hf) -> list[int]:
-    """Stop ids when the trainer does not list them: the tokenizer's eos and the generation config's."""
-    ids = []
+    """Stop ids when the trainer does not list them: the tokenizer's eos (``hub.eos_ids``) and those of the
+    model's in-memory generation config (``hub.eos_ids`` reads them from a model directory's file)."""
+    from ..models import hub
+
     tok = getattr(trainer.processing_class, "tokenizer", trainer.processing_class)
-    if getattr(tok, "eos_token_id", None) is not None:
-        ids.append(int(tok.eos_token_id))
+    ids = hub.eos_ids(tok if getattr(tok, "eos_token_id", None) is not None else None)
     gc = getattr(hf, "generation_config", None)
     e = getattr(gc, "eos_token_id", None)
     ids += [int(x) for x in (e if isinstance(e, (list, tuple)) else [e]) if x is not None]

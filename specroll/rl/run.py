@@ -223,7 +223,6 @@ def _launch(args, nproc: int) -> int:
 def train_cli(args) -> int:
     from ..cli import CliError
     from . import distributed
-    from .metrics import summary_table
 
     nproc = getattr(args, "nproc", 1)
     if nproc < 1:
@@ -232,7 +231,7 @@ def train_cli(args) -> int:
     if nproc > 1 and not d.active:
         return _launch(args, nproc)
     try:
-        return _train_ranks(args, d, summary_table)
+        return _train_ranks(args, d)
     except (CliError, ValueError, FileNotFoundError, KeyboardInterrupt):
         raise
     except Exception as e:
@@ -246,10 +245,11 @@ def train_cli(args) -> int:
         distributed.close(d)
 
 
-def _train_ranks(args, d, summary_table) -> int:
+def _train_ranks(args, d) -> int:
     """``train_cli`` in one process of ``d`` (the only one without data parallel). Rank 0 owns the run
     directory, the console and the files; the other ranks follow it."""
     from ..cli import CliError
+    from .metrics import summary_table
 
     console = _console(quiet=not d.main)
     resume = getattr(args, "resume", None)
