@@ -87,7 +87,8 @@ def _bench_spec(s):
     b.add_argument("--plan", default="static", help="static (fixed --n-verify/--k/--depth), adaptive "
                    "(N = C_peak / live rows, K <= --k, depth <= --depth), chain (--depth tokens sampled from the "
                    "head, verified by rejection sampling), adaptive-chain (a sampled chain sized like adaptive), "
-                   "or several: static,adaptive,chain,adaptive-chain")
+                   "tuned / tuned-chain (trees / chains sized by measured tokens per second per live-batch size, "
+                   "starting from adaptive), or several: static,adaptive,chain,adaptive-chain,tuned-chain")
     b.add_argument("--c-peak", type=float, default=None,
                    help="adaptive plan's budget (default: this machine's `specroll profile`, quick-profiled if missing)")
     b.add_argument("--n-verify", type=int, default=16, help="tree nodes verified per row, root included")

@@ -341,6 +341,113 @@ def test_bench_spec_static_and_adaptive_rows_and_figure(tmp_path, monkeypatch, c
     assert rows[0]["plan_max"] == {"n_verify": 6, "k": 1, "depth": 5} and len(rows[0]["accept_by_depth"]) == 5
     assert rows[1]["accept_by_depth"][0] is not None  # (deeper once rows that accepted more finish first)
     assert all(d is None for d in rows[2]["accept_by_depth"]) and drafted[2] == 0  # 8 rows: plain decoding
+    # tuned chains: one planner across batch sizes, each row with its choices per live-batch bucket
+    assert main(["bench", "spec", "--model", "tiny-llama", "--draft", str(tmp_path / "head"), "--batch-sizes", "1,2",
+                 "--max-new-tokens", "6", "--plan", "tuned-chain", "--c-peak", "8", "--dtype", "float32",
+                 "--force-length", "--out", str(out)]) == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert [r["plan"] for r in rows] == ["tuned-chain"] * 2 and rows[0]["plan_max"] == {"n_verify": 6, "k": 1, "depth": 5}
+    assert list(rows[0]["tuned"]) == ["B=1-1"] and rows[0]["tuned"]["B=1-1"]["plan"] == [6, 1, 5]
+    assert list(rows[1]["tuned"]) == ["B=1-1", "B=2-3"]
     assert main(["bench", "spec", "--model", "tiny-llama", "--draft", str(tmp_path / "head"), "--plan", "greedy",
                  "--out", str(out)]) == 2
     assert "--plan" in capsys.readouterr().err
+
+
+# --- the tuned planner ------------------------------------------------------------------------------
+
+def _machine(b: int, depth: int) -> float:
+    """A synthetic step time (ms): a fixed part, a forward that is memory-bound up to 16 tokens and linear
+    beyond, and one head call per draft. Its best chain depth falls as the batch grows."""
+    tokens = b * (depth + 1)
+    return 6.0 + 14.0 * max(1.0, tokens / 16) + 1.5 * depth
+
+
+def _expected(a: float, depth: int) -> float:
+    return sum(a**j for j in range(depth + 1))
+
+
+@pytest.mark.parametrize("start_depth", [0, 6])
+def test_tuned_planner_climbs_to_the_fastest_chain_of_each_batch_size(start_depth):
+    """Driven by noisy synthetic steps (tokens drawn from a per-depth acceptance of 0.7, time with 5%
+    noise), the planner ends on the depth that brute force over the noise-free throughput picks, or one
+    within 3% of it, from either end of the candidate list, for every batch size separately."""
+    import random
+
+    from specroll.engine.budget import TunedPlanner, chain_candidates
+
+    rng, a = random.Random(0), 0.7
+    planner = TunedPlanner(chain_candidates(6), start=lambda b: Plan(start_depth + 1, min(start_depth, 1), start_depth))
+    rate = {(b, d): b * _expected(a, d) / _machine(b, d) for b in (1, 4, 16, 64) for d in range(7)}
+    for _ in range(6):  # rollouts: 400 steps at each batch size
+        for b in (1, 4, 16, 64):
+            for _ in range(400):
+                p = planner(b)
+                acc = [next((j for j in range(p.depth) if rng.random() > a), p.depth) for _ in range(b)]
+                hits = ([sum(x >= d - 1 for x in acc) for d in range(1, p.depth + 1)],
+                        [sum(x >= d for x in acc) for d in range(1, p.depth + 1)])
+                planner.observe(b, p, _machine(b, p.depth) * rng.uniform(0.95, 1.05), sum(acc) + b, p.depth, hits)
+    best = {b: max(range(7), key=lambda d: rate[b, d]) for b in (1, 4, 16, 64)}
+    assert best[1] > best[4] > best[16] >= best[64] == 0  # the synthetic machine has a real trade-off
+    for b in (1, 4, 16, 64):
+        got = planner(b).depth if planner._state(b).probe == 0 else planner.candidates[planner._state(b).cur].depth
+        assert rate[b, got] >= 0.97 * rate[b, best[b]], (b, got, best[b], planner.choices())
+    assert all(abs(r - a) < 0.05 for r in planner.accept_rates()[:3])
+
+
+def test_tuned_planner_expected_tokens_follow_the_accepted_depths():
+    """Decayed per-depth counts -> acceptance given reached -> 1 + sum_j prod_{i<=j} a_i, against a hand count;
+    a depth never reached borrows the depth above it."""
+    from specroll.engine.budget import TunedPlanner, chain_candidates
+
+    planner = TunedPlanner(chain_candidates(3))
+    planner.ACCEPT_DECAY = 1.0
+    for _ in range(50):  # 10 rows reach depth 1, 8 accept it; 8 reach depth 2, 4 accept it
+        planner.observe(10, Plan(3, 1, 2), 0.01, 22, 2, ([10, 8], [8, 4]))
+    a1 = (400 + 8 * 0.5) / (500 + 8)
+    a2 = (200 + 8 * a1) / (400 + 8)
+    assert planner.accept_rates() == pytest.approx([a1, a2, a2])
+    assert planner.expected_tokens(0) == 1
+    assert planner.expected_tokens(3) == pytest.approx(1 + a1 + a1 * a2 + a1 * a2 * a2)
+
+
+def test_tuned_planner_scores_only_the_last_step_of_a_probe_against_the_step_before():
+    """Probe pattern (probe_every current steps, then probe_len steps of a neighbour, alternating sides),
+    and the score: only the probe's last step counts, against the current plan's step just before it."""
+    from specroll.engine.budget import TunedPlanner, chain_candidates
+
+    planner = TunedPlanner(chain_candidates(2), start=lambda b: Plan(2, 1, 1), probe_every=3, probe_len=2,
+                           min_probes=2, margin=0.05)
+    planner.ACCEPT_PRIOR = 1e9  # acceptance pinned at 0.5: expected tokens 1, 1.5, 1.75
+    seq = []
+    for _ in range(10):
+        p = planner(1)
+        seq.append(p.depth)
+        # depth 2 (a probe) is 20% faster per token when it is the probe's last step; its first step is slow
+        last = planner._state(1).probe == 0
+        secs = {0: 1.0, 1: 1.0, 2: (1.75 / 1.5) / 1.2 if last else 100.0}[p.depth]
+        planner.observe(1, p, secs, 1, p.depth)
+    assert seq == [1, 1, 1, 2, 2, 1, 1, 1, 0, 0]
+    assert planner.choices()["B=1-1"]["probes"]["1"] == [1, pytest.approx(math.log(1.2), abs=1e-4)]
+    assert planner.choices()["B=1-1"]["probes"]["-1"] == [1, pytest.approx(math.log(1 / 1.5), abs=1e-4)]
+    for _ in range(5):  # the second depth-2 probe confirms it: depth 2 becomes current
+        p = planner(1)
+        last = planner._state(1).probe == 0
+        planner.observe(1, p, {0: 1.0, 1: 1.0, 2: (1.75 / 1.5) / 1.2 if last else 100.0}[p.depth], 1, p.depth)
+    assert planner(1).depth == 2 and planner.choices()["B=1-1"]["moves"] == 1
+    assert planner.choices()["B=1-1"]["probes"] == {"-1": [2, pytest.approx(-math.log(1.2), abs=1e-4)]}
+
+
+def test_tuned_planner_rejects_bad_arguments():
+    from specroll.engine.budget import TunedPlanner, chain_candidates
+
+    with pytest.raises(ValueError, match="distinct Plans"):
+        TunedPlanner([])
+    with pytest.raises(ValueError, match="distinct Plans"):
+        TunedPlanner([PLAIN, PLAIN])
+    with pytest.raises(ValueError, match="margin"):
+        TunedPlanner([PLAIN], margin=1.5)
+    with pytest.raises(ValueError, match="b_active"):
+        TunedPlanner(chain_candidates(2))(0)
+    with pytest.raises(ValueError, match="l_max"):
+        chain_candidates(0)

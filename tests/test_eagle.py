@@ -230,6 +230,56 @@ def test_bf16_head_chains_are_lossless(small):
     assert drafter.totals[3] > 0
 
 
+class SpyTuned:
+    """A ``TunedPlanner`` that switches often (probe every step, move on any gain, timings drawn at random so
+    that it moves both ways) and records each step as the drafter reported it."""
+
+    def __init__(self, candidates):
+        import random
+
+        from specroll.engine.budget import TunedPlanner
+
+        self.inner = TunedPlanner(candidates, probe_every=1, probe_len=1, min_probes=1, margin=0.0)
+        self.max_plan, self.steps, self.rng = self.inner.max_plan, [], random.Random(0)
+
+    def __call__(self, b):
+        return self.inner(b)
+
+    def observe(self, b, plan, seconds, tokens, depth=0, hits=None):
+        self.steps.append((b, plan, seconds, tokens, depth, hits))
+        self.inner.observe(b, plan, self.rng.uniform(0.2, 5.0), tokens, depth, hits)
+
+
+@pytest.mark.parametrize("mode", ["tree", "chain"])
+def test_tuned_plans_are_lossless_and_each_step_is_reported(small, mode):
+    """``TunedPlanner`` through the drafter: the plan changes from step to step with the timings (the past only;
+    random here), and completions still follow plain sampling. Every step reports its wall time, the rule's tokens
+    (live rows + accepted drafts, against the drafter's trace) and per-depth hits (against ``by_depth``)."""
+    from specroll.engine.budget import chain_candidates, tree_candidates
+
+    model, trained = small
+    params = PARAMS["t07"]
+    spy = SpyTuned(chain_candidates(3) if mode == "chain" else tree_candidates(8, k_max=3, l_max=3))
+    drafter = EagleDrafter(trained, plan_fn=spy, max_plan=spy.max_plan, sampled=mode == "chain", trace=True)
+    engine, V, counts = Engine(model), model.cfg.vocab_size, torch.zeros(V_SMALL**M_SMALL, dtype=torch.long)
+    for i in range(S // 4):
+        outs = engine.generate([PROMPT], SamplingParams(**{**params.__dict__, "seed": 300 + i}), n=4, drafter=drafter)
+        counts += torch.bincount(torch.stack([(o.completion_ids * V ** torch.arange(M_SMALL)).sum() for o in outs]),
+                                 minlength=V**M_SMALL)
+    p = chi2_gof(counts, exact_probs(model, PROMPT, params, M_SMALL))
+    assert p > 1e-3, f"tuned {mode} plans: chi-square p = {p:.2e}"
+    used = {plan for _, plan, *_ in spy.steps}
+    assert len(used) == len(spy.inner.candidates) >= 4  # the plan really changed, over every candidate
+    assert len(spy.steps) == len(drafter.trace) and all(s[2] > 0 for s in spy.steps)
+    assert [s[3] for s in spy.steps] == [len(t) + int(t.sum()) for t in drafter.trace]
+    reached = torch.zeros_like(drafter.by_depth)
+    for _, plan, _, _, depth, hits in spy.steps:
+        assert depth <= plan.depth and (hits is None) == (depth == 0)
+        if hits is not None:
+            reached[:, :depth] += torch.tensor(hits)
+    assert torch.equal(reached, drafter.by_depth) and reached[1].sum() > 0
+
+
 @pytest.mark.parametrize("pname", ["t1", "t07p09"])
 def test_the_statistic_detects_resampling_from_p_at_the_cut(small, pname):
     """SPEC-RL's cut rule (draw from p, not from the residual max(p - q, 0)) is biased, and the test sees it."""

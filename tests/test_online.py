@@ -371,6 +371,15 @@ def test_adaptive_plan_profiles_once_and_uses_the_budget():
     # sampled chains spend the budget on one path (k = 1), trees keep their top-K shape
     chain = build_spec_drafter(load_config(overrides=[*overrides, "draft.chain=true"]), model, log=None)
     assert chain.plan_fn.k_max == 1 and chain.max_plan.k == 1 and d.plan_fn.k_max > 1
+    # tuned: the budget's plan per live batch to start with, then measured throughput, over chains or trees
+    from specroll.engine.budget import TunedPlanner, chain_candidates, tree_candidates
+
+    for extra, cands in ((["draft.chain=true"], chain_candidates(6)), ([], tree_candidates(d.plan_fn.c_peak))):
+        tuned = build_spec_drafter(load_config(overrides=[*overrides, "draft.plan=tuned", *extra]), model, log=None)
+        assert isinstance(tuned.plan_fn, TunedPlanner) and tuned.plan_fn.candidates == cands
+        assert tuned.max_plan == tuned.plan_fn.max_plan
+        budget = chain if extra else d
+        assert all(tuned.plan_fn(b) == budget.plan_fn(b) for b in (1, 2, 5, 40))
 
 
 @pytest.mark.parametrize("override,msg", [

@@ -10,7 +10,9 @@ step (bonus included), ``accept_rate`` = accepted draft nodes / drafted nodes, `
 
 Plans: ``static`` (fixed ``--n-verify/--k/--depth``), ``adaptive`` (C_peak / B_active), ``chain`` (a chain
 of ``--depth`` tokens sampled from the head, rejection-sampled), ``adaptive-chain`` (a sampled chain of
-min(C_peak / B_active - 1, ``--depth``) tokens, plain decoding once that is 0). ``PLANS`` maps a name to a factory
+min(C_peak / B_active - 1, ``--depth``) tokens, plain decoding once that is 0), ``tuned`` / ``tuned-chain``
+(trees / chains sized by measured throughput per live-batch bucket, ``budget.TunedPlanner``; one planner per
+plan name learns across batch sizes and repeats, and each row records its choices). ``PLANS`` maps a name to a factory
 ``(args) -> (plan_fn(B_active) -> Plan, max_plan)``; the concurrency-aware budget registers here.
 """
 
@@ -56,8 +58,31 @@ def _adaptive_chain(args):
     return planner, planner.max_plan
 
 
-PLANS = {"static": _static, "adaptive": _adaptive, "chain": _chain, "adaptive-chain": _adaptive_chain}
-SAMPLED = {"chain", "adaptive-chain"}  # plans whose drafter samples its chain (EagleDrafter(sampled=True))
+def _tuned(args):
+    """Top-K trees whose size follows measured throughput per live-batch bucket (``budget.TunedPlanner``),
+    starting from the adaptive plan; candidates are the budget's plans for one row up to C_peak."""
+    from ..engine.budget import TunedPlanner, tree_candidates
+    from ..engine.profiler import adaptive_planner
+
+    start = adaptive_planner(args.model, args.dtype, c_peak=args.c_peak, k_max=args.k, l_max=args.depth, log=print)
+    planner = TunedPlanner(tree_candidates(start.c_peak, k_max=args.k, l_max=args.depth), start=start)
+    return planner, planner.max_plan
+
+
+def _tuned_chain(args):
+    """Sampled chains of 0..--depth drafts, the depth following measured throughput per live-batch bucket,
+    starting from the adaptive-chain plan."""
+    from ..engine.budget import TunedPlanner, chain_candidates
+    from ..engine.profiler import adaptive_planner
+
+    start = adaptive_planner(args.model, args.dtype, c_peak=args.c_peak, k_max=1, l_max=args.depth, log=print)
+    planner = TunedPlanner(chain_candidates(args.depth), start=start)
+    return planner, planner.max_plan
+
+
+PLANS = {"static": _static, "adaptive": _adaptive, "chain": _chain, "adaptive-chain": _adaptive_chain,
+         "tuned": _tuned, "tuned-chain": _tuned_chain}
+SAMPLED = {"chain", "adaptive-chain", "tuned-chain"}  # plans whose drafter samples its chain (EagleDrafter(sampled=True))
 HEAD_WEIGHTS = {"auto": None, "fp32": False, "bf16": True}  # --head-weights: EagleDrafter(bf16_head=...)
 
 
@@ -103,7 +128,8 @@ def bench_batch(engine: Engine, head, prompts, params: SamplingParams, plan_name
             "accept_length": emitted / max(steps, 1), "accept_rate": accepted / max(drafted, 1),
             "accept_by_depth": [round(a / r, 4) if r else None for a, r in zip(acc, reached)],
             "vanilla_tokens": van_n, "spec_tokens": spec_n, "vanilla_s": van_t, "spec_s": spec_t,
-            "head_weights": head_weights, "chain_stop": chain_stop, "plan_max": max_plan.__dict__}
+            "head_weights": head_weights, "chain_stop": chain_stop, "plan_max": max_plan.__dict__,
+            **({"tuned": plan_fn.choices()} if hasattr(plan_fn, "choices") else {})}
 
 
 def run_bench(args) -> dict:

@@ -14,7 +14,9 @@ directory written by ``specroll draft train`` (or a run's ``draft_head/``).
 
 ``draft.plan``: ``static`` uses ``n_verify/k/depth`` every step; ``adaptive`` re-plans every step from
 the live batch size with ``engine.budget.BudgetPlanner`` and this machine's cached C_peak
-(``engine.profiler.get_c_peak``, which profiles once on first use).
+(``engine.profiler.get_c_peak``, which profiles once on first use); ``tuned`` starts from the adaptive
+plan and then follows the measured tokens per second of each live-batch size (``engine.budget.TunedPlanner``:
+chains of 0..6 drafts with ``draft.chain``, else the budget's trees up to C_peak).
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ import math
 from dataclasses import dataclass
 from pathlib import Path
 
-PLANS = ("static", "adaptive")
+PLANS = ("static", "adaptive", "tuned")
 
 
 @dataclass
@@ -32,7 +34,7 @@ class DraftConfig:
 
     head: str = ""  # "" = no draft head; "random" = fresh head; else a `specroll draft train` directory
     vocab: int = 4096  # draft vocabulary of a random head (0 = the full vocabulary)
-    plan: str = "adaptive"  # adaptive (C_peak / B_active, re-planned every step) | static
+    plan: str = "adaptive"  # adaptive (C_peak / B_active, re-planned every step) | tuned (from adaptive, then by measured tok/s) | static
     n_verify: int = 16  # static plan: tree nodes per row (root included)
     k: int = 4  # static plan: top-k expansion
     depth: int = 5  # static plan: draft levels
@@ -181,12 +183,17 @@ def make_plan(cfg, model, log=print):
 
     dtype = torch_dtype(cfg.model.rollout_dtype)
     if load_profile(cfg.model.name, dtype) is None and log is not None:
-        log(f"draft.plan=adaptive: no C_peak profile for {cfg.model.name} ({dtype}) on this "
+        log(f"draft.plan={dc.plan}: no C_peak profile for {cfg.model.name} ({dtype}) on this "
             f"machine yet; profiling once (cached at {profile_path(cfg.model.name, dtype)})")
     shape = {"k_max": 1} if dc.chain else {}  # sampled chains: the budget's tokens on one path
     planner = adaptive_planner(cfg.model.name, dtype, engine=Engine(model, dtype=dtype), log=log, **shape)
     if log is not None:
-        log(f"draft.plan=adaptive: C_peak = {planner.c_peak:g} tokens per forward")
+        log(f"draft.plan={dc.plan}: C_peak = {planner.c_peak:g} tokens per forward")
+    if dc.plan == "tuned":
+        from ..engine.budget import TunedPlanner, chain_candidates, tree_candidates
+
+        cands = chain_candidates(planner.l_max) if dc.chain else tree_candidates(planner.c_peak)
+        planner = TunedPlanner(cands, start=planner)
     return planner.max_plan, planner, planner.max_plan
 
 

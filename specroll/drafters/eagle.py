@@ -28,7 +28,8 @@ Departures from EAGLE / FastGRPO:
   the whole context.
 
 Seams for the concurrency-aware budget (issue 6): ``plan_fn(B_active) -> Plan`` is called every
-step; ``on_pairs(hidden, tokens, n, rows, prompt=False)`` receives the (hidden state, next token)
+step, and when it has ``observe(B_active, plan, seconds, tokens)`` (``budget.TunedPlanner``) the step's
+wall time and tokens are reported back; ``on_pairs(hidden, tokens, n, rows, prompt=False)`` receives the (hidden state, next token)
 pairs the engine produced, for online learning: (B, T, D) hidden states, (B, T) tokens, the first
 ``n`` (B,) of each row valid, ``rows`` (B,) the output row ids (``prompt=True``: the prompt pairs,
 rows are prompt indices). Per row the calls cover positions 0, 1, 2, ... of prompt + completion in
@@ -38,6 +39,7 @@ order (a prefix drafter reports its pairs through ``start_chain(..., rows=)``).
 from __future__ import annotations
 
 import json
+import time
 import weakref
 from contextlib import nullcontext
 from dataclasses import MISSING, asdict, dataclass, replace
@@ -615,8 +617,13 @@ class EagleDrafter:
         engine, cache = self.engine, st.cache
         B = st.row_ids.numel()
         plan = self.plan_fn(B)
+        observe = getattr(self.plan_fn, "observe", None)  # a planner that learns from measured steps
+        t_start = time.perf_counter() if observe is not None else 0.0
         if plan.n_verify <= 1:
-            return self._plain_step(st, stop, stats)
+            out = self._plain_step(st, stop, stats)
+            if observe is not None:
+                observe(B, plan, time.perf_counter() - t_start, B)
+            return out
         root_pos = cache.lens[:B].clone()
         bf16 = B <= BF16_HEAD_ROWS if self.bf16_head is None else self.bf16_head
         with bf16_weights(True) if bf16 else nullcontext():  # else the rollout's own precision
@@ -643,10 +650,13 @@ class EagleDrafter:
         self.chain_tok, self.chain_n = v.tokens, v.n_accept + 1
         if self.on_pairs is not None:
             self.on_pairs(self.chain_h, v.tokens, v.n_accept + 1, st.row_ids)
-        self._account(st, stats, n_used, N - 1, raw=v.n_accept, depth=tree.max_depth)
+        hits = self._account(st, stats, n_used, N - 1, raw=v.n_accept, depth=tree.max_depth)
         done_rows, done_stop, keep = engine.retire(st, finished, stopped, torch.arange(B), fill_holes=True)
         if done_rows.numel():
             self._compact(st, keep)
+        if observe is not None:  # the rule's tokens (before truncation at a stop): the plan's steady yield
+            observe(B, plan, time.perf_counter() - t_start, int(v.n_accept.sum()) + B, depth=int(tree.max_depth),
+                    hits=None if hits is None else hits.tolist())
         return done_rows, done_stop
 
     def _plain_step(self, st, stop, stats):
@@ -686,11 +696,13 @@ class EagleDrafter:
     def _account(self, st, stats, n_acc, drafted, raw=None, depth=0):
         """Count ``n_acc`` accepted (and emitted) drafts per row; the trace keeps ``raw`` (the rule's
         acceptance before truncation) when given. ``depth``: the deepest draft of the step; a row whose
-        rule accepted j drafts reached depths 1..min(j + 1, depth) and accepted depths 1..j."""
+        rule accepted j drafts reached depths 1..min(j + 1, depth) and accepted depths 1..j.
+        Returns this step's (2, depth) counts of rows reaching / accepting each depth, or None."""
+        hits = None
         if depth and raw is not None:
             d = torch.arange(1, min(depth, self.by_depth.shape[1]) + 1)
-            self.by_depth[0, : d.numel()] += (raw[:, None] >= d - 1).sum(0)
-            self.by_depth[1, : d.numel()] += (raw[:, None] >= d).sum(0)
+            hits = torch.stack([(raw[:, None] >= d - 1).sum(0), (raw[:, None] >= d).sum(0)])
+            self.by_depth[:, : d.numel()] += hits
         rows = st.row_ids
         stats[rows, 1] += drafted
         stats[rows, 2] += n_acc
@@ -698,6 +710,7 @@ class EagleDrafter:
         self.totals += torch.stack([torch.tensor(B), (n_acc + 1).sum(), torch.tensor(B * drafted), n_acc.sum()])
         if self.trace is not None:
             self.trace.append((n_acc if raw is None else raw).clone())
+        return hits
 
     def _compact(self, st, keep):
         self.dc.keep(keep)

@@ -25,12 +25,33 @@ Departures from FastGRPO:
 
 Every plan component is non-decreasing in N, so a larger batch never gets a larger plan: the plan
 for B = 1 bounds every plan the planner can return (``BudgetPlanner.max_plan``).
+
+``TunedPlanner`` (``draft.plan=tuned``) starts from the budget's plan and then follows measured
+throughput. Why: C_peak is read off a bare verification forward, but a real decode step also pays a
+fixed cost per step (logits, sampling, the head's calls, bookkeeping) that a verified token does not
+pay again. At 16 rows on the 2-core CPU a step costs about 62 ms, 34 ms of it fixed, so one draft per
+row costs 1.4x a step rather than the 1.9x the bare forward suggests; the budget says "plain decode"
+there, while a depth-1 chain is 1.17-1.21x faster (BENCHMARKS.md, session 21). The tuner hill-climbs
+per live-batch bucket (B in [2^j, 2^(j+1))) over an ordered list of candidate plans: it runs its
+current plan and, after every ``probe_every`` steps of it, a neighbour (one size smaller or larger) for
+``probe_len`` steps. Only the last step of a probe is scored, so the first pays any switching cost (a
+chain's first step after plain steps feeds the head every pair they queued). The score is the log of the probe's
+tokens per second over that of the current plan's step just before it (consecutive steps have nearly
+the same live rows, which a per-plan average over a rollout would not). When every candidate is a
+chain, a step's tokens are the expected ones for its depth, 1 + sum_j prod_{i<=j} a_i per row, from
+the acceptance a_i of each depth counted over all steps (decayed, so it follows a head that learns
+online): one step's own count is too noisy to rank depths by (on synthetic steps the climb then
+misses the best depth; tests/test_budget.py). Once a neighbour's running mean over at least
+``min_probes`` probes beats the current plan by ``margin``, it becomes current.
+Speculation stays lossless whatever the plan: each step's verification is exact given the past, and
+the choice depends on the past only.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 
 DEFAULT_ALPHA = 1.0
 DEFAULT_K_MAX = 4
@@ -127,4 +148,180 @@ class BudgetPlanner:
                 f"l_min={self.l_min}, l_max={self.l_max})")
 
 
-__all__ = ["BudgetPlanner", "PLAIN", "Plan", "check_budget_args", "plan", "tree_capacity"]
+def chain_candidates(l_max: int) -> list[Plan]:
+    """Plain decode, then sampled chains of 1..``l_max`` drafts: ``Plan(d + 1, 1, d)``."""
+    if int(l_max) != l_max or l_max < 1:
+        raise ValueError(f"l_max must be an integer >= 1, got {l_max!r}")
+    return [PLAIN] + [Plan(d + 1, 1, d) for d in range(1, int(l_max) + 1)]
+
+
+def tree_candidates(c_max: float, alpha: float = DEFAULT_ALPHA, k_max: int = DEFAULT_K_MAX,
+                    l_min: int = DEFAULT_L_MIN, l_max: int = DEFAULT_L_MAX) -> list[Plan]:
+    """The distinct plans the budget rule gives one row for budgets 1..``c_max``, smallest first."""
+    out: list[Plan] = []
+    for c in range(1, int(c_max) + 1):
+        p = plan(1, c, alpha, k_max, l_min, l_max)
+        if not out or p != out[-1]:
+            out.append(p)
+    return out
+
+
+@dataclass
+class _Bucket:
+    cur: int  # index of the current plan
+    since: int = 0  # current-plan steps since the last probe
+    probe: int = 0  # steps left in the running probe (issued), 0 = none
+    probe_dir: int = 0
+    turn: int = 1  # direction of the next probe (alternates where both neighbours exist)
+    last: tuple | None = None  # (B, seconds, tokens, depth) of the current plan's latest step
+    last_at: int = -10  # observation count at that step
+    stats: dict = field(default_factory=dict)  # direction -> (probes, running mean of the log ratio)
+    moves: int = 0
+
+
+class TunedPlanner:
+    """``planner(B_active) -> Plan`` that picks, per live-batch bucket, the candidate with the most measured
+    tokens per second (module docstring). The drafter reports every step through
+    ``observe(B_active, plan, seconds, tokens)``; ``start(B) -> Plan`` (e.g. a ``BudgetPlanner``) seeds each
+    bucket with its nearest candidate. Candidates are ordered from the least to the most speculation."""
+
+    ACCEPT_DECAY = 0.998  # per observed step: acceptance follows a head that learns online
+    ACCEPT_PRIOR = 8.0  # pseudo-rows of a depth's acceptance drawn from the depth above it
+
+    def __init__(self, candidates: Sequence[Plan], start: Callable[[int], Plan] | None = None, probe_every: int = 8,
+                 probe_len: int = 2, min_probes: int = 4, margin: float = 0.03, window: int = 8):
+        cands = list(candidates)
+        if not cands or len(set(cands)) != len(cands) or not all(isinstance(c, Plan) for c in cands):
+            raise ValueError(f"TunedPlanner needs a non-empty list of distinct Plans, got {candidates!r}")
+        if not (1 <= probe_len and 1 <= probe_every) or min_probes < 1 or window < 1 or not 0 <= margin < 1:
+            raise ValueError("TunedPlanner needs probe_len >= 1, probe_every >= 1, min_probes >= 1, window >= 1 and "
+                             f"0 <= margin < 1; got {probe_len}, {probe_every}, {min_probes}, {window}, {margin}")
+        self.candidates = cands
+        self.start = start
+        self.probe_every, self.probe_len, self.min_probes, self.margin, self.window = (
+            probe_every, probe_len, min_probes, margin, window)
+        self._index = {c: i for i, c in enumerate(cands)}
+        self._chains = all(c.k <= 1 for c in cands)
+        L = max(c.depth for c in cands)
+        self._reach, self._acc = [0.0] * L, [0.0] * L
+        self._buckets: dict[int, _Bucket] = {}
+        self._seen = 0  # observations so far
+
+    @staticmethod
+    def bucket_of(b_active: int) -> int:
+        """Live-batch bucket: j for B in [2^j, 2^(j+1))."""
+        return int(b_active).bit_length() - 1
+
+    def _state(self, b_active: int) -> _Bucket:
+        j = self.bucket_of(b_active)
+        bk = self._buckets.get(j)
+        if bk is None:
+            cur = 0
+            if self.start is not None:
+                s = self.start(int(b_active))
+                cur = min(range(len(self.candidates)),
+                          key=lambda i: (abs(self.candidates[i].n_verify - s.n_verify),
+                                         abs(self.candidates[i].depth - s.depth), i))
+            bk = self._buckets[j] = _Bucket(cur)
+        return bk
+
+    def __call__(self, b_active: int) -> Plan:
+        if int(b_active) != b_active or b_active < 1:
+            raise ValueError(f"b_active must be an integer >= 1 (live rows), got {b_active!r}")
+        bk = self._state(b_active)
+        if bk.probe == 0:
+            bk.since += 1
+            if bk.since > self.probe_every and len(self.candidates) > 1:  # probe_every current steps, then a probe
+                d = bk.turn if 0 <= bk.cur + bk.turn < len(self.candidates) else -bk.turn
+                bk.turn = -d
+                bk.probe, bk.probe_dir, bk.since = self.probe_len, d, 0
+        if bk.probe > 0:
+            bk.probe -= 1
+            return self.candidates[bk.cur + bk.probe_dir]
+        return self.candidates[bk.cur]
+
+    def observe(self, b_active: int, plan_: Plan, seconds: float, tokens: int, depth: int = 0,
+                hits: tuple[Sequence[int], Sequence[int]] | None = None) -> None:
+        """One step's outcome: ``tokens`` emitted over all live rows in ``seconds`` under ``plan_``, whose
+        draft reached ``depth``; ``hits`` = (rows reaching, rows accepting) each draft depth 1..``depth``."""
+        self._seen += 1
+        if hits is not None:
+            self._count(hits)
+        i = self._index.get(plan_)
+        if i is None or seconds <= 0 or tokens <= 0:
+            return
+        bk = self._state(b_active)
+        step = (int(b_active), float(seconds), int(tokens), int(depth))
+        if i == bk.cur:
+            bk.last, bk.last_at = step, self._seen
+            return
+        d = i - bk.cur
+        # score the last step of a probe against the current plan's step just before the probe
+        if abs(d) != 1 or bk.probe != 0 or bk.last is None or self._seen - bk.last_at > self.probe_len:
+            return
+        n, m = bk.stats.get(d, (0, 0.0))
+        n += 1
+        m += (math.log(self._rate(*step) / self._rate(*bk.last)) - m) / min(n, self.window)
+        bk.stats[d] = (n, m)
+        if n >= self.min_probes and m > math.log1p(self.margin):
+            bk.cur, bk.moves = i, bk.moves + 1
+            bk.stats = {-d: (n, -m)}  # what is known of the old plan relative to the new one
+            bk.last, bk.last_at = step, self._seen
+
+    def _count(self, hits) -> None:
+        """Decayed counts of rows reaching / accepting each draft depth."""
+        reached, accepted = hits
+        g = self.ACCEPT_DECAY
+        for k in range(len(self._reach)):
+            self._reach[k] *= g
+            self._acc[k] *= g
+        for k, (r, a) in enumerate(zip(reached, accepted)):
+            if k < len(self._reach):
+                self._reach[k] += r
+                self._acc[k] += a
+
+    def accept_rates(self) -> list[float]:
+        """Estimated acceptance of draft depth 1, 2, ... given it was reached: each depth's decayed counts,
+        shrunk toward the depth above it with ``ACCEPT_PRIOR`` pseudo-rows (0.5 for depth 1)."""
+        out, prev = [], 0.5
+        for r, a in zip(self._reach, self._acc):
+            prev = (a + self.ACCEPT_PRIOR * prev) / (r + self.ACCEPT_PRIOR)
+            out.append(prev)
+        return out
+
+    def expected_tokens(self, depth: int) -> float:
+        """Tokens a row emits per step with a sampled chain of ``depth`` drafts: 1 + sum_j prod_{i<=j} a_i."""
+        e = p = 1.0
+        for a in self.accept_rates()[: int(depth)]:
+            p *= a
+            e += p
+        return e
+
+    def _rate(self, b: int, seconds: float, tokens: int, depth: int) -> float:
+        """A step's tokens per second: expected from its chain depth when every candidate is a chain (the
+        acceptance noise of a single step then drops out), else the tokens it emitted."""
+        if self._chains:
+            return b * self.expected_tokens(depth) / seconds
+        return tokens / seconds
+
+    @property
+    def max_plan(self) -> Plan:
+        """Bounds every plan returned (cache sizes): the component-wise largest candidate."""
+        return Plan(max(c.n_verify for c in self.candidates), max(c.k for c in self.candidates),
+                    max(c.depth for c in self.candidates))
+
+    def choices(self) -> dict[str, dict]:
+        """Per bucket ("B=lo-hi"): the current plan, moves made, and each probed direction's (probes, mean log ratio)."""
+        out = {}
+        for j, bk in sorted(self._buckets.items()):
+            c = self.candidates[bk.cur]
+            out[f"B={2**j}-{2**(j + 1) - 1}"] = {"plan": [c.n_verify, c.k, c.depth], "moves": bk.moves,
+                                                 "probes": {str(d): [n, round(m, 4)] for d, (n, m) in bk.stats.items()}}
+        return out
+
+    def __repr__(self) -> str:
+        return f"TunedPlanner({len(self.candidates)} candidates, start={self.start!r})"
+
+
+__all__ = ["BudgetPlanner", "PLAIN", "Plan", "TunedPlanner", "chain_candidates", "check_budget_args", "plan",
+           "tree_candidates", "tree_capacity"]
