@@ -28,9 +28,9 @@ Departures from EAGLE / FastGRPO:
   the whole context.
 
 Seams for the concurrency-aware budget (issue 6): ``plan_fn(B_active) -> Plan`` is called every
-step, and when it has ``observe(B_active, plan, seconds, tokens)`` (``budget.TunedPlanner``) the step's
-wall time and tokens are reported back; ``on_pairs(hidden, tokens, n, rows, prompt=False)`` receives the (hidden state, next token)
-pairs the engine produced, for online learning: (B, T, D) hidden states, (B, T) tokens, the first
+step, and when it has ``observe(B_active, plan, seconds, tokens, depth, hits)`` (``budget.TunedPlanner``)
+each step's wall time, tokens and per-depth acceptance are reported back;
+``on_pairs(hidden, tokens, n, rows, prompt=False)`` receives the (hidden state, next token) pairs the engine produced, for online learning: (B, T, D) hidden states, (B, T) tokens, the first
 ``n`` (B,) of each row valid, ``rows`` (B,) the output row ids (``prompt=True``: the prompt pairs,
 rows are prompt indices). Per row the calls cover positions 0, 1, 2, ... of prompt + completion in
 order (a prefix drafter reports its pairs through ``start_chain(..., rows=)``).

@@ -27,24 +27,24 @@ Every plan component is non-decreasing in N, so a larger batch never gets a larg
 for B = 1 bounds every plan the planner can return (``BudgetPlanner.max_plan``).
 
 ``TunedPlanner`` (``draft.plan=tuned``) starts from the budget's plan and then follows measured
-throughput. Why: C_peak is read off a bare verification forward, but a real decode step also pays a
-fixed cost per step (logits, sampling, the head's calls, bookkeeping) that a verified token does not
-pay again. At 16 rows on the 2-core CPU a step costs about 62 ms, 34 ms of it fixed, so one draft per
-row costs 1.4x a step rather than the 1.9x the bare forward suggests; the budget says "plain decode"
-there, while a depth-1 chain is 1.17-1.21x faster (BENCHMARKS.md, session 21). The tuner hill-climbs
-per live-batch bucket (B in [2^j, 2^(j+1))) over an ordered list of candidate plans: it runs its
-current plan and, after every ``probe_every`` steps of it, a neighbour (one size smaller or larger) for
-``probe_len`` steps. Only the last step of a probe is scored, so the first pays any switching cost (a
-chain's first step after plain steps feeds the head every pair they queued). The score is the log of the probe's
-tokens per second over that of the current plan's step just before it (consecutive steps have nearly
-the same live rows, which a per-plan average over a rollout would not). When every candidate is a
-chain, a step's tokens are the expected ones for its depth, 1 + sum_j prod_{i<=j} a_i per row, from
-the acceptance a_i of each depth counted over all steps (decayed, so it follows a head that learns
-online): one step's own count is too noisy to rank depths by (on synthetic steps the climb then
-misses the best depth; tests/test_budget.py). Once a neighbour's running mean over at least
-``min_probes`` probes beats the current plan by ``margin``, it becomes current.
-Speculation stays lossless whatever the plan: each step's verification is exact given the past, and
-the choice depends on the past only.
+throughput. Why: C_peak is read off a bare verification forward, while what a step of each size really
+costs (the head's calls, logits, sampling, bookkeeping) and yields (the head's acceptance) is only known
+at run time, and changes with the machine, the head and the phase of training. On the 2-core CPU with
+head T6 it settles on 6 drafts at one row, 3-4 at 2-7 rows, 1-2 at 8-31 and none from 32 rows on
+(BENCHMARKS.md, session 22, which also measures each depth's step cost: ``benchmarks/step_cost.py``).
+The tuner hill-climbs per live-batch bucket (B in [2^j, 2^(j+1))) over an ordered list of candidate
+plans: it runs its current plan and, after every ``probe_every`` steps of it, a neighbour (one size
+smaller or larger) for ``probe_len`` steps. Only the last step of a probe is scored, so the first pays
+any switching cost (a chain's first step after plain steps feeds the head every pair they queued). The
+score is the log of the probe's tokens per second over that of the current plan's step just before it
+(consecutive steps have nearly the same live rows, which a per-plan average over a rollout would not).
+When every candidate is a chain, a step's tokens are the expected ones for its depth, 1 + sum_j
+prod_{i<=j} a_i per row, from the acceptance a_i of each depth counted over all steps (decayed, so it
+follows a head that learns online): one step's own count is too noisy to rank depths by (on synthetic
+steps the climb then misses the best depth; tests/test_budget.py). Once a neighbour's running mean over
+at least ``min_probes`` probes beats the current plan by ``margin``, it becomes current. Speculation
+stays lossless whatever the plan: each step's verification is exact given the past, and the choice
+depends on the past only.
 """
 
 from __future__ import annotations
