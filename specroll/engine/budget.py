@@ -42,7 +42,10 @@ When every candidate is a chain, a step's tokens are the expected ones for its d
 prod_{i<=j} a_i per row, from the acceptance a_i of each depth counted over all steps (decayed, so it
 follows a head that learns online): one step's own count is too noisy to rank depths by (on synthetic
 steps the climb then misses the best depth; tests/test_budget.py). Once a neighbour's running mean over
-at least ``min_probes`` probes beats the current plan by ``margin``, it becomes current. Speculation
+at least ``min_probes`` probes beats the current plan by ``margin``, it becomes current. While every
+neighbour has lost over ``min_probes`` probes, each further probe doubles the wait before the next
+(up to ``MAX_BACKOFF`` x ``probe_every``): probing a worse plan costs, and at 32 rows a depth-1 probe
+step costs nearly twice a plain one. A move resets the wait. Speculation
 stays lossless whatever the plan: each step's verification is exact given the past, and the choice
 depends on the past only.
 """
@@ -177,6 +180,7 @@ class _Bucket:
     last_at: int = -10  # observation count at that step
     stats: dict = field(default_factory=dict)  # direction -> (probes, running mean of the log ratio)
     moves: int = 0
+    interval: int = 0  # current-plan steps between probes (0: not yet set)
 
 
 class TunedPlanner:
@@ -187,6 +191,7 @@ class TunedPlanner:
 
     ACCEPT_DECAY = 0.998  # per observed step: acceptance follows a head that learns online
     ACCEPT_PRIOR = 8.0  # pseudo-rows of a depth's acceptance drawn from the depth above it
+    MAX_BACKOFF = 8  # a settled bucket probes at most every 8 x probe_every steps
 
     def __init__(self, candidates: Sequence[Plan], start: Callable[[int], Plan] | None = None, probe_every: int = 8,
                  probe_len: int = 2, min_probes: int = 4, margin: float = 0.03, window: int = 8):
@@ -222,7 +227,7 @@ class TunedPlanner:
                 cur = min(range(len(self.candidates)),
                           key=lambda i: (abs(self.candidates[i].n_verify - s.n_verify),
                                          abs(self.candidates[i].depth - s.depth), i))
-            bk = self._buckets[j] = _Bucket(cur)
+            bk = self._buckets[j] = _Bucket(cur, interval=self.probe_every)
         return bk
 
     def __call__(self, b_active: int) -> Plan:
@@ -231,7 +236,7 @@ class TunedPlanner:
         bk = self._state(b_active)
         if bk.probe == 0:
             bk.since += 1
-            if bk.since > self.probe_every and len(self.candidates) > 1:  # probe_every current steps, then a probe
+            if bk.since > bk.interval and len(self.candidates) > 1:  # interval current steps, then a probe
                 d = bk.turn if 0 <= bk.cur + bk.turn < len(self.candidates) else -bk.turn
                 bk.turn = -d
                 bk.probe, bk.probe_dir, bk.since = self.probe_len, d, 0
@@ -264,9 +269,12 @@ class TunedPlanner:
         m += (math.log(self._rate(*step) / self._rate(*bk.last)) - m) / min(n, self.window)
         bk.stats[d] = (n, m)
         if n >= self.min_probes and m > math.log1p(self.margin):
-            bk.cur, bk.moves = i, bk.moves + 1
+            bk.cur, bk.moves, bk.interval = i, bk.moves + 1, self.probe_every
             bk.stats = {-d: (n, -m)}  # what is known of the old plan relative to the new one
             bk.last, bk.last_at = step, self._seen
+        elif all(bk.stats.get(e, (0, 0.0))[0] >= self.min_probes and bk.stats[e][1] < 0
+                 for e in (-1, 1) if 0 <= bk.cur + e < len(self.candidates)):
+            bk.interval = min(2 * bk.interval, self.MAX_BACKOFF * self.probe_every)  # settled: probe less often
 
     def _count(self, hits) -> None:
         """Decayed counts of rows reaching / accepting each draft depth."""
@@ -303,6 +311,10 @@ class TunedPlanner:
         if self._chains:
             return b * self.expected_tokens(depth) / seconds
         return tokens / seconds
+
+    def current(self, b_active: int) -> Plan:
+        """The plan ``b_active`` live rows run outside probes, as of now (does not advance the probe schedule)."""
+        return self.candidates[self._state(b_active).cur]
 
     @property
     def max_plan(self) -> Plan:
