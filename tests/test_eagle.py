@@ -240,6 +240,7 @@ class SpyTuned:
         from specroll.engine.budget import TunedPlanner
 
         self.inner = TunedPlanner(candidates, probe_every=1, probe_len=1, min_probes=1, margin=0.0)
+        self.inner.MAX_BACKOFF = 1  # never settle
         self.max_plan, self.steps, self.rng = self.inner.max_plan, [], random.Random(0)
 
     def __call__(self, b):
