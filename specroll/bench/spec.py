@@ -62,10 +62,9 @@ def _tuned(args):
     """Top-K trees whose size follows measured throughput per live-batch bucket (``budget.TunedPlanner``),
     starting from the adaptive plan; candidates are the budget's plans for one row up to C_peak."""
     from ..engine.budget import TunedPlanner, tree_candidates
-    from ..engine.profiler import adaptive_planner
 
-    start = adaptive_planner(args.model, args.dtype, c_peak=args.c_peak, k_max=args.k, l_max=args.depth, log=print)
-    planner = TunedPlanner(tree_candidates(start.c_peak, k_max=args.k, l_max=args.depth), start=start)
+    start, _ = _adaptive(args)
+    planner = TunedPlanner(tree_candidates(start.c_peak, start.alpha, start.k_max, start.l_min, start.l_max), start=start)
     return planner, planner.max_plan
 
 
@@ -73,9 +72,8 @@ def _tuned_chain(args):
     """Sampled chains of 0..--depth drafts, the depth following measured throughput per live-batch bucket,
     starting from the adaptive-chain plan."""
     from ..engine.budget import TunedPlanner, chain_candidates
-    from ..engine.profiler import adaptive_planner
 
-    start = adaptive_planner(args.model, args.dtype, c_peak=args.c_peak, k_max=1, l_max=args.depth, log=print)
+    start, _ = _adaptive_chain(args)
     planner = TunedPlanner(chain_candidates(args.depth), start=start)
     return planner, planner.max_plan
 

@@ -192,7 +192,8 @@ def make_plan(cfg, model, log=print):
     if dc.plan == "tuned":
         from ..engine.budget import TunedPlanner, chain_candidates, tree_candidates
 
-        cands = chain_candidates(planner.l_max) if dc.chain else tree_candidates(planner.c_peak)
+        shape_of = (planner.alpha, planner.k_max, planner.l_min, planner.l_max)
+        cands = chain_candidates(planner.l_max) if dc.chain else tree_candidates(planner.c_peak, *shape_of)
         planner = TunedPlanner(cands, start=planner)
     return planner.max_plan, planner, planner.max_plan
 

@@ -180,7 +180,7 @@ class _Bucket:
     last_at: int = -10  # observation count at that step
     stats: dict = field(default_factory=dict)  # direction -> (probes, running mean of the log ratio)
     moves: int = 0
-    interval: int = 0  # current-plan steps between probes (0: not yet set)
+    interval: int = 8  # current-plan steps between probes (starts at probe_every)
 
 
 class TunedPlanner:
