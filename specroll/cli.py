@@ -267,7 +267,7 @@ def _bench_online(s):
     b.add_argument("--steps", type=int, default=30, help="GRPO steps per run")
     b.add_argument("--draft", default="random", help="starting head of both runs: a `specroll draft train` "
                    "directory, or random (a fresh head)")
-    b.add_argument("--plan", default="static", choices=["static", "adaptive"], help="speculation plan (draft.plan)")
+    b.add_argument("--plan", default="static", choices=["static", "adaptive", "tuned"], help="speculation plan (draft.plan)")
     b.add_argument("--design", default="paired", choices=["paired", "separate"],
                    help="paired: one training, the frozen head re-rolls each step's prompts with the same policy; "
                    "separate: one training per head")

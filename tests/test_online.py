@@ -536,3 +536,14 @@ def test_a_distilled_head_waits_for_a_full_buffer_before_its_first_update(mid):
         d.after_rollout(engine.generate(PROMPTS, SamplingParams(max_new_tokens=8, seed=step), n=2, drafter=d), step)
         got.append("draft/loss" in d.metrics())
     assert got == [False, False, True, True, True] and d.learner.updates == 3
+
+
+def test_bench_online_offers_every_config_plan():
+    """`bench online --plan` lists its choices without importing the drafters; they must be draft.plan's."""
+    from specroll.cli import build_parser
+    from specroll.drafters.build import PLANS
+
+    for plan in PLANS:
+        assert build_parser().parse_args(["bench", "online", "--plan", plan]).plan == plan
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["bench", "online", "--plan", "fastest"])
