@@ -399,6 +399,59 @@ def test_tuned_planner_climbs_to_the_fastest_chain_of_each_batch_size(start_dept
     assert 0 < off_plan <= 400 * 2 / (8 * 8)  # settled: it still probes, at the longest wait (2 steps per 64)
 
 
+def _tree_accept(p: Plan) -> float:
+    """Synthetic per-depth acceptance of a top-K tree: more nodes per level keep more."""
+    return 1 - 0.4 ** ((p.n_verify - 1) / p.depth) if p.depth else 0.0
+
+
+def test_tuned_planner_climbs_to_the_fastest_tree_of_each_batch_size():
+    """Trees: each plan's acceptance is its own (counted per plan), and the climb over the budget's trees
+    ends within 3% of brute force at every batch size, starting from the biggest tree."""
+    import random
+
+    from specroll.engine.budget import TunedPlanner, tree_candidates
+
+    rng = random.Random(1)
+    cands = tree_candidates(24)
+    planner = TunedPlanner(cands, start=lambda b: cands[-1])
+
+    def machine(b, p):
+        return 6.0 + 14.0 * max(1.0, b * p.n_verify / 16) + 1.5 * p.depth
+
+    rate = {(b, p): b * sum(_tree_accept(p) ** j for j in range(p.depth + 1)) / machine(b, p)
+            for b in (1, 4, 16, 64) for p in cands}
+    for _ in range(6):
+        for b in (1, 4, 16, 64):
+            for _ in range(400):
+                p = planner(b)
+                a = _tree_accept(p)
+                acc = [next((j for j in range(p.depth) if rng.random() > a), p.depth) for _ in range(b)]
+                hits = ([sum(x >= d - 1 for x in acc) for d in range(1, p.depth + 1)],
+                        [sum(x >= d for x in acc) for d in range(1, p.depth + 1)])
+                planner.observe(b, p, machine(b, p) * rng.uniform(0.95, 1.05), sum(acc) + b, p.depth,
+                                hits if p.depth else None)
+    for b in (1, 4, 16, 64):
+        best = max(cands, key=lambda p: rate[b, p])
+        assert rate[b, planner.current(b)] >= 0.97 * rate[b, best], (b, planner.current(b), best, planner.choices())
+    assert planner.current(1).n_verify > planner.current(4).n_verify > planner.current(16).n_verify == 1
+    big = cands[-1]
+    assert planner.accept_rates(big)[0] == pytest.approx(_tree_accept(big), abs=0.03)  # each tree its own
+    assert planner.accept_rates(cands[1])[0] == pytest.approx(_tree_accept(cands[1]), abs=0.05)
+
+
+def test_tuned_planner_falls_back_to_emitted_tokens_without_acceptance_reports():
+    """A drafter that reports no per-depth hits: steps are scored by the tokens they emitted."""
+    from specroll.engine.budget import TunedPlanner, chain_candidates
+
+    planner = TunedPlanner(chain_candidates(1), probe_every=1, probe_len=1, min_probes=1)
+    assert planner(3) == PLAIN
+    planner.observe(3, PLAIN, 1.0, 3)
+    assert planner(3) == Plan(2, 1, 1)  # the probe
+    planner.observe(3, Plan(2, 1, 1), 1.0, 6, 1)  # 6 tokens in the same time: twice the rate
+    assert planner.choices()["B=2-3"]["moves"] == 1 and planner.current(3) == Plan(2, 1, 1)
+    assert planner.choices()["B=2-3"]["probes"]["-1"] == [1, pytest.approx(-math.log(2), abs=1e-4)]
+
+
 def test_tuned_planner_expected_tokens_follow_the_accepted_depths():
     """Decayed per-depth counts -> acceptance given reached -> 1 + sum_j prod_{i<=j} a_i, against a hand count;
     a depth never reached borrows the depth above it."""
@@ -422,7 +475,7 @@ def test_tuned_planner_scores_only_the_last_step_of_a_probe_against_the_step_bef
 
     planner = TunedPlanner(chain_candidates(2), start=lambda b: Plan(2, 1, 1), probe_every=3, probe_len=2,
                            min_probes=2, margin=0.05)
-    planner.ACCEPT_PRIOR = 1e9  # acceptance pinned at 0.5: expected tokens 1, 1.5, 1.75
+    planner.ACCEPT_PRIOR = 1e9  # acceptance pinned at 0.5 whatever is counted: expected tokens 1, 1.5, 1.75
     seq = []
     for _ in range(10):
         p = planner(1)
@@ -430,14 +483,15 @@ def test_tuned_planner_scores_only_the_last_step_of_a_probe_against_the_step_bef
         # depth 2 (a probe) is 20% faster per token when it is the probe's last step; its first step is slow
         last = planner._state(1).probe == 0
         secs = {0: 1.0, 1: 1.0, 2: (1.75 / 1.5) / 1.2 if last else 100.0}[p.depth]
-        planner.observe(1, p, secs, 1, p.depth)
+        planner.observe(1, p, secs, 1, p.depth, ([1] * p.depth, [1] * p.depth) if p.depth else None)
     assert seq == [1, 1, 1, 2, 2, 1, 1, 1, 0, 0]
     assert planner.choices()["B=1-1"]["probes"]["1"] == [1, pytest.approx(math.log(1.2), abs=1e-4)]
     assert planner.choices()["B=1-1"]["probes"]["-1"] == [1, pytest.approx(math.log(1 / 1.5), abs=1e-4)]
     for _ in range(5):  # the second depth-2 probe confirms it: depth 2 becomes current
         p = planner(1)
         last = planner._state(1).probe == 0
-        planner.observe(1, p, {0: 1.0, 1: 1.0, 2: (1.75 / 1.5) / 1.2 if last else 100.0}[p.depth], 1, p.depth)
+        secs = {0: 1.0, 1: 1.0, 2: (1.75 / 1.5) / 1.2 if last else 100.0}[p.depth]
+        planner.observe(1, p, secs, 1, p.depth, ([1] * p.depth, [1] * p.depth) if p.depth else None)
     assert planner(1).depth == 2 and planner.choices()["B=1-1"]["moves"] == 1
     assert planner.choices()["B=1-1"]["probes"] == {"-1": [2, pytest.approx(-math.log(1.2), abs=1e-4)]}
 

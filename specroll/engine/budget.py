@@ -38,10 +38,11 @@ smaller or larger) for ``probe_len`` steps. Only the last step of a probe is sco
 any switching cost (a chain's first step after plain steps feeds the head every pair they queued). The
 score is the log of the probe's tokens per second over that of the current plan's step just before it
 (consecutive steps have nearly the same live rows, which a per-plan average over a rollout would not).
-When every candidate is a chain, a step's tokens are the expected ones for its depth, 1 + sum_j
-prod_{i<=j} a_i per row, from the acceptance a_i of each depth counted over all steps (decayed, so it
-follows a head that learns online): one step's own count is too noisy to rank depths by (on synthetic
-steps the climb then misses the best depth; tests/test_budget.py). Once a neighbour's running mean over
+A step's tokens are the expected ones for its depth, 1 + sum_j prod_{i<=j} a_i per row, from the
+acceptance a_i of each depth counted over all steps of chains (one count for every chain length: a
+sampled draft's survival does not depend on what follows it) or of the same tree plan (a wider tree
+keeps more), decayed so that it follows a head that learns online: one step's own count is too noisy to
+rank plans by (on synthetic steps the climb then misses the best depth; tests/test_budget.py). Once a neighbour's running mean over
 at least ``min_probes`` probes beats the current plan by ``margin``, it becomes current. While every
 neighbour has lost over ``min_probes`` probes, each further probe doubles the wait before the next
 (up to ``MAX_BACKOFF`` x ``probe_every``): probing a worse plan costs, and at 32 rows a depth-1 probe
@@ -160,9 +161,15 @@ def chain_candidates(l_max: int) -> list[Plan]:
 
 def tree_candidates(c_max: float, alpha: float = DEFAULT_ALPHA, k_max: int = DEFAULT_K_MAX,
                     l_min: int = DEFAULT_L_MIN, l_max: int = DEFAULT_L_MAX) -> list[Plan]:
-    """The distinct plans the budget rule gives one row for budgets 1..``c_max``, smallest first."""
+    """The distinct plans the budget rule gives one row for budgets 1, 2, 3, 4, 6, 8, 12, 16, ... (each step
+    about 1.4x the last) up to ``c_max``, and ``c_max`` itself, smallest first: few enough that a climb one
+    neighbour at a time crosses them in a few probes, and without the runs of trees that differ by a node."""
+    budgets, c = [], 1
+    while c <= c_max:
+        budgets += [c] + ([c * 3 // 2] if c >= 2 and c * 3 // 2 <= c_max else [])
+        c *= 2
     out: list[Plan] = []
-    for c in range(1, int(c_max) + 1):
+    for c in sorted(set(budgets) | {int(c_max)}):
         p = plan(1, c, alpha, k_max, l_min, l_max)
         if not out or p != out[-1]:
             out.append(p)
@@ -207,8 +214,8 @@ class TunedPlanner:
             probe_every, probe_len, min_probes, margin, window)
         self._index = {c: i for i, c in enumerate(cands)}
         self._chains = all(c.k <= 1 for c in cands)
-        L = max(c.depth for c in cands)
-        self._reach, self._acc = [0.0] * L, [0.0] * L
+        self._L = max(c.depth for c in cands)
+        self._counts: dict = {}  # acceptance key -> [reached per depth, accepted per depth] (decayed)
         self._buckets: dict[int, _Bucket] = {}
         self._seen = 0  # observations so far
 
@@ -251,12 +258,12 @@ class TunedPlanner:
         draft reached ``depth``; ``hits`` = (rows reaching, rows accepting) each draft depth 1..``depth``."""
         self._seen += 1
         if hits is not None:
-            self._count(hits)
+            self._count(hits, self._key(plan_))
         i = self._index.get(plan_)
         if i is None or seconds <= 0 or tokens <= 0:
             return
         bk = self._state(b_active)
-        step = (int(b_active), float(seconds), int(tokens), int(depth))
+        step = (int(b_active), float(seconds), int(tokens), int(depth), plan_)
         if i == bk.cur:
             bk.last, bk.last_at = step, self._seen
             return
@@ -276,41 +283,48 @@ class TunedPlanner:
                  for e in (-1, 1) if 0 <= bk.cur + e < len(self.candidates)):
             bk.interval = min(2 * bk.interval, self.MAX_BACKOFF * self.probe_every)  # settled: probe less often
 
-    def _count(self, hits) -> None:
-        """Decayed counts of rows reaching / accepting each draft depth."""
-        reached, accepted = hits
-        g = self.ACCEPT_DECAY
-        for k in range(len(self._reach)):
-            self._reach[k] *= g
-            self._acc[k] *= g
-        for k, (r, a) in enumerate(zip(reached, accepted)):
-            if k < len(self._reach):
-                self._reach[k] += r
-                self._acc[k] += a
+    def _key(self, plan_: Plan | None):
+        """Whose acceptance a step's hits count toward: chains share one (a sampled draft at depth i is kept
+        with the same probability however long the chain), a tree's depends on its shape (its own plan)."""
+        return None if self._chains else plan_
 
-    def accept_rates(self) -> list[float]:
-        """Estimated acceptance of draft depth 1, 2, ... given it was reached: each depth's decayed counts,
-        shrunk toward the depth above it with ``ACCEPT_PRIOR`` pseudo-rows (0.5 for depth 1)."""
+    def _count(self, hits, key) -> None:
+        """Decayed counts of rows reaching / accepting each draft depth (decayed per step of that key)."""
+        reached, accepted = self._counts.setdefault(key, ([0.0] * self._L, [0.0] * self._L))
+        g = self.ACCEPT_DECAY
+        for k in range(self._L):
+            reached[k] *= g
+            accepted[k] *= g
+        for k, (r, a) in enumerate(zip(*hits)):
+            if k < self._L:
+                reached[k] += r
+                accepted[k] += a
+
+    def accept_rates(self, plan_: Plan | None = None) -> list[float]:
+        """Estimated acceptance of draft depth 1, 2, ... given it was reached (for ``plan_``'s tree; chains
+        share theirs): each depth's decayed counts, shrunk toward the depth above it with ``ACCEPT_PRIOR``
+        pseudo-rows (0.5 for depth 1)."""
+        reached, accepted = self._counts.get(self._key(plan_), ([0.0] * self._L, [0.0] * self._L))
         out, prev = [], 0.5
-        for r, a in zip(self._reach, self._acc):
+        for r, a in zip(reached, accepted):
             prev = (a + self.ACCEPT_PRIOR * prev) / (r + self.ACCEPT_PRIOR)
             out.append(prev)
         return out
 
-    def expected_tokens(self, depth: int) -> float:
-        """Tokens a row emits per step with a sampled chain of ``depth`` drafts: 1 + sum_j prod_{i<=j} a_i."""
+    def expected_tokens(self, depth: int, plan_: Plan | None = None) -> float:
+        """Tokens a row emits per step whose draft reaches ``depth``: 1 + sum_j prod_{i<=j} a_i."""
         e = p = 1.0
-        for a in self.accept_rates()[: int(depth)]:
+        for a in self.accept_rates(plan_)[: int(depth)]:
             p *= a
             e += p
         return e
 
-    def _rate(self, b: int, seconds: float, tokens: int, depth: int) -> float:
-        """A step's tokens per second: expected from its chain depth when every candidate is a chain (the
-        acceptance noise of a single step then drops out), else the tokens it emitted."""
-        if self._chains:
-            return b * self.expected_tokens(depth) / seconds
-        return tokens / seconds
+    def _rate(self, b: int, seconds: float, tokens: int, depth: int, plan_: Plan) -> float:
+        """A step's tokens per second, its tokens the expected ones for its depth (a single step's own count
+        is too noisy to rank plans by); the tokens it emitted where no acceptance was ever reported."""
+        if depth and self._key(plan_) not in self._counts:
+            return tokens / seconds
+        return b * self.expected_tokens(depth, plan_) / seconds
 
     def current(self, b_active: int) -> Plan:
         """The plan ``b_active`` live rows run outside probes, as of now (does not advance the probe schedule)."""
