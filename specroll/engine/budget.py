@@ -193,7 +193,7 @@ class _Bucket:
 class TunedPlanner:
     """``planner(B_active) -> Plan`` that picks, per live-batch bucket, the candidate with the most measured
     tokens per second (module docstring). The drafter reports every step through
-    ``observe(B_active, plan, seconds, tokens)``; ``start(B) -> Plan`` (e.g. a ``BudgetPlanner``) seeds each
+    ``observe(B_active, plan, seconds, tokens, depth, hits)``; ``start(B) -> Plan`` (e.g. a ``BudgetPlanner``) seeds each
     bucket with its nearest candidate. Candidates are ordered from the least to the most speculation."""
 
     ACCEPT_DECAY = 0.998  # per observed step: acceptance follows a head that learns online
