@@ -356,15 +356,35 @@ def test_bench_spec_static_and_adaptive_rows_and_figure(tmp_path, monkeypatch, c
 
 # --- the tuned planner ------------------------------------------------------------------------------
 
-def _machine(b: int, depth: int) -> float:
+def _machine(b: int, p: Plan) -> float:
     """A synthetic step time (ms): a fixed part, a forward that is memory-bound up to 16 tokens and linear
-    beyond, and one head call per draft. Its best chain depth falls as the batch grows."""
-    tokens = b * (depth + 1)
-    return 6.0 + 14.0 * max(1.0, tokens / 16) + 1.5 * depth
+    beyond, and one head call per draft level. Its best plan shrinks as the batch grows."""
+    return 6.0 + 14.0 * max(1.0, b * p.n_verify / 16) + 1.5 * p.depth
 
 
-def _expected(a: float, depth: int) -> float:
-    return sum(a**j for j in range(depth + 1))
+def _rate(b: int, p: Plan, a: float) -> float:
+    """Noise-free tokens per ms of ``p`` at ``b`` rows with per-depth acceptance ``a``."""
+    return b * sum(a**j for j in range(p.depth + 1)) / _machine(b, p)
+
+
+def _drive(planner, accept, seed: int, rollouts: int = 6, on_step=None):
+    """Rollouts of 400 steps at 1, 4, 16 and 64 rows: each row accepts each draft level with probability
+    ``accept(plan)`` (independently, up to the first rejection); step times carry 5% noise."""
+    import random
+
+    rng = random.Random(seed)
+    for r in range(rollouts):
+        for b in (1, 4, 16, 64):
+            for _ in range(400):
+                p = planner(b)
+                if on_step is not None:
+                    on_step(r, b, p)
+                a = accept(p)
+                acc = [next((j for j in range(p.depth) if rng.random() > a), p.depth) for _ in range(b)]
+                hits = ([sum(x >= d - 1 for x in acc) for d in range(1, p.depth + 1)],
+                        [sum(x >= d for x in acc) for d in range(1, p.depth + 1)])
+                planner.observe(b, p, _machine(b, p) * rng.uniform(0.95, 1.05), sum(acc) + b, p.depth,
+                                hits if p.depth else None)
 
 
 @pytest.mark.parametrize("start_depth", [0, 6])
@@ -373,30 +393,23 @@ def test_tuned_planner_climbs_to_the_fastest_chain_of_each_batch_size(start_dept
     noise), the planner ends on the depth that brute force over the noise-free throughput picks, or one
     within 3% of it, from either end of the candidate list, for every batch size separately. Once settled
     it probes at the longest wait."""
-    import random
-
     from specroll.engine.budget import TunedPlanner, chain_candidates
 
-    rng, a = random.Random(0), 0.7
-    planner = TunedPlanner(chain_candidates(6), start=lambda b: Plan(start_depth + 1, min(start_depth, 1), start_depth))
-    rate = {(b, d): b * _expected(a, d) / _machine(b, d) for b in (1, 4, 16, 64) for d in range(7)}
-    off_plan = 0  # steps of the last rollout at 64 rows that ran something other than the current plan
-    for r in range(6):  # rollouts: 400 steps at each batch size
-        for b in (1, 4, 16, 64):
-            for _ in range(400):
-                p = planner(b)
-                off_plan += r == 5 and b == 64 and p != planner.current(b)
-                acc = [next((j for j in range(p.depth) if rng.random() > a), p.depth) for _ in range(b)]
-                hits = ([sum(x >= d - 1 for x in acc) for d in range(1, p.depth + 1)],
-                        [sum(x >= d for x in acc) for d in range(1, p.depth + 1)])
-                planner.observe(b, p, _machine(b, p.depth) * rng.uniform(0.95, 1.05), sum(acc) + b, p.depth, hits)
-    best = {b: max(range(7), key=lambda d: rate[b, d]) for b in (1, 4, 16, 64)}
+    cands = chain_candidates(6)
+    planner = TunedPlanner(cands, start=lambda b: cands[start_depth])
+    off_plan = []  # steps of the last rollout at 64 rows that ran something other than the current plan
+
+    def count(r, b, p):
+        off_plan.append(r == 5 and b == 64 and p != planner.current(b))
+
+    _drive(planner, lambda p: 0.7, seed=0, on_step=count)
+    best = {b: max(cands, key=lambda p: _rate(b, p, 0.7)).depth for b in (1, 4, 16, 64)}
     assert best[1] > best[4] > best[16] >= best[64] == 0  # the synthetic machine has a real trade-off
     for b in (1, 4, 16, 64):
-        got = planner.current(b).depth
-        assert rate[b, got] >= 0.97 * rate[b, best[b]], (b, got, best[b], planner.choices())
-    assert all(abs(r - a) < 0.05 for r in planner.accept_rates()[:3])
-    assert 0 < off_plan <= 400 * 2 / (8 * 8)  # settled: it still probes, at the longest wait (2 steps per 64)
+        got = planner.current(b)
+        assert _rate(b, got, 0.7) >= 0.97 * _rate(b, cands[best[b]], 0.7), (b, got, best[b], planner.choices())
+    assert all(abs(r - 0.7) < 0.05 for r in planner.accept_rates()[:3])
+    assert 0 < sum(off_plan) <= 400 * 2 / (8 * 8)  # settled: it still probes, at the longest wait (2 steps per 64)
 
 
 def _tree_accept(p: Plan) -> float:
@@ -407,32 +420,15 @@ def _tree_accept(p: Plan) -> float:
 def test_tuned_planner_climbs_to_the_fastest_tree_of_each_batch_size():
     """Trees: each plan's acceptance is its own (counted per plan), and the climb over the budget's trees
     ends within 3% of brute force at every batch size, starting from the biggest tree."""
-    import random
-
     from specroll.engine.budget import TunedPlanner, tree_candidates
 
-    rng = random.Random(1)
     cands = tree_candidates(24)
     planner = TunedPlanner(cands, start=lambda b: cands[-1])
-
-    def machine(b, p):
-        return 6.0 + 14.0 * max(1.0, b * p.n_verify / 16) + 1.5 * p.depth
-
-    rate = {(b, p): b * sum(_tree_accept(p) ** j for j in range(p.depth + 1)) / machine(b, p)
-            for b in (1, 4, 16, 64) for p in cands}
-    for _ in range(6):
-        for b in (1, 4, 16, 64):
-            for _ in range(400):
-                p = planner(b)
-                a = _tree_accept(p)
-                acc = [next((j for j in range(p.depth) if rng.random() > a), p.depth) for _ in range(b)]
-                hits = ([sum(x >= d - 1 for x in acc) for d in range(1, p.depth + 1)],
-                        [sum(x >= d for x in acc) for d in range(1, p.depth + 1)])
-                planner.observe(b, p, machine(b, p) * rng.uniform(0.95, 1.05), sum(acc) + b, p.depth,
-                                hits if p.depth else None)
+    _drive(planner, _tree_accept, seed=1)
     for b in (1, 4, 16, 64):
-        best = max(cands, key=lambda p: rate[b, p])
-        assert rate[b, planner.current(b)] >= 0.97 * rate[b, best], (b, planner.current(b), best, planner.choices())
+        best = max(cands, key=lambda p: _rate(b, p, _tree_accept(p)))
+        got = planner.current(b)
+        assert _rate(b, got, _tree_accept(got)) >= 0.97 * _rate(b, best, _tree_accept(best)), (b, got, best)
     assert planner.current(1).n_verify > planner.current(4).n_verify > planner.current(16).n_verify == 1
     big = cands[-1]
     assert planner.accept_rates(big)[0] == pytest.approx(_tree_accept(big), abs=0.03)  # each tree its own
