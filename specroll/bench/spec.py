@@ -61,20 +61,18 @@ def _adaptive_chain(args):
 def _tuned(args):
     """Top-K trees whose size follows measured throughput per live-batch bucket (``budget.TunedPlanner``),
     starting from the adaptive plan; candidates are the budget's plans for one row up to C_peak."""
-    from ..engine.budget import TunedPlanner, tree_candidates
+    from ..engine.budget import TunedPlanner
 
-    start, _ = _adaptive(args)
-    planner = TunedPlanner(tree_candidates(start.c_peak, start.alpha, start.k_max, start.l_min, start.l_max), start=start)
+    planner = TunedPlanner.from_budget(_adaptive(args)[0])
     return planner, planner.max_plan
 
 
 def _tuned_chain(args):
     """Sampled chains of 0..--depth drafts, the depth following measured throughput per live-batch bucket,
     starting from the adaptive-chain plan."""
-    from ..engine.budget import TunedPlanner, chain_candidates
+    from ..engine.budget import TunedPlanner
 
-    start, _ = _adaptive_chain(args)
-    planner = TunedPlanner(chain_candidates(args.depth), start=start)
+    planner = TunedPlanner.from_budget(_adaptive_chain(args)[0])
     return planner, planner.max_plan
 
 

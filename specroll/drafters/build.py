@@ -190,11 +190,9 @@ def make_plan(cfg, model, log=print):
     if log is not None:
         log(f"draft.plan={dc.plan}: C_peak = {planner.c_peak:g} tokens per forward")
     if dc.plan == "tuned":
-        from ..engine.budget import TunedPlanner, chain_candidates, tree_candidates
+        from ..engine.budget import TunedPlanner
 
-        shape_of = (planner.alpha, planner.k_max, planner.l_min, planner.l_max)
-        cands = chain_candidates(planner.l_max) if dc.chain else tree_candidates(planner.c_peak, *shape_of)
-        planner = TunedPlanner(cands, start=planner)
+        planner = TunedPlanner.from_budget(planner)
     return planner.max_plan, planner, planner.max_plan
 
 

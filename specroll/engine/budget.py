@@ -219,6 +219,16 @@ class TunedPlanner:
         self._buckets: dict[int, _Bucket] = {}
         self._seen = 0  # observations so far
 
+    @classmethod
+    def from_budget(cls, budget: BudgetPlanner, **kw) -> TunedPlanner:
+        """Tuned over ``budget``'s shapes, starting from its plans: sampled chains of 0..L_max drafts when it
+        plans chains (K_max = 1), else its own trees (``tree_candidates`` with its C_peak and limits)."""
+        if budget.k_max == 1:
+            cands = chain_candidates(budget.l_max)
+        else:
+            cands = tree_candidates(budget.c_peak, budget.alpha, budget.k_max, budget.l_min, budget.l_max)
+        return cls(cands, start=budget, **kw)
+
     @staticmethod
     def bucket_of(b_active: int) -> int:
         """Live-batch bucket: j for B in [2^j, 2^(j+1))."""
