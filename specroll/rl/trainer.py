@@ -154,6 +154,9 @@ def shared_prompt_logprobs(model, batch: Batch, rows: torch.Tensor, group: torch
     the micro-batch's distinct prompts and keeps every layer's K/V (with autograd); pass 2 runs only
     the completion tokens, attending to their prompt's K/V plus their own causal prefix. With G = 8
     and prompts as long as completions this removes ~45% of the training forward/backward FLOPs.
+    A prompt's K/V reach its rows by ``index_select``, whose backward is an ``index_add``: plain indexing
+    (``Kp[inv]``) back-propagates through ``index_put_(accumulate=True)``, ~20x slower here (0.24 s of a
+    9 s update, BENCHMARKS.md session 23).
     """
     uniq, inv = torch.unique(group[rows], return_inverse=True)  # distinct prompts; row -> prompt slot
     first = torch.stack([rows[(inv == i).nonzero()[0, 0]] for i in range(len(uniq))])  # a row per prompt
@@ -193,12 +196,12 @@ def shared_prompt_logprobs(model, batch: Batch, rows: torch.Tensor, group: torch
         Kp, Vp = kvs[i]
 
         def join(k, v, Kp=Kp, Vp=Vp):
-            return (torch.cat([Kp[inv], k.transpose(1, 2).to(Kp.dtype)], dim=2),
-                    torch.cat([Vp[inv], v.transpose(1, 2).to(Vp.dtype)], dim=2))
+            return (torch.cat([Kp.index_select(0, inv), k.transpose(1, 2).to(Kp.dtype)], dim=2),
+                    torch.cat([Vp.index_select(0, inv), v.transpose(1, 2).to(Vp.dtype)], dim=2))
 
         y = layer(y, cos2, sin2, join, m2)
     hc = model.norm(y)  # (b, C, D); position j predicts token j + 1
-    h = torch.cat([h_last[inv][:, None].to(hc.dtype), hc[:, : C - 1]], dim=1)
+    h = torch.cat([h_last.index_select(0, inv)[:, None].to(hc.dtype), hc[:, : C - 1]], dim=1)
     valid = torch.arange(C)[None] < batch.clen[rows][:, None]
     return _pad_to_batch(token_logprobs(model, h, cids, valid, with_entropy), batch)
 
