@@ -1,6 +1,6 @@
 """Seconds per GRPO update of SmolLM2 over successive steps' rollouts (4 prompts x G = 8, every completion
-forced to 64 tokens, fp32), the process's resident memory after each, and the time a profiled last update
-spent zero-filling (vocabulary x hidden) tensors.
+forced to 64 tokens, fp32), the process's resident memory after each, and, from a profiled last update, the
+time spent zero-filling (vocabulary x hidden) tensors, in matmuls, and in the dozen costliest ops.
 
     python benchmarks/update_steps.py [--updates 7] [--out FILE.json]
 
@@ -14,6 +14,8 @@ from update_ab import update_trainer  # benchmarks/ is on sys.path when this scr
 
 import specroll
 from specroll.bench.common import machine_info, write_json
+
+MATMULS = ("aten::mm", "aten::addmm", "aten::addmm_", "aten::bmm")
 
 
 def rss_mb() -> int:
@@ -42,8 +44,16 @@ def main() -> None:
              if e.key == "aten::fill_" and e.input_shapes and list(e.input_shapes[0]) == [V, D]]
     fill = {"calls": sum(e.count for e in fills), "s": sum(e.self_cpu_time_total for e in fills) / 1e6}
     print(f"profiled update: {fill['calls']} zero-fills of ({V}, {D}) took {fill['s']:.3f} s")
+    ops = prof.key_averages()
+    total = sum(e.self_cpu_time_total for e in ops) / 1e6
+    mm = sum(e.self_cpu_time_total for e in ops if e.key in MATMULS) / 1e6
+    top = [[e.key, e.self_cpu_time_total / 1e6, e.count] for e in sorted(ops, key=lambda e: -e.self_cpu_time_total)[:12]]
+    print(f"profiled update: {total:.2f} s of ops, matmuls {mm:.2f} s ({mm / total:.0%}); top ops by own time:")
+    for key, sec, n in top:
+        print(f"  {key:<48} {sec:6.3f} s  {n:5d} calls")
     if a.out:
         write_json(a.out, {"benchmark": "update_steps", "specroll": specroll.__file__, "rows": rows, "vd_fill": fill,
+                           "profile": {"ops_s": total, "matmul_s": mm, "top_ops": top},
                            "machine": machine_info()})
         print(f"wrote {a.out}")
 
