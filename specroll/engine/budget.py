@@ -183,7 +183,7 @@ class _Bucket:
     probe: int = 0  # steps left in the running probe (issued), 0 = none
     probe_dir: int = 0
     turn: int = 1  # direction of the next probe (alternates where both neighbours exist)
-    last: tuple | None = None  # (B, seconds, tokens, depth) of the current plan's latest step
+    last: tuple | None = None  # (B, seconds, tokens, depth, plan) of the current plan's latest step
     last_at: int = -10  # observation count at that step
     stats: dict = field(default_factory=dict)  # direction -> (probes, running mean of the log ratio)
     moves: int = 0
