@@ -2,7 +2,7 @@
 draft head's speed-up.
 
     python benchmarks/step_cost.py --draft DIR [--batch-sizes 1,4,16,64] [--depths 0,1,2,4,6]
-                                   [--repeats 3] [--max-new-tokens 96] [--out FILE.json]
+                                   [--repeats 3] [--max-new-tokens 96] [--dtype float32|bfloat16] [--out FILE.json]
 
 For each batch size B, every repeat runs one rollout per chain depth d (0 = the drafter's plain step),
 interleaved, on the same B prompts and seed, with every row forced to ``--max-new-tokens`` tokens (so the
@@ -23,7 +23,7 @@ import statistics
 
 import torch
 
-from specroll.bench.common import machine_info, parse_int_list, write_json
+from specroll.bench.common import DTYPES, machine_info, parse_int_list, write_json
 from specroll.bench.spec import bench_prompts
 from specroll.drafters.eagle import EagleDrafter, Plan, load_head_as
 from specroll.engine.engine import Engine
@@ -53,6 +53,8 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--max-new-tokens", type=int, default=96)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--dtype", default="float32", choices=sorted(DTYPES),
+                    help="rollout precision of the policy (the engine's dtype; weights load in fp32)")
     ap.add_argument("--out", default="")
     a = ap.parse_args()
     batches = parse_int_list(a.batch_sizes, "--batch-sizes")
@@ -61,7 +63,7 @@ def main() -> None:
         ap.error(f"--depths must be integers >= 0, got {a.depths!r}")
     model, tok = hub.load(a.model, torch.float32)
     head = load_head_as(f"--draft {a.draft}", a.draft, model)
-    engine = Engine(model, eos_ids=hub.eos_ids(tok, hub.resolve(a.model, quiet=True)))
+    engine = Engine(model, eos_ids=hub.eos_ids(tok, hub.resolve(a.model, quiet=True)), dtype=DTYPES[a.dtype])
     prompts = bench_prompts(tok, max(batches) * a.repeats, a.seed)
     top = Plan(max(depths) + 1, 1, max(depths)) if max(depths) else Plan()
     rows = []
@@ -85,7 +87,7 @@ def main() -> None:
                   f"{per_row:.2f} tokens/row/step, ceiling x{row['ceiling']:.2f}, at this acceptance "
                   f"x{row['at_measured']:.2f}", flush=True)
     if a.out:
-        write_json(a.out, {"model": a.model, "draft": a.draft, "max_new_tokens": a.max_new_tokens,
+        write_json(a.out, {"model": a.model, "draft": a.draft, "dtype": a.dtype, "max_new_tokens": a.max_new_tokens,
                            "repeats": a.repeats, "machine": machine_info(), "rows": rows})
         print(f"wrote {a.out}")
 
