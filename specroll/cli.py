@@ -150,7 +150,10 @@ def _draft(sub):
     t.add_argument("--draft-vocab", type=int, default=4096, help="reduced draft vocabulary (0 = full)")
     t.add_argument("--time-budget", type=float, default=None, help="stop training after this many seconds")
     t.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"],
-                   help="rollout / hidden-state dtype (the head trains in fp32)")
+                   help="rollout / hidden-state dtype")
+    t.add_argument("--train-bf16", action=argparse.BooleanOptionalAction, default=None,
+                   help="bf16 autocast for the head's training steps, fp32 master weights (default: where the CPU "
+                        "has fast bf16, i.e. AMX); the held-out score runs in fp32 either way")
     t.add_argument("--seed", type=int, default=0)
     t.add_argument("--init", default=None, help="continue training this draft head directory")
     t.add_argument("--out", required=True, help="output directory")

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import functools
 import json
+from dataclasses import replace
 
 import pytest
 import torch
@@ -556,16 +557,26 @@ def test_save_load_roundtrip_and_mismatch(tmp_path, mid):
         load_head(tmp_path / "missing", model)
 
 
-def test_distillation_lowers_the_loss(mid):
+@pytest.mark.parametrize("bf16", [False, True], ids=["fp32", "bf16"])
+def test_distillation_lowers_the_loss(mid, bf16):
+    """Offline distillation learns in fp32 and under bf16 autocast (``DistillConfig.bf16``), whose master weights
+    stay fp32 and whose first loss matches fp32's from the same initial head to bf16's precision."""
     model, _ = mid
     seqs = [torch.tensor(p + naive_greedy(model, p, 12)) for p in PROMPTS]
     hid = hidden_states(model, seqs)
     head = head_for(model, seed=2)
-    cfg = DistillConfig(steps=30, lr=3e-3, batch=4)
+    cfg = DistillConfig(steps=30, lr=3e-3, batch=4, bf16=bf16)
     hist = train_head(head, model, seqs, hid, cfg)
     first = sum(h["loss"] for h in hist[:5]) / 5
     last = sum(h["loss"] for h in hist[-5:]) / 5
     assert last < 0.85 * first, (first, last)
+    assert all(p.dtype == torch.float32 for p in head.parameters())
+    if bf16:
+        ref = train_head(head_for(model, seed=2), model, seqs, hid, replace(cfg, steps=1, bf16=False))
+        assert hist[0]["loss"] == pytest.approx(ref[0]["loss"], rel=2e-2)
+        assert hist[0]["loss"] != ref[0]["loss"]  # autocast did run in bf16
+    with pytest.raises(ValueError, match="bf16"):
+        DistillConfig(bf16="yes")
 
 
 @pytest.mark.parametrize("with_prompts", [False, True], ids=["all", "completion"])

@@ -41,6 +41,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from ..device import use_bf16
 from ..engine.engine import Engine
 from ..engine.sampling import SamplingParams
 from ..models.decoder import Decoder
@@ -65,6 +66,8 @@ class DistillConfig:
     unroll: int = 1  # chain depths trained per position (1 = teacher-forced only; see ``unrolled_features``)
     unroll_decay: float = 0.8  # weight of depth j's loss: unroll_decay ** (j - 1)
     eval_depth: int = 3  # chain depths the held-out score reports (at least ``unroll``)
+    bf16: bool | str = "auto"  # bf16 autocast for the head's training forward/backward (fp32 master weights);
+    # auto = where the CPU has fast bf16 (``device.use_bf16``). The held-out score always runs in fp32.
 
     def __post_init__(self):
         if self.steps < 0 or self.batch < 1 or self.lr <= 0:
@@ -75,6 +78,8 @@ class DistillConfig:
             raise ValueError(f"distill needs 0 <= eval_frac < 1 and eval_every >= 1; got {self}")
         if self.unroll < 1 or not 0 < self.unroll_decay <= 1 or self.eval_depth < 1:
             raise ValueError(f"distill needs unroll >= 1, eval_depth >= 1 and 0 < unroll_decay <= 1; got {self}")
+        if not (isinstance(self.bf16, bool) or self.bf16 == "auto"):
+            raise ValueError(f"distill's bf16 must be true, false or auto, got {self.bf16!r}")
 
 
 def generate_sequences(engine: Engine, prompts: list[list[int]], params: SamplingParams, n: int,
@@ -325,6 +330,7 @@ def train_head(head: DraftHead, policy: Decoder, seqs: list[torch.Tensor], hid: 
     None = no prompt: every position counts, and a random ``eval_frac`` of the sequences is held out."""
     gen = torch.Generator().manual_seed(cfg.seed)
     lm = DraftVocab(policy, head.vocab_ids)
+    bf16 = use_bf16(cfg.bf16)
     held = None
     starts = list(prompt_lens) if prompt_lens is not None else [0] * len(seqs)
     if len(starts) != len(seqs):
@@ -349,7 +355,8 @@ def train_head(head: DraftHead, policy: Decoder, seqs: list[torch.Tensor], hid: 
     for step in range(cfg.steps):
         idx = torch.randint(len(seqs), (min(cfg.batch, len(seqs)),), generator=gen).tolist()
         ids, H, valid = _batch(seqs, hid, idx, starts)
-        loss, info = head_loss(head, lm, policy.embed, ids, H, valid, cfg, gen)
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+            loss, info = head_loss(head, lm, policy.embed, ids, H, valid, cfg, gen)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(head.parameters(), 1.0)
@@ -564,7 +571,8 @@ def cli(args) -> int:
     eos = hub.eos_ids(tok, hub.resolve(args.model, quiet=True))
     cfg = DistillConfig(steps=args.steps, lr=args.lr, batch=args.batch, seed=args.seed, noise=args.noise,
                         w_feat=args.w_feat, w_ce=args.w_ce, w_tv=args.w_tv, eval_frac=args.eval_frac,
-                        prompt_loss=args.prompt_loss, unroll=args.unroll, unroll_decay=args.unroll_decay)
+                        prompt_loss=args.prompt_loss, unroll=args.unroll, unroll_decay=args.unroll_decay,
+                        bf16="auto" if args.train_bf16 is None else args.train_bf16)
 
     def log(info):
         deep = "".join(f" d{k[len('eval_accept_d'):]} {v:.3f}" for k, v in info.items() if k.startswith("eval_accept_d"))
