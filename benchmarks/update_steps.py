@@ -2,7 +2,10 @@
 forced to 64 tokens, fp32), the process's resident memory after each, and, from a profiled last update, the
 time spent zero-filling (vocabulary x hidden) tensors, in matmuls, and in the dozen costliest ops.
 
-    python benchmarks/update_steps.py [--updates 7] [--out FILE.json]
+    python benchmarks/update_steps.py [--updates 7] [--out FILE.json] [key=value ...]
+
+Config overrides follow the options, e.g. ``train.bf16=true model.rollout_dtype=bfloat16`` for the bf16 update
+of an AMX host.
 
 To compare two versions of specroll, run it once per checkout, alternating, e.g.
 ``PYTHONPATH=/path/to/other/checkout python benchmarks/update_steps.py`` (BENCHMARKS.md, session 20).
@@ -26,8 +29,9 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--updates", type=int, default=7)
     ap.add_argument("--out", default="")
+    ap.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides (after the fp32 defaults)")
     a = ap.parse_args()
-    tr, batch = update_trainer()
+    tr, batch = update_trainer(a.overrides)
     V, D = tr.model.cfg.vocab_size, tr.model.cfg.hidden_size
     rows = []
     for step in range(a.updates + 1):
@@ -52,7 +56,8 @@ def main() -> None:
     for key, sec, n in top:
         print(f"  {key:<48} {sec:6.3f} s  {n:5d} calls")
     if a.out:
-        write_json(a.out, {"benchmark": "update_steps", "specroll": specroll.__file__, "rows": rows, "vd_fill": fill,
+        write_json(a.out, {"benchmark": "update_steps", "specroll": specroll.__file__, "overrides": a.overrides,
+                           "rows": rows, "vd_fill": fill,
                            "profile": {"ops_s": total, "matmul_s": mm, "top_ops": top},
                            "machine": machine_info()})
         print(f"wrote {a.out}")
