@@ -91,7 +91,7 @@ class TrainConfig:
     grad_clip: float = 1.0  # max grad norm (0 = off)
     # rows per forward/backward; gradients accumulate over micro-batches. 32 = a whole default step (4 prompts x 8) in
     # one pass: warm bf16 updates 3.9-4.1 s against 5.4-5.6 s at 8 rows, fp32 7.6 against 8.1-8.3 s, for
-    # +0.9 / +2 GB of peak memory (BENCHMARKS.md, session 24); lower it for larger models or groups
+    # +0.9 / +2 GB of resident memory (BENCHMARKS.md, session 24); lower it for larger models or groups
     micro_batch_size: int = 32
     mu: int = 1  # optimisation passes over each rollout batch
     mini_batches: int = 1  # optimizer steps per pass (splits the batch by prompt groups)
