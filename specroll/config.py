@@ -33,7 +33,7 @@ from typing import Any
 
 import yaml
 
-from .device import DTYPE_NAMES
+from .device import DTYPE_NAMES, check_bf16_switch
 from .drafters.build import DraftConfig
 from .drafters.reuse import ReuseConfig
 from .rl.data import DataConfig, read_utf8
@@ -131,8 +131,7 @@ class TrainConfig:
             )
         if not (self.eval_temperature >= 0 and math.isfinite(self.eval_temperature)):
             raise ValueError(f"train.eval_temperature must be a finite number >= 0, got {self.eval_temperature}")
-        if not (isinstance(self.bf16, bool) or self.bf16 == "auto"):
-            raise ValueError(f"train.bf16 must be true, false or auto, got {self.bf16!r}")
+        check_bf16_switch(self.bf16, "train.bf16")
 
 
 SECTIONS: dict[str, type] = {

@@ -42,13 +42,16 @@ def torch_dtype(name: str) -> torch.dtype:
     return _TORCH[resolve_dtype_name(name)]
 
 
+def check_bf16_switch(flag, name: str = "a bf16 switch") -> None:
+    """Raise unless ``flag`` is a valid bf16 switch: true, false or ``auto`` (``name`` goes in the message)."""
+    if not (isinstance(flag, bool) or (isinstance(flag, str) and flag.lower() == "auto")):
+        raise ValueError(f"{name} must be true, false or auto, got {flag!r}")
+
+
 def use_bf16(flag: bool | str) -> bool:
     """A bf16 switch that may be ``auto`` (on where the CPU has native bf16)."""
-    if isinstance(flag, str):
-        if flag.lower() != "auto":
-            raise ValueError(f"a bf16 switch must be true, false or auto, got {flag!r}")
-        return fast_bf16()
-    return bool(flag)
+    check_bf16_switch(flag)
+    return fast_bf16() if isinstance(flag, str) else flag
 
 
 _M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3  # glibc's mallopt parameters (malloc.h)

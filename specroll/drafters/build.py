@@ -25,6 +25,8 @@ import math
 from dataclasses import dataclass
 from pathlib import Path
 
+from ..device import check_bf16_switch
+
 PLANS = ("static", "adaptive", "tuned")
 
 
@@ -83,8 +85,7 @@ class DraftConfig:
         if isinstance(self.chain_stop, bool) or not (isinstance(self.chain_stop, (int, float))
                                                      and 0 <= self.chain_stop < 1):
             raise ValueError(f"draft.chain_stop must be a number in [0, 1), got {self.chain_stop!r}")
-        if not (isinstance(self.bf16, bool) or self.bf16 == "auto"):
-            raise ValueError(f"draft.bf16 must be true, false or auto, got {self.bf16!r}")
+        check_bf16_switch(self.bf16, "draft.bf16")
         if self.w_feat == 0 and self.w_ce == 0 and self.w_tv == 0:
             raise ValueError("draft.w_feat, draft.w_ce and draft.w_tv are all 0: the online loss would be zero; "
                              "set one > 0")

@@ -41,7 +41,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from ..device import use_bf16
+from ..device import check_bf16_switch, use_bf16
 from ..engine.engine import Engine
 from ..engine.sampling import SamplingParams
 from ..models.decoder import Decoder
@@ -78,8 +78,7 @@ class DistillConfig:
             raise ValueError(f"distill needs 0 <= eval_frac < 1 and eval_every >= 1; got {self}")
         if self.unroll < 1 or not 0 < self.unroll_decay <= 1 or self.eval_depth < 1:
             raise ValueError(f"distill needs unroll >= 1, eval_depth >= 1 and 0 < unroll_decay <= 1; got {self}")
-        if not (isinstance(self.bf16, bool) or self.bf16 == "auto"):
-            raise ValueError(f"distill's bf16 must be true, false or auto, got {self.bf16!r}")
+        check_bf16_switch(self.bf16, "DistillConfig.bf16")
 
 
 def generate_sequences(engine: Engine, prompts: list[list[int]], params: SamplingParams, n: int,
