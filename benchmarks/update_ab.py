@@ -1,11 +1,13 @@
 """One GRPO update (forward + backward + AdamW) of SmolLM2 on one fixed rollout batch, with the training
-forward's log-probabilities taken two ways in one process, alternating: ``plain`` (the (tokens, vocabulary)
-logits materialised, then logsumexp / gather / entropy: ``logprobs.materialised_logprobs``) and ``blocks``
-(``logprobs.token_logprobs``: vocabulary blocks, nothing of that size kept). The weights and the optimizer
-state are restored before every update, so each side computes the same update (the printed loss, entropy and
-grad norm agree).
+forward's log-probabilities taken up to three ways in one process, alternating: ``plain`` (the (tokens,
+vocabulary) logits materialised, then logsumexp / gather / entropy: ``logprobs.materialised_logprobs``),
+``blocks`` (``logprobs.token_logprobs``: vocabulary blocks, nothing of that size kept, each block treated
+with torch ops) and ``fused`` (the same blocks through the compiled kernels of ``kernels/logprobs.cpp``, the
+default where they build). The weights and the optimizer state are restored before every update, so each
+side computes the same update (the printed loss, entropy and grad norm agree; under bf16 autocast ``fused``
+runs the lm_head's backward matmuls in bf16, so its grad norm differs in the third digit).
 
-    python benchmarks/update_ab.py [--repeats 3] [--out FILE.json] [key=value ...]
+    python benchmarks/update_ab.py [--repeats 3] [--sides plain,blocks,fused] [--out FILE.json] [key=value ...]
 
 Trailing ``key=value`` are config overrides (e.g. ``train.keep_freed_memory=false``); the default batch is
 4 prompts x G = 8 x 64 new tokens (every completion forced to 64), rewards 1 on every third row so that no
@@ -21,6 +23,7 @@ import torch
 
 from specroll.bench.common import machine_info, write_json
 from specroll.config import load_config
+from specroll.rl import logprobs as LP
 from specroll.rl import trainer as T
 from specroll.rl.logprobs import materialised_logprobs, token_logprobs
 from specroll.rl.run import build_trainer
@@ -47,6 +50,7 @@ def update_trainer(overrides=()):
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--sides", default="plain,blocks,fused")
     ap.add_argument("--out", default="")
     ap.add_argument("overrides", nargs="*")
     args = ap.parse_args()
@@ -54,9 +58,14 @@ def main() -> None:
     rollouts, rewards = batch(0)
     state, opt_state = copy.deepcopy(tr.model.state_dict()), copy.deepcopy(tr.opt.state_dict())
     rows = []
+    fused = LP._fused
+    if "fused" in args.sides.split(",") and fused() is None:
+        sys.exit("update_ab: --sides fused needs the CPU kernels, which are not available here")
     for r in range(args.repeats):
-        for name, fn in (("plain", materialised_logprobs), ("blocks", token_logprobs)):
-            T.token_logprobs = fn
+        sides = args.sides.split(",")
+        for name in sides[r % len(sides):] + sides[:r % len(sides)]:  # rotate which goes first
+            T.token_logprobs = materialised_logprobs if name == "plain" else token_logprobs
+            LP._fused = fused if name == "fused" else (lambda: None)
             tr.model.load_state_dict(state)
             tr.opt.load_state_dict(opt_state)
             t = time.perf_counter()
@@ -66,7 +75,7 @@ def main() -> None:
                          "entropy": m.get("actor/entropy"), "grad_norm": m.get("actor/grad_norm")})
             print(f"{r} {name:6s} update {dt:6.2f} s  entropy {m.get('actor/entropy', 0):.5f}  "
                   f"grad norm {m.get('actor/grad_norm', 0):.6f}", flush=True)
-    T.token_logprobs = token_logprobs
+    T.token_logprobs, LP._fused = token_logprobs, fused
     if args.out:
         write_json(args.out, {"rows": rows, "overrides": args.overrides, "argv": sys.argv, "machine": machine_info()})
         print("wrote", args.out)

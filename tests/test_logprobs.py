@@ -1,11 +1,22 @@
 """The training forward's token log-probabilities without materialised logits (``rl/logprobs.py``)
-against the plain reference: logsumexp over ``h @ W^T`` (``logprobs_and_entropy``)."""
+against the plain reference: logsumexp over ``h @ W^T`` (``logprobs_and_entropy``). Each test runs both
+ways of treating a logits block: the compiled kernels (``kernels/logprobs.cpp``) and torch ops."""
 
 import pytest
 import torch
 
+from specroll.kernels import skinny
 from specroll.rl import logprobs as L
 from specroll.rl.logprobs import LinearLogprobs, logprobs_and_entropy, token_logprobs, vocab_chunks
+
+
+@pytest.fixture(autouse=True, params=["fused", "torch-ops"])
+def block_path(request, monkeypatch):
+    if request.param == "torch-ops":
+        monkeypatch.setattr(L, "_fused", lambda: None)
+    elif L._fused() is None:
+        pytest.skip("the CPU kernels are not available here")
+    return request.param
 
 
 def _case(N=37, D=24, V=1300, seed=0):
@@ -100,3 +111,45 @@ def test_under_bf16_autocast():
     assert got[0].dtype == torch.float32 and got[2].dtype == h.dtype and got[3].dtype == W.dtype
     for a, b in zip(got, ref):
         torch.testing.assert_close(a.float(), b.float(), rtol=0.05, atol=0.05)
+    torch.testing.assert_close(got[0], ref[0], rtol=1e-5, atol=2e-5)  # same bf16 logits: the values agree
+
+
+def test_fused_block_kernels_match_torch_ops():
+    """``lse_block_`` and ``softmax_grad_`` on fp32 and bf16 blocks with a width that is no multiple of 8,
+    targets inside and outside the block, and a running state that starts empty or carries a larger max."""
+    ext = skinny()  # directly: the block_path fixture may have switched ``_fused`` off
+    if ext is None:
+        pytest.skip("the CPU kernels are not available here")
+    g = torch.Generator().manual_seed(4)
+    N, Wd, c0 = 19, 203, 100
+    ids = torch.randint(0, 500, (N,), generator=g)
+    ids[:4] = torch.tensor([c0, c0 + Wd - 1, c0 - 1, c0 + Wd])  # block ends; just outside
+    for dtype in (torch.float32, torch.bfloat16):
+        lg = (4 * torch.randn(N, Wd, generator=g)).to(dtype)
+        x = lg.float()
+        for start in ("empty", "carried"):
+            if start == "empty":
+                m, s, t = torch.full((N,), float("-inf")), torch.zeros(N), torch.zeros(N)
+            else:
+                m, s, t = 20 * torch.rand(N, generator=g) - 5, torch.rand(N, generator=g) + 0.5, torch.randn(N, generator=g)
+            tgt = torch.full((N,), -7.0)
+            m_new = torch.maximum(m, x.amax(1))
+            scale = (m - m_new).exp()
+            e = (x - m_new[:, None]).exp()
+            want_s, want_t = s * scale + e.sum(1), t * scale + (e * x).sum(1)
+            inside = (ids >= c0) & (ids < c0 + Wd)
+            want_tgt = torch.where(inside, x.gather(1, (ids - c0).clamp(0, Wd - 1)[:, None]).squeeze(1), tgt)
+            ext.lse_block_(lg, m, s, t, tgt, ids, c0, True)
+            torch.testing.assert_close(m, m_new)
+            torch.testing.assert_close(s, want_s, rtol=1e-5, atol=1e-6)
+            torch.testing.assert_close(t, want_t, rtol=1e-5, atol=1e-5)
+            assert torch.equal(tgt, want_tgt)
+        logz = torch.logsumexp(x, 1) + torch.rand(N, generator=g)
+        gl = torch.randn(N, generator=g)
+        want = -(x - logz[:, None]).exp() * gl[:, None]
+        want[inside.nonzero().squeeze(1), (ids - c0)[inside]] += gl[inside]
+        got = lg.clone()
+        ext.softmax_grad_(got, logz, gl, ids, c0)
+        assert got.dtype == dtype
+        tol = dict(rtol=1e-5, atol=1e-6) if dtype == torch.float32 else dict(rtol=8e-3, atol=1e-5)
+        torch.testing.assert_close(got.float(), want, **tol)

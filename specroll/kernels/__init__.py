@@ -1,8 +1,9 @@
 """Hand-written CPU kernels, compiled once per machine on first use.
 
 ``skinny()`` returns the compiled module: the skinny GEMM of ``skinny.cpp`` (decode-sized linears, 1-32
-rows, fp32 or bf16 weights), the decode attention of ``attention.cpp`` and a draft head's whole sampled
-chain of ``draft.cpp`` (see the files for why), or
+rows, fp32 or bf16 weights), the decode attention of ``attention.cpp``, a draft head's whole sampled
+chain of ``draft.cpp`` and the training forward's logits-block passes of ``logprobs.cpp`` (see the files
+for why), or
 None where it cannot run: not an x86 CPU with AVX2 + FMA, no C++ compiler, or ``SPECROLL_KERNELS=0``.
 Callers fall back to oneDNN and SDPA, so a missing compiler costs speed, not function.
 
@@ -21,7 +22,8 @@ from pathlib import Path
 
 import torch
 
-SRCS = [Path(__file__).with_name(n) for n in ("skinny.cpp", "attention.cpp", "draft.cpp", "layers.cpp")]
+SRCS = [Path(__file__).with_name(n)
+        for n in ("skinny.cpp", "attention.cpp", "draft.cpp", "layers.cpp", "logprobs.cpp")]
 CFLAGS = ["-O3", "-mavx2", "-mfma", "-fopenmp"]  # the build flags (benchmarks/ab_build.py builds other revisions alike)
 LDFLAGS = ["-fopenmp"]
 MAX_ROWS = 32  # AVX2: up to here the kernel beat oneDNN on every SmolLM2 shape (1.0-2.2x); at 64 not always (BENCHMARKS.md)

@@ -408,6 +408,10 @@ torch::Tensor decoder_layers(const torch::Tensor& x, const std::vector<torch::Te
                              const torch::Tensor& k_cache, const torch::Tensor& v_cache, const torch::Tensor& slots,
                              const c10::optional<torch::Tensor>& mask, int64_t nh, int64_t nkv, int64_t span,
                              double scale, double eps);  // layers.cpp
+void lse_block_(const torch::Tensor& lg, torch::Tensor& m, torch::Tensor& s, torch::Tensor& t, torch::Tensor& tgt,
+                const torch::Tensor& ids, int64_t c0, bool with_entropy);  // logprobs.cpp
+void softmax_grad_(torch::Tensor& lg, const torch::Tensor& logz, const torch::Tensor& g, const torch::Tensor& ids,
+                   int64_t c0);  // logprobs.cpp
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -436,4 +440,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("weights"), py::arg("dims"), py::arg("cos"), py::arg("sin"), py::arg("k_cache"), py::arg("v_cache"),
         py::arg("slots"), py::arg("mask"), py::arg("nh"), py::arg("nkv"), py::arg("span"), py::arg("scale"),
         py::arg("eps"));
+  m.def("lse_block_", &specroll::lse_block_,
+        "fold a (N, W) logits block into the running max / sum of exp / entropy sum, pick the targets "
+        "(rl.logprobs.LinearLogprobs)",
+        py::arg("lg"), py::arg("m"), py::arg("s"), py::arg("t"), py::arg("tgt"), py::arg("ids"), py::arg("c0"),
+        py::arg("with_entropy"));
+  m.def("softmax_grad_", &specroll::softmax_grad_,
+        "a logits block becomes (onehot - softmax) * g in place (rl.logprobs.LinearLogprobs backward)", py::arg("lg"),
+        py::arg("logz"), py::arg("g"), py::arg("ids"), py::arg("c0"));
 }

@@ -47,7 +47,11 @@ class LinearLogprobs(torch.autograd.Function):
         N, V = h.shape[0], weight.shape[0]
         m = torch.full((N,), float("-inf"))  # running max, sum of exp(logit - max), sum of that * logit
         s, t, tgt = torch.zeros(N), torch.zeros(N), torch.zeros(N)
+        ext = _fused()
         for c0, c1 in vocab_chunks(N, V):
+            if ext is not None:  # one pass over the block, in its own dtype (kernels/logprobs.cpp)
+                ext.lse_block_(F.linear(h, weight[c0:c1]).contiguous(), m, s, t, tgt, ids, c0, with_entropy)
+                continue
             lg = F.linear(h, weight[c0:c1]).float()  # (N, c1 - c0)
             m_new = torch.maximum(m, lg.amax(1))
             scale = (m - m_new).exp()
@@ -75,19 +79,39 @@ class LinearLogprobs(torch.autograd.Function):
         N, V = h.shape[0], weight.shape[0]
         gh = torch.zeros(h.shape, dtype=torch.float32) if need_h else None
         gw = torch.empty(weight.shape, dtype=torch.float32) if need_w else None  # every row written once
-        g_logp = g_logp.float()
+        g_logp = g_logp.float().contiguous()
         h32 = h.float() if need_w else None
+        ext = _fused()
         for c0, c1 in vocab_chunks(N, V):
             w = weight[c0:c1]
-            g = F.linear(h, w).float()  # the chunk's logits again
-            g.sub_(logz[:, None]).exp_().mul_(-g_logp[:, None])  # -softmax * g
-            inside = ((ids >= c0) & (ids < c1)).nonzero().squeeze(1)
-            g[inside, ids[inside] - c0] += g_logp[inside]  # + onehot * g
+            if ext is not None:
+                g = F.linear(h, w).contiguous()  # the chunk's logits again, in the forward's dtype
+                ext.softmax_grad_(g, logz, g_logp, ids, c0)  # (onehot - softmax) * g, in place
+                if g.dtype != torch.float32:  # autocast: both matmuls in bf16, as autocast's own backward runs
+                    if need_h:
+                        gh.add_(torch.mm(g, w.to(g.dtype)))
+                    if need_w:
+                        gw[c0:c1] = torch.mm(g.t(), h.to(g.dtype))
+                    continue
+            else:
+                g = F.linear(h, w).float()  # the chunk's logits again
+                g.sub_(logz[:, None]).exp_().mul_(-g_logp[:, None])  # -softmax * g
+                inside = ((ids >= c0) & (ids < c1)).nonzero().squeeze(1)
+                g[inside, ids[inside] - c0] += g_logp[inside]  # + onehot * g
             if need_h:
                 gh.addmm_(g, w.float())
             if need_w:  # straight into the gradient's rows (no block-sized temporary)
                 torch.mm(g.t(), h32, out=gw[c0:c1])
         return (None if gh is None else gh.to(h.dtype), None if gw is None else gw.to(weight.dtype), None, None)
+
+
+def _fused():
+    """The compiled block kernels (``kernels/logprobs.cpp``), or None: the torch-op path then runs (the
+    tests also force it, to compare the two)."""
+    from ..kernels import skinny
+
+    ext = skinny()
+    return ext if ext is not None and hasattr(ext, "lse_block_") else None
 
 
 def vocab_chunks(N: int, V: int):
