@@ -9,6 +9,7 @@ import torch
 from helpers import chi2_gof
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
+from specroll.engine import engine as engine_mod
 from specroll.engine.cache import KVCache, compaction_order
 from specroll.engine.engine import Engine
 from specroll.engine.sampling import SamplingParams, processed_logprobs, sample
@@ -186,7 +187,7 @@ def test_bf16_rollout_close_to_fp32():
     assert (l32.softmax(-1) - l16.softmax(-1)).abs().sum(-1).max() < 0.1
 
 
-def test_bf16_weight_mode_equals_fp32_on_rounded_weights():
+def test_bf16_weight_mode_equals_fp32_on_rounded_weights(monkeypatch):
     """On a CPU without fast bf16 a bf16 engine streams bf16 weights with fp32 arithmetic and keeps a bf16 KV
     cache: it must give what the fp32 engine gives on a copy of the model with its weights rounded to bf16
     and the same bf16 cache (greedy tokens equal, policy logprobs within 1e-4), and leave the model's fp32
@@ -194,8 +195,10 @@ def test_bf16_weight_mode_equals_fp32_on_rounded_weights():
     from specroll import kernels
     from specroll.device import fast_bf16
 
-    if fast_bf16() or kernels.skinny() is None:
-        pytest.skip("the bf16 weight mode is for CPUs without fast bf16, with the kernels built")
+    if kernels.skinny() is None:
+        pytest.skip("the bf16 weight mode needs the kernels built")
+    if fast_bf16():  # an AMX host: build the engine as a CPU without AMX would
+        monkeypatch.setattr(engine_mod, "fast_bf16", lambda: False)
     _, model = tiny_hf("llama")
     before = {k: v.clone() for k, v in model.state_dict().items()}
     eng = Engine(model, eos_ids=[], dtype=torch.bfloat16)
@@ -215,6 +218,67 @@ def test_bf16_weight_mode_equals_fp32_on_rounded_weights():
         assert x.completion_ids.tolist() == y.completion_ids.tolist()
         torch.testing.assert_close(x.logprobs, y.logprobs, atol=1e-4, rtol=0)
     assert all(torch.equal(v, model.state_dict()[k]) for k, v in before.items())
+
+
+def _rounded_copy(model):
+    """``model`` with every linear's weight rounded to bf16 (fp32 storage; the embedding lookup untouched)."""
+    rounded = copy.deepcopy(model)
+    rounded.lm_head.weight = torch.nn.Parameter(rounded.lm_head.weight.detach().clone())  # untie
+    with torch.no_grad():
+        for mod in rounded.modules():
+            if isinstance(mod, FastLinear):
+                mod.weight.copy_(mod.weight.bfloat16().float())
+    return rounded
+
+
+def test_amx_engine_runs_few_token_forwards_through_the_kernel(monkeypatch):
+    """An AMX bf16 engine (forced here on any host with the kernels) sends forwards of up to
+    ``kernel_tokens`` tokens through the bf16 weight path (fp32 arithmetic on bf16-rounded weights, the
+    same bf16 KV cache) and wider ones through bf16 activations. A few-token step must equal the plain
+    fp32 forward of the rounded weights over a copy of the cache (hidden states to bf16 rounding, the
+    cache entries it writes to within one bf16 step), come back in bf16, and a wide forward must run
+    with bf16 activations."""
+    from specroll import kernels
+    from specroll.engine.profiler import _prefilled_cache
+
+    if kernels.skinny() is None:
+        pytest.skip("needs the kernels built")
+    monkeypatch.setattr(engine_mod, "fast_bf16", lambda: True)
+    _, model = tiny_hf("llama")
+    rounded = _rounded_copy(model)  # before any forward packs weights (packed copies do not deep-copy)
+    eng = Engine(model, eos_ids=[], dtype=torch.bfloat16)
+    assert eng.kernel_tokens == Engine.KERNEL_TOKENS_AMX and eng.act_dtype == eng.kv_dtype == torch.bfloat16
+    seen = []
+    real_forward = Decoder.forward
+
+    def spy(self, *a, act_dtype=None, **kw):
+        seen.append(act_dtype)
+        return real_forward(self, *a, act_dtype=act_dtype, **kw)
+
+    monkeypatch.setattr(Decoder, "forward", spy)
+    gen = torch.Generator().manual_seed(0)
+    B, T = 3, 2
+    cache = _prefilled_cache(eng, B, 20, 11, gen)  # 3 x 20 prompt tokens: a wide (bf16 activation) prefill
+    assert seen[-1] == torch.bfloat16
+    ref_cache = copy.copy(cache)  # the same state over copies of the K/V tensors
+    ref_cache.k, ref_cache.v, ref_cache.lens = cache.k.clone(), cache.v.clone(), cache.lens.clone()
+    ids = torch.randint(V, (B, T), generator=gen)
+    slots, mask = cache.chain_slots(T), cache.mask(T)
+    with torch.no_grad():
+        h = eng.forward(cache, ids, slots, slots, mask)
+        assert seen[-1] == torch.float32 and h.dtype == torch.bfloat16
+        ref = rounded(ids, slots, cache=ref_cache, mask=mask, slots=slots, act_dtype=torch.float32)
+    torch.testing.assert_close(h.float(), ref.bfloat16().float(), rtol=1.6e-2, atol=1e-3)
+    new = cache.lens[:B, None] + torch.arange(T)  # the slots this step wrote
+    for a, b in ((cache.k, ref_cache.k), (cache.v, ref_cache.v)):
+        got = torch.stack([a[:, r, :, new[r]] for r in range(B)]).float()
+        want = torch.stack([b[:, r, :, new[r]] for r in range(B)]).float()
+        torch.testing.assert_close(got, want, rtol=1.6e-2, atol=1e-3)
+    wide = torch.randint(V, (B, 11), generator=gen)  # 33 tokens > kernel_tokens
+    slots = cache.chain_slots(11)
+    with torch.no_grad():
+        assert eng.forward(cache, wide, slots, slots, cache.mask(11)).dtype == torch.bfloat16
+    assert seen[-1] == torch.bfloat16
 
 
 # -- sampler ---------------------------------------------------------------------------------

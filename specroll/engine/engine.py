@@ -67,9 +67,15 @@ class Engine:
     rollouts through bf16 copies of the weights: on a CPU with AMX (``device.fast_bf16``), bf16 activations and KV
     cache with oneDNN-packed weights; elsewhere (``bf16_weights``) fp32 activations and arithmetic with
     bf16 weights streamed by the skinny kernel and a bf16 KV cache (``act_dtype`` and ``kv_dtype`` say which).
+    With AMX, forwards of up to ``kernel_tokens`` tokens (decode steps at up to 32 live rows) take the second
+    way too, over the same bf16 cache: at one row it costs 0.42x the AMX path's time.
     """
 
     PACK_TOKENS = 512  # prompt tokens packed into one prefill forward (enough rows for the GEMMs' full rate)
+    # see ``kernel_tokens``. Forward + logits of SmolLM2 on a 2-vCPU AMX Xeon, kernel / AMX path time at rows x 1
+    # token: 0.42 at 1 row, 0.53 at 8, 0.69 at 16, 0.97 at 32, 1.12 at 48, 1.29 at 64; 0.51 at 1 x 7, 1.02-1.03
+    # at 8 x 4 and 16 x 2 (benchmarks/amx_paths.py, BENCHMARKS.md session 25)
+    KERNEL_TOKENS_AMX = 32
 
     def __init__(self, model: Decoder, eos_ids=(), dtype: torch.dtype | None = None, prefill_chunk: int = 4096):
         self.model = model
@@ -82,6 +88,11 @@ class Engine:
         # the bf16 weight mode keeps its KV cache in bf16 too (half the bytes attention reads every step;
         # the attention kernel widens them to fp32); elsewhere the cache is in the activations' dtype
         self.kv_dtype = torch.bfloat16 if self.bf16_weights else self.act_dtype
+        # With AMX, forwards of at most this many tokens (decode at a few live rows) run the bf16 weight
+        # mode's way instead: the skinny kernel streams the bf16 weights with fp32 arithmetic, reading and
+        # writing the same bf16 KV cache, and hands back bf16 hidden states like the AMX path (``forward``)
+        self.kernel_tokens = (self.KERNEL_TOKENS_AMX if self.dtype == torch.bfloat16 and model.dtype == torch.float32
+                              and fast_bf16() and kernels.skinny() is not None else 0)
         self.prefill_chunk = prefill_chunk  # max tokens per verification forward (drafters/reuse.py)
         self.policy_version = 0
         self._cache: KVCache | None = None
@@ -97,6 +108,10 @@ class Engine:
 
     def forward(self, cache: KVCache, ids: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
                 mask: torch.Tensor) -> torch.Tensor:
+        if ids.numel() <= self.kernel_tokens:
+            with bf16_weights(True):
+                h = self.model(ids, positions, cache=cache, mask=mask, slots=slots, act_dtype=torch.float32)
+            return h.to(self.act_dtype)
         with self.precision():
             return self.model(ids, positions, cache=cache, mask=mask, slots=slots, act_dtype=self.act_dtype)
 

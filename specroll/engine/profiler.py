@@ -96,7 +96,8 @@ def find_c_peak(tokens, latencies, delta: float = DEFAULT_DELTA) -> int:
 
 def fingerprint() -> dict:
     """The machine facts a profile depends on: CPU model, its vector ISA as torch sees it (two "AMD EPYC"
-    machines differ 500x in bf16 matmul rate), cores, torch threads, torch version."""
+    machines differ 500x in bf16 matmul rate), cores, torch threads, torch version; and the engine's
+    few-token path threshold on AMX (``Engine.KERNEL_TOKENS_AMX``)."""
     cpu = platform.processor() or platform.machine()
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
@@ -105,8 +106,11 @@ def fingerprint() -> dict:
                 break
     except OSError:
         pass
+    from .engine import Engine  # the engine's path choice shapes the curve: a new choice, a new profile
+
     return {"cpu": cpu, "isa": torch.backends.cpu.get_cpu_capability(), "native_bf16": fast_bf16(),
-            "cores": os.cpu_count(), "torch_threads": torch.get_num_threads(), "torch": torch.__version__}
+            "cores": os.cpu_count(), "torch_threads": torch.get_num_threads(), "torch": torch.__version__,
+            "kernel_tokens_amx": Engine.KERNEL_TOKENS_AMX}
 
 
 def dtype_name(dtype) -> str:
