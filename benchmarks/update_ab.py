@@ -3,9 +3,7 @@ forward's log-probabilities taken up to three ways in one process, alternating: 
 vocabulary) logits materialised, then logsumexp / gather / entropy: ``logprobs.materialised_logprobs``),
 ``blocks`` (``logprobs.token_logprobs``: vocabulary blocks, nothing of that size kept, each block treated
 with torch ops) and ``fused`` (the same blocks through the compiled kernels of ``kernels/logprobs.cpp``, the
-default where they build). A side may end in ``/loop``: the same with torch's per-tensor AdamW step instead of
-the fused one (``train.fused_adamw``), e.g. ``--sides fused,fused/loop``. The weights and the optimizer state
-are restored before every update, so each
+default where they build). The weights and the optimizer state are restored before every update, so each
 side computes the same update (the printed loss, entropy and grad norm agree; under bf16 autocast ``fused``
 runs the lm_head's backward matmuls in bf16, so its grad norm differs in the third digit).
 
@@ -61,18 +59,15 @@ def main() -> None:
     state, opt_state = copy.deepcopy(tr.model.state_dict()), copy.deepcopy(tr.opt.state_dict())
     rows = []
     fused = LP._fused
-    if any(x.startswith("fused") for x in args.sides.split(",")) and fused() is None:
+    if "fused" in args.sides.split(",") and fused() is None:
         sys.exit("update_ab: --sides fused needs the CPU kernels, which are not available here")
     for r in range(args.repeats):
         sides = args.sides.split(",")
         for name in sides[r % len(sides):] + sides[:r % len(sides)]:  # rotate which goes first
-            lp, _, adam = name.partition("/")
-            T.token_logprobs = materialised_logprobs if lp == "plain" else token_logprobs
-            LP._fused = fused if lp == "fused" else (lambda: None)
+            T.token_logprobs = materialised_logprobs if name == "plain" else token_logprobs
+            LP._fused = fused if name == "fused" else (lambda: None)
             tr.model.load_state_dict(state)
             tr.opt.load_state_dict(opt_state)
-            for g in tr.opt.param_groups:  # AdamW.step reads the flag from the group on every step
-                g["fused"] = adam != "loop"
             t = time.perf_counter()
             m = tr.update(rollouts, rewards)
             dt = time.perf_counter() - t

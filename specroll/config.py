@@ -98,7 +98,6 @@ class TrainConfig:
     share_prompt: bool = True  # training forward runs each group's prompt once (else once per row)
     recompute_old_logprobs: bool = False  # else mu=1 uses the engine's rollout logprobs (no extra forward)
     bf16: bool | str = "auto"  # bf16 autocast for the training forward/backward (fp32 master weights); auto = if fast
-    fused_adamw: bool = True  # torch's fused AdamW step (False: the per-tensor loop)
     keep_freed_memory: bool = True  # glibc keeps freed memory for reuse: no page faults per update (device.keep_freed_memory)
     eval_every: int = 0  # evaluate every N steps (0 = only before and after training)
     eval_before: bool = True  # evaluate the base model at step 0

@@ -132,30 +132,6 @@ def test_micro_batches_give_the_full_batch_gradient():
     torch.testing.assert_close(grads[0], grads[1], atol=1e-6, rtol=1e-4)
 
 
-def test_fused_adamw_equals_the_per_tensor_loop_and_reaches_the_engine():
-    """``train.fused_adamw`` (default) against torch's per-tensor AdamW loop: two updates from the same
-    rollouts give the same parameters, and the engine's next rollout sees the new weights (the fused step
-    bumps no version counters by itself; the trainer does, for the packed-weight caches)."""
-    out = {}
-    for fused in (True, False):
-        tr = make_trainer(make_cfg(f"train.fused_adamw={str(fused).lower()}", "loss.type=grpo"))
-        assert tr.opt.param_groups[0]["fused"] is fused
-        p = SamplingParams(temperature=1.0, max_new_tokens=8, seed=3)
-        rollouts = tr.engine.generate(prompts().ids[:4], p, n=4)
-        rewards = torch.arange(len(rollouts), dtype=torch.float32) % 3
-        tr.update(rollouts, rewards)
-        tr.update(rollouts, rewards)
-        # the engine's logprobs are those of the weights it runs: they must be the updated model's
-        after = tr.engine.generate(prompts().ids[:4], p, n=2)
-        batch = Batch.from_rollouts(after)
-        with torch.no_grad():
-            lp, _ = completion_logprobs(tr.model, batch, torch.arange(len(after)))
-        torch.testing.assert_close(lp * batch.cmask, batch.old_lp, atol=2e-5, rtol=0)
-        out[fused] = [q.detach().clone() for q in tr.params]
-    for a, b in zip(out[True], out[False]):
-        torch.testing.assert_close(a, b, atol=5e-5, rtol=0)  # lr / 60: see test_distributed.py
-
-
 def test_kl_term_is_zero_at_the_reference_and_grows():
     cfg = make_cfg("train.steps=3", "loss.beta=0.1")
     tr = make_trainer(cfg)

@@ -37,7 +37,6 @@ from pathlib import Path
 
 import torch
 import yaml
-from torch.autograd.graph import increment_version
 
 from ..device import keep_freed_memory, torch_dtype, use_bf16
 from ..engine.engine import Engine, Rollout
@@ -290,10 +289,7 @@ class Trainer:
         if tc.keep_freed_memory:
             keep_freed_memory()
         self.params = [p for p in model.parameters() if p.requires_grad]
-        # fused: one pass over each parameter instead of about ten (the default loop on CPU); see BENCHMARKS.md
-        # session 25. Same update to float rounding (tests/test_trainer.py).
-        self.opt = torch.optim.AdamW(self.params, lr=tc.lr, weight_decay=tc.weight_decay,
-                                     fused=tc.fused_adamw and all(p.is_floating_point() for p in self.params))
+        self.opt = torch.optim.AdamW(self.params, lr=tc.lr, weight_decay=tc.weight_decay)
         self.total_opt_steps = tc.steps * tc.mu * tc.mini_batches
         self.sched = torch.optim.lr_scheduler.LambdaLR(
             self.opt, lr_lambda(tc.warmup, self.total_opt_steps, tc.cosine, tc.min_lr_ratio))
@@ -558,10 +554,6 @@ class Trainer:
         clip = cfg.train.grad_clip if cfg.train.grad_clip > 0 else float("inf")
         gn = torch.nn.utils.clip_grad_norm_(self.params, clip)
         self.opt.step()
-        # the fused step writes the weights from C++ without bumping their version counters, which the
-        # engine's packed-weight caches key on (decoder.py); a checkpoint's param group can switch it on
-        for p in self.params:
-            increment_version(p)
         self.sched.step()
         self.engine.policy_version += 1
         acc["loss"] += total
