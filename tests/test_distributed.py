@@ -121,13 +121,14 @@ def test_distributed_update_equals_one_process_update(tmp_path):
         for r, res in enumerate(ranks):
             got = res[name]
             # the gradient is the direct check (Adam's first step is ~lr * sign(g), blind to its scale);
-            # parameters may differ by a few ulps of lr where a gradient entry is ~0 and its sign is noise
+            # parameters may differ where a gradient entry is ~eps, as Adam's step there is lr * g / (|g| + eps):
+            # with the compiled logits-block kernels one entry in 8192 moved 2.5e-5 = lr / 118 (session 25)
             want = torch.cat([p.grad.flatten() for p in tr.model.parameters()])
             err = float((torch.cat([g.flatten() for g in got["grads"]]) - want).norm() / want.norm())
             one = m["actor/n_optimizer_steps"] == 1  # later steps start from parameters a few ulps apart
             assert err < (1e-6 if one else 1e-4), (name, r, err)
             for a, b in zip(got["params"], tr.model.parameters()):
-                torch.testing.assert_close(a, b.detach(), atol=2e-5 if one else 1e-4, rtol=0,
+                torch.testing.assert_close(a, b.detach(), atol=5e-5 if one else 1e-4, rtol=0,
                                            msg=f"{name} rank {r}: parameters differ")
             for k, v in got["metrics"].items():
                 assert v == pytest.approx(float(m[k]), rel=1e-4, abs=1e-6), (name, r, k)
