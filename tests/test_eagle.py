@@ -513,18 +513,28 @@ def test_sampled_chain_drafts_match_a_cache_free_head_pass(mid, monkeypatch, fus
             toks = torch.cat([toks, tree.tokens[b, d + 1: d + 2]])
 
 
-@pytest.mark.parametrize("temperature,chain_stop", [(1.0, 0.0), (0.7, 0.0), (1.0, 0.3)])
-def test_fused_chains_give_the_stepwise_completions(mid, monkeypatch, temperature, chain_stop):
+@pytest.mark.parametrize("temperature,chain_stop,rollout", [(1.0, 0.0, "fp32"), (0.7, 0.0, "fp32"),
+                                                             (1.0, 0.3, "fp32"), (1.0, 0.0, "amx-bf16")])
+def test_fused_chains_give_the_stepwise_completions(mid, monkeypatch, temperature, chain_stop, rollout):
     """The ``draft_chain`` kernel against its reference, the step-by-step PyTorch chain: with the same seed
     (both take their draws from the same uniforms) ragged rows produce the same completions, acceptances and
-    log-probs, in fp32 and with bf16 head weights; the kernel path is the one taken."""
+    log-probs, in fp32 and with bf16 head weights; the kernel path is the one taken. ``amx-bf16``: a bf16
+    engine built as on an AMX CPU (forced here on any host), whose few-token forwards take the kernel path
+    and whose head therefore drafts in fp32 (``prepare``), from the engine's bf16 hidden states."""
+    import specroll.engine.engine as engine_mod
+
     model, head = mid
     if kernels.skinny() is None:
         pytest.skip("the kernels are not available here")
     calls = []
     orig = EagleDrafter._fused_chain
     monkeypatch.setattr(EagleDrafter, "_fused_chain", lambda self, *a, **k: calls.append(1) or orig(self, *a, **k))
-    engine = Engine(model, eos_ids=[EOS])
+    if rollout == "amx-bf16":
+        monkeypatch.setattr(engine_mod, "fast_bf16", lambda: True)
+        engine = Engine(model, eos_ids=[EOS], dtype=torch.bfloat16)
+        assert engine.kernel_tokens > 0 and engine.act_dtype == torch.bfloat16
+    else:
+        engine = Engine(model, eos_ids=[EOS])
     params = SamplingParams(temperature=temperature, max_new_tokens=20, seed=7)
     for bf16 in (False, True):
         runs = []

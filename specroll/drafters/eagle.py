@@ -380,7 +380,10 @@ class EagleDrafter:
     def prepare(self, engine, st, prompts, n):
         """The head's KV over every row's prompt, rows prompt-major as the engine forks them."""
         self.engine, self.policy = engine, engine.model
-        self.dtype = engine.act_dtype
+        # the head runs in the rollout's activation dtype, except on an AMX engine with the few-token kernel
+        # path (``Engine.kernel_tokens``): there the head's few-row steps take the same way (fp32 arithmetic,
+        # bf16 weights up to BF16_HEAD_ROWS rows), which lets a sampled chain run as one ``draft_chain`` call
+        self.dtype = torch.float32 if getattr(engine, "kernel_tokens", 0) else engine.act_dtype
         self.lm = self._draft_vocab()
         mp = self.max_plan
         longest = max(len(p) for p in prompts)
@@ -430,7 +433,8 @@ class EagleDrafter:
                 for j, hp in enumerate(hidden[rows]):
                     h[j, : hp.shape[0]] = hp
             else:
-                h = self.policy(ids, torch.arange(T).expand(len(chunk), T), act_dtype=self.dtype)
+                h = self.policy(ids, torch.arange(T).expand(len(chunk), T), act_dtype=self.engine.act_dtype)
+                h = h.to(self.dtype)
             if T < 2:
                 continue
             sub = self.dc.view(rows)
@@ -454,7 +458,7 @@ class EagleDrafter:
         """Feed the pending pairs + the root pair; commit them. Returns (root feature, root token)."""
         dc, B = self.dc, self.chain_n.numel()
         C = int(self.chain_n.max())
-        h_in, t_in = self.chain_h[:, :C], self.chain_tok[:, :C]
+        h_in, t_in = self.chain_h[:, :C].to(self.dtype), self.chain_tok[:, :C]
         slots = dc.chain_slots(C)
         f = self.head(h_in, self.policy.embed(t_in), slots + 1, dc, dc.mask(C), slots)
         last = self.chain_n - 1
@@ -523,7 +527,7 @@ class EagleDrafter:
         math, with the draws taken from uniforms drawn here."""
         dc, B, n = self.dc, self.chain_n.numel(), self.chain_n
         C = int(n.max())
-        h_in, t_in = self.chain_h[:, :C], self.chain_tok[:, :C]
+        h_in, t_in = self.chain_h[:, :C].to(self.dtype), self.chain_tok[:, :C]
         u = torch.rand(B, L, generator=gen)
         weights, dims, eps = self._kernel_weights()
         toks, q = kernels.skinny().draft_chain(weights, dims, eps, h_in, t_in, n, dc.lens[:B], root_pos, u,
