@@ -87,7 +87,7 @@ class LinearLogprobs(torch.autograd.Function):
         gh = torch.zeros(h.shape, dtype=torch.float32) if need_h else None
         gw = torch.empty(weight.shape, dtype=torch.float32) if need_w else None  # every row written once
         g_logp = g_logp.float().contiguous()
-        h32 = h.float() if need_w else None
+        h_mm = None  # h in the dtype of the weight-gradient matmul, cast once
         ext = _fused()
         for c0, c1 in vocab_chunks(N, V):
             w = weight[c0:c1]
@@ -98,7 +98,8 @@ class LinearLogprobs(torch.autograd.Function):
                     if need_h:
                         gh.add_(torch.mm(g, w.to(g.dtype)))
                     if need_w:
-                        gw[c0:c1] = torch.mm(g.t(), h.to(g.dtype))
+                        h_mm = h.to(g.dtype) if h_mm is None else h_mm
+                        gw[c0:c1] = torch.mm(g.t(), h_mm)
                     continue
             else:
                 g = F.linear(h, w).float()  # the chunk's logits again
@@ -108,7 +109,8 @@ class LinearLogprobs(torch.autograd.Function):
             if need_h:
                 gh.addmm_(g, w.float())
             if need_w:  # straight into the gradient's rows (no block-sized temporary)
-                torch.mm(g.t(), h32, out=gw[c0:c1])
+                h_mm = h.float() if h_mm is None else h_mm
+                torch.mm(g.t(), h_mm, out=gw[c0:c1])
         return (None if gh is None else gh.to(h.dtype), None if gw is None else gw.to(weight.dtype), None, None)
 
 
