@@ -1,6 +1,6 @@
 """The training forward's token log-probabilities without materialised logits (``rl/logprobs.py``)
 against the plain reference: logsumexp over ``h @ W^T`` (``logprobs_and_entropy``). Each test runs both
-ways of treating a logits block: the compiled kernels (``kernels/logprobs.cpp``) and torch ops."""
+ways of treating a logits block (``block_path``): the compiled kernels (``kernels/logprobs.cpp``) and torch ops."""
 
 import pytest
 import torch
@@ -10,7 +10,7 @@ from specroll.rl import logprobs as L
 from specroll.rl.logprobs import LinearLogprobs, logprobs_and_entropy, token_logprobs, vocab_chunks
 
 
-@pytest.fixture(autouse=True, params=["fused", "torch-ops"])
+@pytest.fixture(params=["fused", "torch-ops"])
 def block_path(request, monkeypatch):
     if request.param == "torch-ops":
         monkeypatch.setattr(L, "_fused", lambda: None)
@@ -36,7 +36,7 @@ def _grads(fn, h, W, ids, gout):
 
 
 @pytest.mark.parametrize("block", [1 << 22, 600 * 37, 513 * 37])  # one block; 576-wide x 3; 512-wide x 3
-def test_matches_materialised_logits(monkeypatch, block):
+def test_matches_materialised_logits(monkeypatch, block, block_path):
     monkeypatch.setattr(L, "BLOCK", block)
     h, W, ids, gout = _case()
     n_blocks = len(vocab_chunks(h.shape[0], W.shape[0]))
@@ -56,7 +56,7 @@ def test_vocab_chunks_cover_the_vocabulary_once():
         assert all(N * (c1 - c0) <= max(L.BLOCK, N * 512) for c0, c1 in ch)
 
 
-def test_without_entropy_and_frozen_weight():
+def test_without_entropy_and_frozen_weight(block_path):
     h, W, ids, gout = _case(seed=1)
     W.requires_grad_(False)
     lp, ent = LinearLogprobs.apply(h, W, ids, False)
@@ -80,7 +80,7 @@ class _Model(torch.nn.Module):
 
 
 @pytest.mark.parametrize("bias", [False, True])  # fused; a biased lm_head takes the materialised path
-def test_token_logprobs_masks_and_matches(bias):
+def test_token_logprobs_masks_and_matches(bias, block_path):
     torch.manual_seed(2)
     b, C, D, V = 3, 5, 16, 300
     model = _Model(D, V, bias)
@@ -100,7 +100,7 @@ def test_token_logprobs_masks_and_matches(bias):
     assert (g_fast[~valid] == 0).all()
 
 
-def test_under_bf16_autocast():
+def test_under_bf16_autocast(block_path):
     """Autocast reaches the matmuls as it reaches ``F.linear`` in the reference; the results then agree
     to bf16 precision."""
     h, W, ids, gout = _case(seed=3)
@@ -117,7 +117,7 @@ def test_under_bf16_autocast():
 def test_fused_block_kernels_match_torch_ops():
     """``lse_block_`` and ``softmax_grad_`` on fp32 and bf16 blocks with a width that is no multiple of 8,
     targets inside and outside the block, and a running state that starts empty or carries a larger max."""
-    ext = skinny()  # directly: the block_path fixture may have switched ``_fused`` off
+    ext = skinny()
     if ext is None:
         pytest.skip("the CPU kernels are not available here")
     g = torch.Generator().manual_seed(4)
