@@ -1,6 +1,6 @@
 """The floor of rollout reuse's time on this machine: plain rollouts against reusing every token (l = inf).
 
-  python benchmarks/reuse_floor.py [--prompts 8] [-G 8] [--max-new-tokens 48] [--repeats 3] [--out FILE.json]
+  python benchmarks/reuse_floor.py [--prompts 8] [-G 8] [--max-new-tokens 48] [--repeats 3] [--dtype D] [--out FILE.json]
 
 Same prompts (built-in arithmetic, level 1, templated as training templates them), same sampling seed, one process: each repeat
 runs a plain rollout, then the same rollout with every row drafted by the previous plain rollout's
@@ -17,6 +17,7 @@ import time
 import torch
 
 from specroll.bench.common import machine_info, write_json
+from specroll.device import DTYPE_NAMES, resolve_dtype_name, torch_dtype
 from specroll.drafters.reuse import ReuseDrafter
 from specroll.engine.engine import Engine
 from specroll.engine.sampling import SamplingParams
@@ -38,11 +39,14 @@ def main() -> None:
     ap.add_argument("-G", type=int, default=8)
     ap.add_argument("--max-new-tokens", type=int, default=48)
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--dtype", default="float32", choices=DTYPE_NAMES,
+                    help="rollout activations (auto: bfloat16 where the CPU has AMX)")
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
+    a.dtype = resolve_dtype_name(a.dtype)
     torch.set_num_threads(min(2, torch.get_num_threads()))
     model, tok = hub.load(a.model)
-    eng = Engine(model, eos_ids=hub.eos_ids(tok, hub.resolve(a.model)))
+    eng = Engine(model, eos_ids=hub.eos_ids(tok, hub.resolve(a.model)), dtype=torch_dtype(a.dtype))
     prompts, _, _ = build_prompts(arithmetic("train", a.prompts, 1, 0), tok, DataConfig())  # as training sends them
 
     def params(seed):

@@ -53,6 +53,72 @@ def test_skinny_bf16_weights_match_f_linear_of_the_rounded_weights(K, N, M, isa)
     assert (ext.linear(x, wp, N, b, r) - (F.linear(x, w) + b + r)).abs().max() > 1e-4  # the rounding is real
 
 
+def _pack_reference(w: torch.Tensor, bf16: bool) -> torch.Tensor:
+    """The panel layout in torch ops: pad N to 16, (P, K, 16) panels; bf16 ones take their columns in the
+    order 0, 8, 1, 9, ..., 7, 15 and are rounded as ``Tensor.to(torch.bfloat16)`` rounds."""
+    if bf16:
+        w = w.to(torch.bfloat16)
+    N, K = w.shape
+    P = -(-N // 16)
+    wp = torch.zeros(P * 16, K, dtype=w.dtype)
+    wp[:N] = w
+    panels = wp.view(P, 16, K).transpose(1, 2)
+    if w.dtype == torch.bfloat16:
+        panels = panels[:, :, [c // 2 + 8 * (c % 2) for c in range(16)]]
+    return panels.contiguous()
+
+
+@needs_kernel
+@pytest.mark.parametrize("N,K", [(48, 64), (50, 37), (1, 8), (17, 5), (960, 576)])
+@pytest.mark.parametrize("src,bf16", [("fp32", False), ("fp32", True), ("bf16", False), ("bf16", True)])
+def test_pack_lays_out_panels_as_the_torch_reference(N, K, src, bf16):
+    g = torch.Generator().manual_seed(N * 100 + K)
+    w = torch.randn(N, K, generator=g) * 3
+    flat = w.view(-1)
+    # values halfway between two bf16 numbers (ties go to even), just off them, and non-finite ones
+    ties = torch.tensor([1.0 + 2 ** -8, 1.0 + 3 * 2 ** -8, -(1.0 + 2 ** -8), 1.0 + 2 ** -8 + 2 ** -20,
+                         float("inf"), float("-inf"), float("nan"), 0.0, -0.0, 1e-40])
+    flat[: min(flat.numel(), ties.numel())] = ties[: flat.numel()]
+    w = w if src == "fp32" else w.to(torch.bfloat16)
+    got, want = ext.pack(w, bf16), _pack_reference(w, bf16)
+    assert got.dtype == want.dtype == (torch.bfloat16 if bf16 or src == "bf16" else torch.float32)
+    assert got.shape == want.shape == (-(-N // 16), K, 16)
+    bits = torch.int16 if got.dtype == torch.bfloat16 else torch.int32
+    nan = want.isnan()
+    assert torch.equal(got.isnan(), nan)  # NaN stays NaN (its bits differ between torch's own code paths)
+    same = got.view(bits)[~nan] == want.view(bits)[~nan]
+    assert bool(same.all()), f"{int((~same).sum())} panel entries differ"  # the rest bit for bit
+
+
+@needs_kernel
+def test_pack_takes_strided_weights():
+    w = torch.randn(40, 70)[:, 3:67]  # not contiguous
+    torch.testing.assert_close(ext.pack(w), _pack_reference(w, False), atol=0, rtol=0)
+
+
+@needs_kernel
+@pytest.mark.parametrize("bf16", [False, True])
+def test_fast_linear_repacks_its_panels_in_place_after_an_in_place_update(bf16):
+    """An optimizer step changes the weights in place: the next kernel-path call packs the new values into
+    the same panels (no fresh allocation), and its output follows the new weights, not the stale panels."""
+    from specroll.models.decoder import bf16_weights
+
+    torch.manual_seed(0)
+    lin = FastLinear(64, 40)
+    x = torch.randn(3, 64)
+    kind = "skinny_bf16" if bf16 else "skinny"
+    with torch.no_grad(), bf16_weights(bf16):
+        lin(x)
+        panels = lin._packed[kind][1]
+        lin.weight.mul_(-2.0).add_(0.5)  # what AdamW's in-place update looks like to the module
+        y = lin(x)
+    assert lin._packed[kind][1] is panels  # repacked in place
+    w = lin.weight.detach()
+    ref = F.linear(x, w.bfloat16().float() if bf16 else w)
+    torch.testing.assert_close(y, ref, atol=1e-4, rtol=1e-5)
+    assert torch.equal(panels, _pack_reference(w, bf16))
+
+
 @needs_kernel
 def test_set_isa_rejects_unknown_names():
     with pytest.raises(RuntimeError, match="auto, avx2 or avx512"):

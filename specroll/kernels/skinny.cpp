@@ -22,6 +22,7 @@
 #include <immintrin.h>
 
 #include <algorithm>
+#include <cstring>
 #include <cmath>
 #include <vector>
 
@@ -286,21 +287,70 @@ void set_isa(const std::string& name) {
   g_isa = name == "avx2" ? 0 : -1;
 }
 
-// (N, K) fp32 or bf16 -> (ceil(N/16), K, 16) of the same dtype, zero-padded; bf16 panels store each row's
-// 16 columns in the order 0, 8, 1, 9, ..., 7, 15 (``load_row``).
-torch::Tensor pack(const torch::Tensor& w) {
-  TORCH_CHECK(w.dim() == 2 && (w.scalar_type() == torch::kFloat32 || w.scalar_type() == torch::kBFloat16),
+// (N, K) fp32 or bf16 -> (ceil(N/16), K, 16) panels, zero-padded: bf16 when ``w`` is bf16 or ``bf16`` is set
+// (an fp32 weight is then rounded to nearest even, as ``Tensor.to(torch.bfloat16)`` rounds), else fp32. bf16
+// panels store each row's 16 columns in the order 0, 8, 1, 9, ..., 7, 15 (``load_row``).
+// One pass per panel, a panel row at a time: its 16 lanes are read from the 16 weight rows (16 sequential
+// streams) and written contiguously. The weights change at every optimizer step, so the rollout after it packs all of them again;
+// SmolLM2's (135M weights) took 187 ms as convert + zero-fill + copy + interleave + transpose-copy in
+// torch ops (2026-11-26, AMX Xeon, 2 threads).
+namespace {
+inline uint16_t bf16_bits(float f) {
+  uint32_t u;
+  std::memcpy(&u, &f, 4);
+  if (std::isnan(f)) return 0x7FC0;
+  return static_cast<uint16_t>((u + 0x7FFF + ((u >> 16) & 1)) >> 16);
+}
+inline uint16_t bf16_bits(uint16_t b) { return b; }
+inline float same(float f) { return f; }
+
+template <typename In, typename Out, typename Cvt>
+void pack_panels(const In* w, Out* out, int64_t N, int64_t K, int64_t P, const int* slot, Cvt cvt) {
+  at::parallel_for(0, P, 1, [&](int64_t p0, int64_t p1) {
+    for (int64_t p = p0; p < p1; p++) {
+      Out* o = out + p * K * PW;
+      const int64_t rows = std::min<int64_t>(PW, N - p * PW);
+      const In* src[PW];
+      for (int j = 0; j < rows; j++) src[j] = w + (p * PW + j) * K;
+      for (int64_t k = 0; k < K; k++, o += PW) {  // one panel row: its 16 lanes from the 16 weight rows
+        int j = 0;
+        for (; j < rows; j++) o[slot[j]] = cvt(src[j][k]);
+        for (; j < PW; j++) o[slot[j]] = Out(0);
+      }
+    }
+  });
+}
+}  // namespace
+
+torch::Tensor pack(const torch::Tensor& w_in, bool bf16, const c10::optional<torch::Tensor>& into) {
+  TORCH_CHECK(w_in.dim() == 2 && (w_in.scalar_type() == torch::kFloat32 || w_in.scalar_type() == torch::kBFloat16),
               "pack: expected an fp32 or bf16 (N, K) weight");
-  auto N = w.size(0), K = w.size(1), P = (N + PW - 1) / PW;
-  auto wp = torch::zeros({P * PW, K}, w.options());
-  wp.narrow(0, 0, N).copy_(w);
-  auto panels = wp.view({P, PW, K}).transpose(1, 2);
-  if (w.scalar_type() == torch::kBFloat16) {
-    std::vector<int64_t> order(PW);
-    for (int c = 0; c < PW / 2; c++) order[2 * c] = c, order[2 * c + 1] = c + PW / 2;
-    panels = panels.index_select(2, torch::tensor(order, torch::kLong));
+  const auto w = w_in.contiguous();
+  const bool out_bf16 = bf16 || w.scalar_type() == torch::kBFloat16;
+  const int64_t N = w.size(0), K = w.size(1), P = (N + PW - 1) / PW;
+  const auto dt = out_bf16 ? torch::kBFloat16 : torch::kFloat32;
+  torch::Tensor out;
+  if (into.has_value()) {  // repack in place (the same weight after an optimizer step)
+    out = *into;
+    TORCH_CHECK(out.is_contiguous() && out.scalar_type() == dt && out.dim() == 3 && out.size(0) == P &&
+                    out.size(1) == K && out.size(2) == PW,
+                "pack: `into` must be a contiguous ", P, " x ", K, " x ", PW, " tensor of the panels' dtype");
+  } else {
+    out = torch::empty({P, K, PW}, w.options().dtype(dt));
   }
-  return panels.contiguous();
+  int slot[PW];
+  for (int j = 0; j < PW; j++) slot[j] = out_bf16 ? (j < PW / 2 ? 2 * j : 2 * (j - PW / 2) + 1) : j;
+  if (!out_bf16) {
+    pack_panels(w.data_ptr<float>(), out.data_ptr<float>(), N, K, P, slot, same);
+  } else {
+    auto* o = reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>());
+    if (w.scalar_type() == torch::kBFloat16)
+      pack_panels(reinterpret_cast<const uint16_t*>(w.data_ptr<at::BFloat16>()), o, N, K, P, slot,
+                  [](uint16_t b) { return bf16_bits(b); });
+    else
+      pack_panels(w.data_ptr<float>(), o, N, K, P, slot, [](float f) { return bf16_bits(f); });
+  }
+  return out;
 }
 
 // The GEMM's input rows, from x2 (M, Kx): RMSNorm(x) * g when ``norm`` is given (HF's order: the mean
@@ -415,7 +465,8 @@ void softmax_grad_(torch::Tensor& lg, const torch::Tensor& logz, const torch::Te
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("pack", &pack, "pack an (N, K) fp32 weight into 16-column panels");
+  m.def("pack", &pack, "pack an (N, K) fp32 or bf16 weight into 16-column panels (bf16 ones when bf16 is set)",
+        py::arg("w"), py::arg("bf16") = false, py::arg("into") = py::none());
   m.def("isa", &isa, "the instruction set linear() runs: avx512 or avx2");
   m.def("set_isa", &set_isa, "auto (the best this CPU has) or avx2 (force the AVX2 paths, for tests and A/B runs)");
   m.def("linear", &linear, "f(x) @ W^T (+ bias) (+ residual) over packed panels; f = identity, RMSNorm or silu-gate",

@@ -181,8 +181,12 @@ class FastLinear(nn.Linear):
             return hit[1], hit[2]
         with torch.no_grad():
             if dtype in ("skinny", "skinny_bf16"):
-                wd = w.detach().to(torch.bfloat16 if dtype == "skinny_bf16" else torch.float32).contiguous()
-                packed = kernels.skinny().pack(wd)
+                # converts as it packs, into the panels of the weights' last version when there are any
+                # (no fresh 270-540 MB to fault in after every optimizer step)
+                bf16 = dtype == "skinny_bf16" or w.dtype == torch.bfloat16
+                shape = (-(-w.shape[0] // 16), w.shape[1], 16)
+                old = hit[1] if hit is not None and hit[1].shape == shape else None  # same dtype: same key
+                packed = kernels.skinny().pack(w.detach(), bf16, old)
                 b = None if self.bias is None else self.bias.detach().float().contiguous()
             else:
                 wd = w.detach().to(dtype).contiguous()
