@@ -186,8 +186,9 @@ def test_stage_chunks_is_the_cheapest_split():
 
 def test_first_block_follows_the_last_acceptance():
     assert reuse.first_block(None, 16) == 16  # nothing seen yet: the configured block
-    assert [reuse.first_block(c, 16) for c in (0.0, 0.4, 1.0, 1.5, 3.0, 7.6, 40.0)] == [2, 2, 4, 4, 8, 16, 16]
-    assert reuse.first_block(1.0, 0) == 0 and reuse.first_block(1.0, 3) == 3  # 0 = whole drafts; never above
+    assert [reuse.first_block(c, 16) for c in (0.0, 0.4, 1.0, 1.5, 3.0, 7.6, 40.0)] == [2, 2, 4, 4, 8, 32, 128]
+    assert reuse.first_block(1.0, 0) == 0  # 0 = whole drafts, always
+    assert reuse.first_block(36.0, 16) == 128  # rows that kept most of their drafts: one stage, not 16 + 32
 
 
 def test_first_stage_shrinks_after_a_call_that_accepted_little(monkeypatch):
@@ -215,6 +216,32 @@ def test_first_stage_shrinks_after_a_call_that_accepted_little(monkeypatch):
         if call == 0:
             assert prev is None and blocks and max(blocks) == 8 and d._last_cut < 1.5
     assert max(blocks) == reuse.first_block(prev, 8) <= 4
+
+
+def test_verification_forwards_follow_the_engines_forward_overhead(monkeypatch):
+    """The engine's per-forward cost decides how a stage's rows are split: with a large overhead, drafts of
+    very different lengths share one padded forward; with none, each length gets a forward of its own."""
+    eng = Engine(small_model(2), eos_ids=[])
+    params = SamplingParams(temperature=1.0, max_new_tokens=12, seed=0)
+    first = eng.generate(PROMPTS, params, n=4)
+    shapes = []
+    real = ReuseDrafter._verify_chunk
+
+    def spy(self, engine, st, rows, s, e, start, T):
+        shapes.append((e - s, T))
+        return real(self, engine, st, rows, s, e, start, T)
+
+    monkeypatch.setattr(ReuseDrafter, "_verify_chunk", spy)
+    counts = {}
+    for overhead in (0, 10_000):
+        eng.forward_overhead = overhead
+        d = ReuseDrafter(mode="lenient", lenience=float("inf"), seed=1, verify_block=0)
+        for i, r in enumerate(first):  # drafts of 1..12 tokens
+            d.store.put(r.prompt_ids, r.sample_index, torch.arange(3, 4 + i % 12), torch.full((1 + i % 12,), -1.0))
+        shapes.clear()
+        eng.generate(PROMPTS, params, n=4, drafter=d)
+        counts[overhead] = len(shapes)
+    assert counts[10_000] == 1 and counts[0] == len({1 + i % 12 for i in range(len(first))})
 
 
 def test_residual_removes_the_rejected_token_and_renormalises():

@@ -24,8 +24,8 @@ Departures from SPEC-RL (arXiv 2509.23232):
   kept up to the cut (``cache.advance``); the slots written past the cut are overwritten later.
 - Keyed by a hash of the prompt token ids plus the sample index, not by batch position, so the data
   loader may shuffle.
-- Staged verification: the first forward scores ``verify_block`` draft tokens per row (16 by default,
-  fewer when the previous call's rows accepted few: ``first_block``),
+- Staged verification: the first forward scores ``verify_block`` draft tokens per row (16 by default;
+  later calls follow what the previous call's rows accepted: ``first_block``),
   and only rows that accepted all of them go on to the next, twice as long, stage. A row rejected at
   token 3 of a 200-token draft does not pay a 200-token forward (SPEC-RL scores the whole draft);
   in exact mode, where acceptance decays quickly, this is most of the verification cost.
@@ -59,7 +59,8 @@ MODES = ("lenient", "exact", "off")
 LENIENCE_DEFAULT = math.exp(0.5)
 _ENTRY_OVERHEAD = 64  # bytes charged per stored entry on top of its token data
 _LOGIT_BUDGET = 1 << 23  # max (tokens x vocab) fp32 logits materialised at once in verification
-FORWARD_OVERHEAD = 32  # a verification forward's fixed cost in token-equivalents (``stage_chunks``)
+FORWARD_OVERHEAD = 32  # a verification forward's fixed cost in token-equivalents (``stage_chunks``), unless
+# the engine says otherwise (``Engine.forward_overhead``: its AMX path's is ~4x that)
 
 
 # --- configuration ------------------------------------------------------------------------------
@@ -265,15 +266,19 @@ def truncate_drafts(ids: torch.Tensor, lengths: torch.Tensor, stop: torch.Tensor
     return n, has & (first <= n)
 
 
-def first_block(last_cut: float | None, cap: int) -> int:
-    """Draft tokens per row in the first verification stage: ``cap`` (``verify_block``; 0 = whole drafts), or
-    fewer when the previous call's drafted rows accepted ``last_cut`` tokens on average: the smallest power of
-    two >= 2 x last_cut + 1, at least 2. Exact mode at T = 1 keeps ~1-1.5 tokens of a draft; with a first
-    stage of 16 tokens per row it spent 1.41 s of a 6.78 s epoch's rollouts verifying, to reuse 4% of the
-    tokens (SmolLM2, 32 rows per step, 2026-11-24). The block only decides which forward scores a token, never whether it is accepted."""
-    if cap == 0 or last_cut is None:
-        return cap
-    return min(cap, max(2, 1 << math.ceil(math.log2(2 * last_cut + 1))))
+def first_block(last_cut: float | None, block: int) -> int:
+    """Draft tokens per row in the first verification stage. The first call uses ``block`` (``verify_block``; 0 =
+    whole drafts, always). Later calls size it from the mean tokens ``last_cut`` the previous call's drafted
+    rows accepted: the smallest power of two >= 2 x last_cut + 1, at least 2, and above ``block`` when the
+    rows accepted more. Exact mode at T = 1 keeps ~1-1.5 tokens of a draft; with a first stage of 16 tokens
+    per row it spent 1.41 s of a 6.78 s epoch's rollouts verifying, to reuse 4% of the tokens (SmolLM2, 32
+    rows per step, 2026-11-24). Lenient mode at l = e^0.5 keeps ~36 of ~38: there a first stage capped at 16
+    made every row pay a second forward, and its epoch-3 verification took 1.25 s uncapped against 1.37 s
+    (2026-11-26, AMX Xeon, one run). The block only decides which forward scores a token, never whether it
+    is accepted."""
+    if block == 0 or last_cut is None:
+        return block
+    return max(2, 1 << math.ceil(math.log2(2 * last_cut + 1)))
 
 
 def stage_chunks(need: list[int], max_tokens: int, overhead: int = FORWARD_OVERHEAD) -> list[tuple[int, int, int]]:
@@ -452,7 +457,8 @@ class ReuseDrafter:
         start, block = 0, first_block(self._last_cut, self.verify_block) or st.params.max_new_tokens
         while alive:
             need = (rows["lens"][:alive] - start).clamp(0, block)  # draft tokens of this stage, per live row
-            for s, e, T in stage_chunks(need.tolist(), engine.prefill_chunk):
+            for s, e, T in stage_chunks(need.tolist(), engine.prefill_chunk,
+                                        getattr(engine, "forward_overhead", FORWARD_OVERHEAD)):
                 self._verify_chunk(engine, st, rows, s, e, start, T)
             go_on = (rows["n_acc"][:alive] == start + need) & (rows["lens"][:alive] > start + need)  # need == block
             alive, start, block = self._keep_first(st, rows, go_on), start + block, 2 * block

@@ -76,6 +76,7 @@ class Engine:
     # token: 0.42 at 1 row, 0.53 at 8, 0.69 at 16, 0.97 at 32, 1.12 at 48, 1.29 at 64; 0.51 at 1 x 7, 1.02-1.03
     # at 8 x 4 and 16 x 2 (benchmarks/amx_paths.py, BENCHMARKS.md session 25)
     KERNEL_TOKENS_AMX = 32
+    FORWARD_OVERHEAD_AMX = 128
 
     def __init__(self, model: Decoder, eos_ids=(), dtype: torch.dtype | None = None, prefill_chunk: int = 4096):
         self.model = model
@@ -94,6 +95,11 @@ class Engine:
         self.kernel_tokens = (self.KERNEL_TOKENS_AMX if self.dtype == torch.bfloat16 and model.dtype == torch.float32
                               and fast_bf16() and kernels.skinny() is not None else 0)
         self.prefill_chunk = prefill_chunk  # max tokens per verification forward (drafters/reuse.py)
+        # a wide forward's fixed cost in token-equivalents, for splitting verification into forwards
+        # (``reuse.stage_chunks``). SmolLM2's forward + logits on the AMX path (``python benchmarks/amx_paths.py
+        # --points 4x8,...,32x32``, BENCHMARKS.md session 26): 40 ms at 32 tokens, 63 at 128, 203 at 512, 373
+        # at 1,024, i.e. a fixed 20-33 ms at 0.23-0.35 ms per token, 60-140 tokens' worth; fp32, ~20 tokens.
+        self.forward_overhead = self.FORWARD_OVERHEAD_AMX if self.dtype == torch.bfloat16 and fast_bf16() else 32
         self.policy_version = 0
         self._cache: KVCache | None = None
 
