@@ -508,20 +508,26 @@ def test_bench_reuse_aggregates_and_validates():
     from specroll.bench import reuse as bench
     from specroll.cli import CliError, build_parser
 
+    r1, r2 = torch.tensor([1.0, 1.0, 0.0, 0.0]), torch.tensor([0.0, 0.0, 0.0, 0.0])  # each step's 4 rewards
     ms = [{"rollout/tokens_generated": 30.0, "rollout/completion_len_mean": 10.0, "timing/rollout": 2.0,
-           "rollout_cpu_s": 1.0, "reward/mean": 0.5, "spec/skip_ratio": 0.25, "spec/avg_cut_idx": 4.0},
+           "rollout_cpu_s": 1.0, "reward/mean": 0.5, "reward/std": float(r1.std()), "spec/skip_ratio": 0.25,
+           "spec/avg_cut_idx": 4.0},
           {"rollout/tokens_generated": 10.0, "rollout/completion_len_mean": 5.0, "timing/rollout": 1.0,
-           "rollout_cpu_s": 0.5, "reward/mean": 0.0, "spec/skip_ratio": 0.75, "spec/avg_cut_idx": 2.0}]
+           "rollout_cpu_s": 0.5, "reward/mean": 0.0, "reward/std": float(r2.std()), "spec/skip_ratio": 0.75,
+           "spec/avg_cut_idx": 2.0}]
     row = bench._epoch_row(ms, rows_per_step=4)
+    both = torch.cat([r1, r2])
+    assert row["reward_se"] == pytest.approx(float(both.std() / math.sqrt(both.numel())))  # pooled = direct
     assert row["completion_tokens"] == 60 and row["tokens_generated"] == 40
     assert row["reuse_ratio"] == pytest.approx(20 / 60) and row["skip_ratio"] == pytest.approx(0.5)
     assert row["rollout_s"] == 3.0 and row["reward_mean"] == 0.25
     rows = [{"mode": "off", "lenience": None, "epoch": 3, "tokens_generated": 100, "rollout_s": 4.0,
-             "rollout_cpu_s": 2.0, "reward_mean": 0.5},
+             "rollout_cpu_s": 2.0, "reward_mean": 0.5, "reward_se": 0.03},
             {"mode": "lenient", "lenience": 1.0, "epoch": 3, "tokens_generated": 25, "rollout_s": 2.0,
-             "rollout_cpu_s": 1.5, "reward_mean": 0.25}]
+             "rollout_cpu_s": 1.5, "reward_mean": 0.25, "reward_se": 0.04}]
     s = bench.summarize(rows, 3)[1]
     assert s["tokens_vs_off"] == 0.25 and s["rollout_time_vs_off"] == 0.5 and s["reward_minus_off"] == -0.25
+    assert s["reward_minus_off_se"] == pytest.approx(0.05)
     args = build_parser().parse_args(["bench", "reuse", "--lenience", "1,inf", "--modes", "exact"])
     assert bench._floats(args.lenience, "--lenience") == [1.0, math.inf] and bench._modes(args.modes) == ["exact"]
     with pytest.raises(CliError, match="lenience"):

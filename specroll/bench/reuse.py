@@ -9,7 +9,7 @@ the store records its completions, then the model, optimizer, scheduler and roll
 snapshotted and every setting continues from that snapshot. Its row is repeated per setting
 with ``"shared": true``.
 
-Writes ``{"rows": [{"mode", "lenience", "epoch", "tokens_generated", "rollout_s", "reward_mean",
+Writes ``{"rows": [{"mode", "lenience", "epoch", "tokens_generated", "rollout_s", "reward_mean", "reward_se",
 "reuse_ratio", "skip_ratio", ...}], "config": ..., "machine": ...}``. ``tokens_generated`` counts
 tokens sampled by the model (completion tokens minus reused ones); ``rollout_s`` is the wall time of
 ``Engine.generate`` summed over the epoch's steps, verification included (``rollout_cpu_s``: the same
@@ -103,6 +103,17 @@ def _time_generate(engine) -> None:
     engine.generate = timed
 
 
+def _reward_se(ms: list[dict], n: int) -> float:
+    """Standard error of an epoch's mean reward over its ``len(ms) * n`` rollouts, from each step's mean and
+    (unbiased) std: the pooled variance within and between steps over N - 1, divided by N, square-rooted."""
+    N = n * len(ms)
+    if N < 2:
+        return float("nan")
+    mean = sum(m["reward/mean"] for m in ms) / len(ms)
+    ss = sum((n - 1) * m["reward/std"] ** 2 + n * (m["reward/mean"] - mean) ** 2 for m in ms)
+    return math.sqrt(ss / (N - 1) / N)
+
+
 def _epoch_row(ms: list[dict], rows_per_step: int) -> dict:
     """Aggregate one epoch's step metrics."""
     gen = sum(m["rollout/tokens_generated"] for m in ms)
@@ -114,6 +125,7 @@ def _epoch_row(ms: list[dict], rows_per_step: int) -> dict:
         "rollout_cpu_s": sum(m["rollout_cpu_s"] for m in ms),
         "verify_s": sum(m.get("timing/verify", 0.0) for m in ms),
         "reward_mean": sum(m["reward/mean"] for m in ms) / len(ms),
+        "reward_se": _reward_se(ms, rows_per_step),
         "reuse_ratio": (comp - gen) / max(1.0, comp),
         "skip_ratio": sum(m.get("spec/skip_ratio", 0.0) for m in ms) / len(ms),
         "avg_cut_idx": sum(m.get("spec/avg_cut_idx", 0.0) for m in ms) / len(ms),
@@ -176,7 +188,10 @@ def summarize(rows: list[dict], epoch: int) -> list[dict]:
                     "tokens_vs_off": r["tokens_generated"] / max(1, off["tokens_generated"]),
                     "rollout_time_vs_off": r["rollout_s"] / off["rollout_s"],
                     "rollout_cpu_vs_off": r["rollout_cpu_s"] / off["rollout_cpu_s"],
-                    "reward_minus_off": r["reward_mean"] - off["reward_mean"]})
+                    "reward_minus_off": r["reward_mean"] - off["reward_mean"],
+                    # as if the two epochs were independent samples; they share prompts, so the paired
+                    # difference's real s.e. is at most this
+                    "reward_minus_off_se": math.hypot(r["reward_se"], off["reward_se"])})
     return out
 
 
@@ -190,6 +205,7 @@ def cli(args) -> int:
     for s in res["summary"]:
         lam = "" if s["lenience"] is None else f" l={s['lenience']:g}"
         print(f"epoch {s['epoch']} {s['mode']}{lam}: tokens {s['tokens_vs_off']:.2f}x off, "
-              f"rollout time {s['rollout_time_vs_off']:.2f}x off, reward {s['reward_minus_off']:+.3f} vs off")
+              f"rollout time {s['rollout_time_vs_off']:.2f}x off, reward {s['reward_minus_off']:+.3f} vs off "
+              f"(s.e. {s['reward_minus_off_se']:.3f})")
     print(f"wrote {args.out}")
     return 0
