@@ -231,6 +231,47 @@ def test_bf16_head_chains_are_lossless(small):
     assert drafter.totals[3] > 0
 
 
+@pytest.mark.parametrize("mode", ["plain", "chain", "tree"])
+def test_speculation_on_a_hybrid_amx_engine_is_lossless(small, monkeypatch, mode):
+    """A bf16 engine as on an AMX CPU (forced here on any host): steps of up to ``kernel_tokens`` tokens take
+    the kernel path (fp32 arithmetic on bf16-rounded weights), wider ones bf16 activations. With 12 rows per
+    call, plain steps (12 tokens) take the kernel path and verifications (48 or 84 tokens) the AMX one, so the
+    draft is checked by other numerics than plain sampling uses. The completions must still follow plain
+    sampling's distribution: the exact one of the bf16-rounded weights (``plain`` checks that reference)."""
+    import specroll.engine.engine as engine_mod
+    from specroll.models.decoder import FastLinear
+
+    if kernels.skinny() is None:
+        pytest.skip("the kernels are not available here")
+    model, trained = small
+    rounded = Decoder(model.cfg).eval()  # not a deepcopy: the model's packed oneDNN weights do not copy
+    rounded.load_state_dict(model.state_dict())
+    rounded.lm_head.weight = torch.nn.Parameter(rounded.lm_head.weight.detach().clone())  # untied, then rounded
+    with torch.no_grad():
+        for mod in rounded.modules():
+            if isinstance(mod, FastLinear):
+                mod.weight.copy_(mod.weight.bfloat16().float())
+    monkeypatch.setattr(engine_mod, "fast_bf16", lambda: True)
+    engine = Engine(model, dtype=torch.bfloat16)
+    assert engine.kernel_tokens == Engine.KERNEL_TOKENS_AMX
+    widths = []
+    real = Engine.forward
+    monkeypatch.setattr(Engine, "forward", lambda self, cache, ids, *a: widths.append(ids.numel()) or real(
+        self, cache, ids, *a))
+    plan = Plan(n_verify=7, k=3, depth=3) if mode == "tree" else Plan(n_verify=4, k=1, depth=3)
+    drafter = None if mode == "plain" else EagleDrafter(trained, plan, sampled=mode == "chain")
+    params, V, counts = PARAMS["t1"], model.cfg.vocab_size, torch.zeros(V_SMALL**M_SMALL, dtype=torch.long)
+    for i in range(S // 12 + 1):
+        outs = engine.generate([PROMPT], SamplingParams(**{**params.__dict__, "seed": 300 + i}), n=12, drafter=drafter)
+        idx = torch.stack([(o.completion_ids * V ** torch.arange(M_SMALL)).sum() for o in outs])
+        counts += torch.bincount(idx, minlength=V**M_SMALL)
+    p = chi2_gof(counts, exact_probs(rounded, PROMPT, params, M_SMALL))
+    assert p > 1e-3, f"{mode} on the hybrid engine: chi-square p = {p:.2e}"
+    kern = [w for w in widths if w <= engine.kernel_tokens]
+    assert kern and (mode == "plain" or len(kern) < len(widths))  # both paths ran (verifications: AMX)
+    assert drafter is None or drafter.totals[3] > 0
+
+
 class SpyTuned:
     """A ``TunedPlanner`` that switches often (probe every step, move on any gain, timings drawn at random so
     that it moves both ways) and records each step as the drafter reported it."""
