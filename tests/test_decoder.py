@@ -149,3 +149,61 @@ def test_smollm2_logits_match_hf(smollm2):
         assert (x.double() - ref64[:, :n]).abs().max() <= max(2 * err_hf, 2e-4)
         assert_close(x, ref[:, :n], atol=2e-4, rtol=0)
     assert torch.equal(ours.argmax(-1), ref.argmax(-1))
+
+
+def test_attend_math_matches_sdpa_values_and_gradients():
+    """The GRPO update's bf16 attention (``attend_math``) against PyTorch's SDPA and an fp64 reference, on bf16
+    tensors and on fp32 ones under bf16 autocast: the output and the gradients of q, k and v are as close to
+    fp64 as SDPA's (which also works in bf16), within 1.5x. A query that sees no key gives finite values and
+    gradients (SDPA's output there is not used)."""
+    import contextlib
+
+    from specroll.models import decoder as D
+
+    g = torch.Generator().manual_seed(0)
+    B, KV, Q, S, hd = 3, 2, 24, 17, 16
+    mask = torch.rand(B, 1, Q, S, generator=g) < 0.7
+    mask[..., 0] = True
+    base = [torch.randn(B, KV, n, hd, generator=g) * 2 for n in (Q, S, S)]
+    go = torch.randn(B, KV, Q, hd, generator=g).bfloat16()
+    ref = [t.double().requires_grad_() for t in base]
+    o = torch.nn.functional.scaled_dot_product_attention(*ref, attn_mask=mask)
+    o.backward(go.double())
+    want = [o.detach()] + [t.grad for t in ref]
+    sdpa = lambda q, k, v, m: torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=m)  # noqa: E731
+    for dtype, ctx in ((torch.bfloat16, contextlib.nullcontext), (torch.float32, lambda: torch.autocast("cpu", torch.bfloat16))):
+        errs = {}
+        for name, f in (("math", D.attend_math), ("sdpa", sdpa)):
+            q, k, v = (t.to(dtype).clone().requires_grad_() for t in base)
+            with ctx():
+                out = f(q, k, v, mask)
+            assert out.dtype == torch.bfloat16
+            out.backward(go)
+            errs[name] = [float((a.double() - b).abs().max()) for a, b in zip([out.detach(), q.grad, k.grad, v.grad], want)]
+        for e_math, e_sdpa in zip(errs["math"], errs["sdpa"]):
+            assert e_math <= 1.5 * e_sdpa + 1e-3, errs
+    blind = mask.clone()
+    blind[0, 0, 3] = False  # query 3 of row 0 sees nothing
+    q, k, v = (t.to(torch.bfloat16).clone().requires_grad_() for t in base)
+    o = D.attend_math(q, k, v, blind)
+    o.float().sum().backward()
+    assert all(bool(t.float().isfinite().all()) for t in (o, q.grad, k.grad, v.grad))
+
+
+def test_attend_takes_the_math_path_for_bf16_under_autograd(monkeypatch):
+    """bf16 tensors under autograd, or fp32 ones under bf16 autocast (how the update's attention sees them):
+    ``attend_math``; fp32 without autocast, and anything without autograd: not."""
+    from specroll.models import decoder as D
+
+    calls = []
+    monkeypatch.setattr(D, "attend_math", lambda *a: calls.append(1) or torch.zeros(()))
+    q = torch.randn(1, 1, 4, 8, requires_grad=True)
+    k = torch.randn(1, 1, 5, 8)
+    D.attend(q.detach().bfloat16().requires_grad_(), k.bfloat16(), k.bfloat16(), None)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        D.attend(q, k, k, None)
+    assert calls == [1, 1]
+    D.attend(q, k, k, None)  # fp32, no autocast: SDPA
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        D.attend(q, k, k, None)  # no autograd: SDPA
+    assert calls == [1, 1]
