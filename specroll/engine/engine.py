@@ -76,6 +76,10 @@ class Engine:
     # token: 0.42 at 1 row, 0.53 at 8, 0.69 at 16, 0.97 at 32, 1.12 at 48, 1.29 at 64; 0.51 at 1 x 7, 1.02-1.03
     # at 8 x 4 and 16 x 2 (benchmarks/amx_paths.py, BENCHMARKS.md session 25)
     KERNEL_TOKENS_AMX = 32
+    # bumped when a change to the forward paths moves the latency curve the profiler measures (C_peak
+    # profiles carry it, so old ones are re-measured): 2 = an AMX engine's wide steps attend through the
+    # fused kernel (2026-11-26)
+    PATHS_REVISION = 2
     FORWARD_OVERHEAD_AMX = 128
 
     def __init__(self, model: Decoder, eos_ids=(), dtype: torch.dtype | None = None, prefill_chunk: int = 4096):
