@@ -13,7 +13,6 @@ train.micro_batch_size=32``; the batch is ``update_ab.py``'s (4 prompts x G = 8 
 import argparse
 import copy
 import sys
-import time
 from pathlib import Path
 
 import torch.nn.functional as F
@@ -22,7 +21,7 @@ from specroll.bench.common import machine_info, write_json
 from specroll.models import decoder as D
 
 sys.path.insert(0, str(Path(__file__).parent))
-from update_ab import update_trainer  # noqa: E402
+from update_ab import timed_update, update_trainer  # noqa: E402
 
 
 def main() -> None:
@@ -43,11 +42,7 @@ def main() -> None:
         names = list(sides)[r % 2:] + list(sides)[: r % 2]  # rotate which goes first
         for name in names:
             D.attend_math = sides[name]
-            tr.model.load_state_dict(state)
-            tr.opt.load_state_dict(opt_state)
-            t = time.perf_counter()
-            m = tr.update(rollouts, rewards)
-            dt = time.perf_counter() - t
+            dt, m = timed_update(tr, state, opt_state, rollouts, rewards)
             rows.append({"repeat": r, "attention": name, "update_s": dt, "loss": m["actor/loss"],
                          "grad_norm": m.get("actor/grad_norm")})
             print(f"{r} {name:5s} update {dt:6.2f} s  loss {m['actor/loss']:.6f}  grad norm {m.get('actor/grad_norm', 0):.6f}",

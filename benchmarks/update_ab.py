@@ -47,6 +47,16 @@ def update_trainer(overrides=()):
     return tr, batch
 
 
+def timed_update(tr, state, opt_state, rollouts, rewards) -> tuple[float, dict]:
+    """One update from the given weights and optimizer state (restored first, so every call computes the
+    same update): (seconds, the update's metrics)."""
+    tr.model.load_state_dict(state)
+    tr.opt.load_state_dict(opt_state)
+    t = time.perf_counter()
+    m = tr.update(rollouts, rewards)
+    return time.perf_counter() - t, m
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--repeats", type=int, default=3)
@@ -66,11 +76,7 @@ def main() -> None:
         for name in sides[r % len(sides):] + sides[:r % len(sides)]:  # rotate which goes first
             T.token_logprobs = materialised_logprobs if name == "plain" else token_logprobs
             LP._fused = fused if name == "fused" else (lambda: None)
-            tr.model.load_state_dict(state)
-            tr.opt.load_state_dict(opt_state)
-            t = time.perf_counter()
-            m = tr.update(rollouts, rewards)
-            dt = time.perf_counter() - t
+            dt, m = timed_update(tr, state, opt_state, rollouts, rewards)
             rows.append({"repeat": r, "logprobs": name, "update_s": dt, "loss": m["actor/loss"],
                          "entropy": m.get("actor/entropy"), "grad_norm": m.get("actor/grad_norm")})
             print(f"{r} {name:6s} update {dt:6.2f} s  entropy {m.get('actor/entropy', 0):.5f}  "
