@@ -281,45 +281,6 @@ def test_amx_engine_runs_few_token_forwards_through_the_kernel(monkeypatch):
     assert seen[-1] == torch.bfloat16
 
 
-@pytest.mark.parametrize("B,T", [(40, 1), (12, 4)])
-def test_amx_wide_steps_attend_through_the_kernel_as_sdpa_would(monkeypatch, B, T):
-    """A bf16 step wider than ``kernel_tokens`` (decode at 40 rows, a 12 x 4 verification) keeps bf16
-    activations, but its RoPE + cache write + attention run as the fused kernel over the bf16 cache (in fp32).
-    Against the eager path (RoPE, cache write, SDPA in bf16) over a copy of the cache: the same hidden states
-    and the same K/V written, to bf16 rounding; and the kernel is what ran."""
-    from specroll import kernels
-    from specroll.engine.profiler import _prefilled_cache
-    from specroll.models import decoder as D
-
-    if kernels.skinny() is None:
-        pytest.skip("needs the kernels built")
-    monkeypatch.setattr(engine_mod, "fast_bf16", lambda: True)
-    _, model = tiny_hf("llama")
-    eng = Engine(model, eos_ids=[], dtype=torch.bfloat16)
-    gen = torch.Generator().manual_seed(1)
-    cache = _prefilled_cache(eng, B, 20, T, gen)
-    ref_cache = copy.copy(cache)
-    ref_cache.k, ref_cache.v, ref_cache.lens = cache.k.clone(), cache.v.clone(), cache.lens.clone()
-    ids = torch.randint(model.cfg.vocab_size, (B, T), generator=gen)
-    slots, mask = cache.chain_slots(T), cache.mask(T)
-    assert B * T > eng.kernel_tokens
-    taken = []
-    real = D.fused_step
-    monkeypatch.setattr(D, "fused_step", lambda qkv, *a: taken.append((qkv.dtype, real(qkv, *a))) or taken[-1][1])
-    with torch.no_grad():
-        h = eng.forward(cache, ids, slots, slots, mask)
-        assert taken and all(t == (torch.bfloat16, True) for t in taken) and h.dtype == torch.bfloat16
-        monkeypatch.setattr(D, "fused_step", lambda *a: False)  # the eager path: SDPA in bf16
-        ref = eng.forward(ref_cache, ids, slots, slots, mask)
-    torch.testing.assert_close(h.float(), ref.float(), rtol=3e-2, atol=3e-2)
-    new = cache.lens[:B, None] + torch.arange(T)
-    for a, b in ((cache.k, ref_cache.k), (cache.v, ref_cache.v)):  # the eager path rotates K in bf16: a step apart
-        got = torch.stack([a[:, r, :, new[r]] for r in range(B)]).float()
-        want = torch.stack([b[:, r, :, new[r]] for r in range(B)]).float()
-        torch.testing.assert_close(got, want, rtol=1.6e-2, atol=2e-2)
-        assert (got - want).abs().max() > 0 or a is cache.v  # not the same computation
-
-
 # -- sampler ---------------------------------------------------------------------------------
 
 def reference_probs(logits: torch.Tensor, T: float, top_k: int, top_p: float) -> torch.Tensor:

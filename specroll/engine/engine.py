@@ -67,20 +67,15 @@ class Engine:
     rollouts through bf16 copies of the weights: on a CPU with AMX (``device.fast_bf16``), bf16 activations and KV
     cache with oneDNN-packed weights; elsewhere (``bf16_weights``) fp32 activations and arithmetic with
     bf16 weights streamed by the skinny kernel and a bf16 KV cache (``act_dtype`` and ``kv_dtype`` say which).
-    With AMX, forwards of up to ``kernel_tokens`` tokens (decode steps at up to 24 live rows) take the second
+    With AMX, forwards of up to ``kernel_tokens`` tokens (decode steps at up to 32 live rows) take the second
     way too, over the same bf16 cache: at one row it costs 0.42x the AMX path's time.
     """
 
     PACK_TOKENS = 512  # prompt tokens packed into one prefill forward (enough rows for the GEMMs' full rate)
     # see ``kernel_tokens``. Forward + logits of SmolLM2 on a 2-vCPU AMX Xeon, kernel / AMX path time at rows x 1
-    # token, with the AMX path attending through the fused kernel too (benchmarks/amx_paths.py, BENCHMARKS.md
-    # session 26): 0.64 at 8 rows, 0.86 at 16, 0.95 at 24, 1.19 at 32, 1.49 at 48; 0.64 at 1 x 7, 1.24 at 8 x 4,
-    # 1.21 at 16 x 2. (With bf16 SDPA on the AMX side, session 25: 0.97 at 32 rows, 1.02 at 8 x 4.)
-    KERNEL_TOKENS_AMX = 24
-    # bumped when a change to the forward paths moves the latency curve the profiler measures (C_peak
-    # profiles carry it, so old ones are re-measured): 2 = an AMX engine's wide steps attend through the
-    # fused kernel (2026-11-26)
-    PATHS_REVISION = 2
+    # token: 0.42 at 1 row, 0.53 at 8, 0.69 at 16, 0.97 at 32, 1.12 at 48, 1.29 at 64; 0.51 at 1 x 7, 1.02-1.03
+    # at 8 x 4 and 16 x 2 (benchmarks/amx_paths.py, BENCHMARKS.md session 25)
+    KERNEL_TOKENS_AMX = 32
     FORWARD_OVERHEAD_AMX = 128
 
     def __init__(self, model: Decoder, eos_ids=(), dtype: torch.dtype | None = None, prefill_chunk: int = 4096):

@@ -97,8 +97,7 @@ def find_c_peak(tokens, latencies, delta: float = DEFAULT_DELTA) -> int:
 def fingerprint() -> dict:
     """The machine facts a profile depends on: CPU model, its vector ISA as torch sees it (two "AMD EPYC"
     machines differ 500x in bf16 matmul rate), cores, torch threads, torch version; and the engine's
-    few-token path threshold on AMX (``Engine.KERNEL_TOKENS_AMX``) and the revision of its forward paths
-    (``Engine.PATHS_REVISION``)."""
+    few-token path threshold on AMX (``Engine.KERNEL_TOKENS_AMX``)."""
     cpu = platform.processor() or platform.machine()
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
@@ -111,7 +110,7 @@ def fingerprint() -> dict:
 
     return {"cpu": cpu, "isa": torch.backends.cpu.get_cpu_capability(), "native_bf16": fast_bf16(),
             "cores": os.cpu_count(), "torch_threads": torch.get_num_threads(), "torch": torch.__version__,
-            "kernel_tokens_amx": Engine.KERNEL_TOKENS_AMX, "paths": Engine.PATHS_REVISION}
+            "kernel_tokens_amx": Engine.KERNEL_TOKENS_AMX}
 
 
 def dtype_name(dtype) -> str:

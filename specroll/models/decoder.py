@@ -279,11 +279,10 @@ MAX_KERNEL_QUERIES = 64  # folded queries per (row, KV head) up to which ``atten
 
 
 def fused_step(qkv: torch.Tensor, layer_kv, queries: int) -> bool:
-    """Whether a layer's RoPE + cache write + attention can run as one kernel call: an fp32 or bf16 step without
+    """Whether a layer's RoPE + cache write + attention can run as one kernel call: an fp32 step without
     autograd over a KV-cache layer (``engine.cache.LayerWriter``, fp32 or bf16) with at most ``MAX_KERNEL_QUERIES``
-    folded queries per (row, KV head), and the kernels built. A bf16 step (an AMX engine's decode and
-    verification at more than ``Engine.kernel_tokens`` tokens) runs it in fp32 over the same bf16 cache."""
-    return (qkv.dtype in (torch.float32, torch.bfloat16) and queries <= MAX_KERNEL_QUERIES and hasattr(layer_kv, "slots")
+    folded queries per (row, KV head), and the kernels built."""
+    return (qkv.dtype == torch.float32 and queries <= MAX_KERNEL_QUERIES and hasattr(layer_kv, "slots")
             and kernel_cache(layer_kv.k) and not torch.is_grad_enabled() and kernels.skinny() is not None)
 
 
@@ -346,9 +345,8 @@ class Block(nn.Module):
         hd, nh, nkv = cfg.head_dim, cfg.num_heads, cfg.num_kv_heads
         qkv = self.qkv(x, norm=self.attn_norm)  # (B, T, (nh + 2 nkv) hd)
         if fused_step(qkv, layer_kv, nh // nkv * T) and not cfg.qk_norm:
-            a = kernels.skinny().rope_attention(qkv.float(), cos.float(), sin.float(), layer_kv.k, layer_kv.v,
-                                                layer_kv.slots, mask, nh, nkv, layer_kv.span,
-                                                hd ** -0.5).to(qkv.dtype)  # (B, T, nh hd)
+            a = kernels.skinny().rope_attention(qkv, cos, sin, layer_kv.k, layer_kv.v, layer_kv.slots, mask, nh, nkv,
+                                                layer_kv.span, hd ** -0.5)  # (B, T, nh hd)
         else:
             a = self._attention(qkv, cos, sin, layer_kv, mask)
         x = self.o(a, residual=x)
