@@ -9,6 +9,22 @@ from specroll.engine.sampling import SamplingParams, processed_logprobs
 from specroll.models.decoder import Decoder, DecoderConfig
 
 
+def bf16_rounded(model: Decoder) -> Decoder:
+    """A new ``Decoder`` with ``model``'s weights, every linear's (the lm_head untied from the embedding)
+    rounded to bf16 in fp32 storage; the embedding lookup stays fp32. Built from the config and the state
+    dict rather than deep-copied, so it works after forwards have packed the model's weights for oneDNN."""
+    from specroll.models.decoder import FastLinear
+
+    rounded = Decoder(model.cfg).eval()
+    rounded.load_state_dict(model.state_dict())
+    rounded.lm_head.weight = torch.nn.Parameter(rounded.lm_head.weight.detach().clone())  # untie
+    with torch.no_grad():
+        for mod in rounded.modules():
+            if isinstance(mod, FastLinear):
+                mod.weight.copy_(mod.weight.bfloat16().float())
+    return rounded
+
+
 def tiny_decoder(vocab: int, seed: int, scale: float = 3.0) -> Decoder:
     """A 2-layer random Llama-style decoder; ``scale`` sharpens its logits."""
     torch.manual_seed(seed)

@@ -14,7 +14,7 @@ from dataclasses import replace
 
 import pytest
 import torch
-from helpers import chi2_gof, tiny_decoder
+from helpers import bf16_rounded, chi2_gof, tiny_decoder
 
 from specroll import kernels
 from specroll.drafters.distill import DistillConfig, distill, head_loss, hidden_states, train_head
@@ -239,18 +239,11 @@ def test_speculation_on_a_hybrid_amx_engine_is_lossless(small, monkeypatch, mode
     draft is checked by other numerics than plain sampling uses. The completions must still follow plain
     sampling's distribution: the exact one of the bf16-rounded weights (``plain`` checks that reference)."""
     import specroll.engine.engine as engine_mod
-    from specroll.models.decoder import FastLinear
 
     if kernels.skinny() is None:
         pytest.skip("the kernels are not available here")
     model, trained = small
-    rounded = Decoder(model.cfg).eval()  # not a deepcopy: the model's packed oneDNN weights do not copy
-    rounded.load_state_dict(model.state_dict())
-    rounded.lm_head.weight = torch.nn.Parameter(rounded.lm_head.weight.detach().clone())  # untied, then rounded
-    with torch.no_grad():
-        for mod in rounded.modules():
-            if isinstance(mod, FastLinear):
-                mod.weight.copy_(mod.weight.bfloat16().float())
+    rounded = bf16_rounded(model)
     monkeypatch.setattr(engine_mod, "fast_bf16", lambda: True)
     engine = Engine(model, dtype=torch.bfloat16)
     assert engine.kernel_tokens == Engine.KERNEL_TOKENS_AMX

@@ -6,14 +6,14 @@ import copy
 
 import pytest
 import torch
-from helpers import chi2_gof
+from helpers import bf16_rounded, chi2_gof
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
 from specroll.engine import engine as engine_mod
 from specroll.engine.cache import KVCache, compaction_order
 from specroll.engine.engine import Engine
 from specroll.engine.sampling import SamplingParams, processed_logprobs, sample
-from specroll.models.decoder import Decoder, DecoderConfig, FastLinear, hf_to_decoder_state
+from specroll.models.decoder import Decoder, DecoderConfig, hf_to_decoder_state
 
 V = 96
 
@@ -203,12 +203,7 @@ def test_bf16_weight_mode_equals_fp32_on_rounded_weights(monkeypatch):
     before = {k: v.clone() for k, v in model.state_dict().items()}
     eng = Engine(model, eos_ids=[], dtype=torch.bfloat16)
     assert eng.bf16_weights and eng.act_dtype == torch.float32 and eng.kv_dtype == torch.bfloat16
-    rounded = copy.deepcopy(model)  # every linear's weight rounded; the embedding lookup stays fp32
-    rounded.lm_head.weight = torch.nn.Parameter(rounded.lm_head.weight.detach().clone())  # untie
-    with torch.no_grad():
-        for mod in rounded.modules():
-            if isinstance(mod, FastLinear):
-                mod.weight.copy_(mod.weight.bfloat16().float())
+    rounded = bf16_rounded(model)
     p = SamplingParams(temperature=0.0, max_new_tokens=12)
     a = eng.generate(PROMPTS, p, n=1)
     ref = Engine(rounded, eos_ids=[])
@@ -218,17 +213,6 @@ def test_bf16_weight_mode_equals_fp32_on_rounded_weights(monkeypatch):
         assert x.completion_ids.tolist() == y.completion_ids.tolist()
         torch.testing.assert_close(x.logprobs, y.logprobs, atol=1e-4, rtol=0)
     assert all(torch.equal(v, model.state_dict()[k]) for k, v in before.items())
-
-
-def _rounded_copy(model):
-    """``model`` with every linear's weight rounded to bf16 (fp32 storage; the embedding lookup untouched)."""
-    rounded = copy.deepcopy(model)
-    rounded.lm_head.weight = torch.nn.Parameter(rounded.lm_head.weight.detach().clone())  # untie
-    with torch.no_grad():
-        for mod in rounded.modules():
-            if isinstance(mod, FastLinear):
-                mod.weight.copy_(mod.weight.bfloat16().float())
-    return rounded
 
 
 def test_amx_engine_runs_few_token_forwards_through_the_kernel(monkeypatch):
@@ -245,7 +229,7 @@ def test_amx_engine_runs_few_token_forwards_through_the_kernel(monkeypatch):
         pytest.skip("needs the kernels built")
     monkeypatch.setattr(engine_mod, "fast_bf16", lambda: True)
     _, model = tiny_hf("llama")
-    rounded = _rounded_copy(model)  # before any forward packs weights (packed copies do not deep-copy)
+    rounded = bf16_rounded(model)
     eng = Engine(model, eos_ids=[], dtype=torch.bfloat16)
     assert eng.kernel_tokens == Engine.KERNEL_TOKENS_AMX and eng.act_dtype == eng.kv_dtype == torch.bfloat16
     seen = []
