@@ -301,8 +301,6 @@ inline uint16_t bf16_bits(float f) {
   if (std::isnan(f)) return 0x7FC0;
   return static_cast<uint16_t>((u + 0x7FFF + ((u >> 16) & 1)) >> 16);
 }
-inline uint16_t bf16_bits(uint16_t b) { return b; }
-inline float same(float f) { return f; }
 
 template <typename In, typename Out, typename Cvt>
 void pack_panels(const In* w, Out* out, int64_t N, int64_t K, int64_t P, const int* slot, Cvt cvt) {
@@ -340,13 +338,13 @@ torch::Tensor pack(const torch::Tensor& w_in, bool bf16, const c10::optional<tor
   }
   int slot[PW];
   for (int j = 0; j < PW; j++) slot[j] = out_bf16 ? (j < PW / 2 ? 2 * j : 2 * (j - PW / 2) + 1) : j;
+  const auto same = [](auto x) { return x; };
   if (!out_bf16) {
     pack_panels(w.data_ptr<float>(), out.data_ptr<float>(), N, K, P, slot, same);
   } else {
     auto* o = reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>());
     if (w.scalar_type() == torch::kBFloat16)
-      pack_panels(reinterpret_cast<const uint16_t*>(w.data_ptr<at::BFloat16>()), o, N, K, P, slot,
-                  [](uint16_t b) { return bf16_bits(b); });
+      pack_panels(reinterpret_cast<const uint16_t*>(w.data_ptr<at::BFloat16>()), o, N, K, P, slot, same);
     else
       pack_panels(w.data_ptr<float>(), o, N, K, P, slot, [](float f) { return bf16_bits(f); });
   }
