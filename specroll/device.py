@@ -79,3 +79,29 @@ def keep_freed_memory() -> bool:
         return bool(libc.mallopt(_M_MMAP_THRESHOLD, 32 << 20)) and bool(libc.mallopt(_M_TRIM_THRESHOLD, 2**31 - 1))
     except (OSError, AttributeError):  # not glibc (musl has no mallopt)
         return False
+
+
+
+class _FusedAdamW(torch.optim.AdamW):
+    """AdamW with ``fused=True`` that marks every parameter as changed after a step: the fused kernel writes
+    the parameters without bumping their version counters, and the packed-weight caches (``FastLinear._pack``,
+    the engine's fused layer list, the draft vocabulary) are keyed on those counters, so without this the
+    next rollout would run the weights from before the step."""
+
+    def step(self, closure=None):
+        out = super().step(closure)
+        for group in self.param_groups:
+            for p in group["params"]:
+                torch.autograd.graph.increment_version(p)
+        return out
+
+
+def adamw(params, **kw) -> torch.optim.AdamW:
+    """``torch.optim.AdamW`` with torch's fused kernel (one pass per parameter tensor instead of a dozen
+    foreach ops: a SmolLM2 step took 0.09 s against 0.29 s, 2026-11-25, AMX Xeon, 2 cores), or the default
+    implementation where this build or these parameters have no fused kernel."""
+    params = list(params)
+    try:
+        return _FusedAdamW(params, fused=True, **kw)
+    except (RuntimeError, ValueError):
+        return torch.optim.AdamW(params, **kw)

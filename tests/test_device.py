@@ -57,3 +57,25 @@ def test_keep_freed_memory_on_glibc():
     on_glibc = sys.platform.startswith("linux") and platform.libc_ver()[0] == "glibc"
     assert device.keep_freed_memory() is on_glibc
     assert device.keep_freed_memory() is on_glibc  # once per process (cached), same answer
+
+
+def test_adamw_is_fused_matches_the_reference_and_invalidates_packed_weights():
+    """``device.adamw``'s fused step against torch's default AdamW, and the version bump the packed-weight
+    caches rely on: a FastLinear packed before the step must compute with the weights after it."""
+    torch.manual_seed(0)
+    fast, ref = FastLinear(16, 8), FastLinear(16, 8)
+    ref.load_state_dict(fast.state_dict())
+    opt = device.adamw(fast.parameters(), lr=1e-2, weight_decay=0.1)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, weight_decay=0.1)
+    assert opt.param_groups[0]["fused"]
+    x = torch.randn(3, 16)
+    with torch.no_grad():
+        fast(x)  # packs the weights of before the step
+    for _ in range(3):
+        for m, o in ((fast, opt), (ref, ref_opt)):
+            o.zero_grad()
+            (m(x) ** 2).sum().backward()
+            o.step()
+    torch.testing.assert_close(fast.weight, ref.weight, rtol=1e-6, atol=1e-7)
+    with torch.no_grad():
+        torch.testing.assert_close(fast(x), x @ ref.weight.T, rtol=1e-5, atol=1e-5)

@@ -41,7 +41,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from ..device import check_bf16_switch, use_bf16
+from ..device import adamw, check_bf16_switch, use_bf16
 from ..engine.engine import Engine
 from ..engine.sampling import SamplingParams
 from ..models.decoder import Decoder
@@ -346,8 +346,7 @@ def train_head(head: DraftHead, policy: Decoder, seqs: list[torch.Tensor], hid: 
     if cfg.prompt_loss:
         starts = [0] * len(seqs)
     head.train()
-    opt = torch.optim.AdamW([p for p in head.parameters() if p.requires_grad], lr=cfg.lr,
-                            weight_decay=cfg.weight_decay)
+    opt = adamw((p for p in head.parameters() if p.requires_grad), lr=cfg.lr, weight_decay=cfg.weight_decay)
     progress = [0.0]
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 20) * max(0.05, 1 - progress[0]))
     hist, t0 = [], time.perf_counter()

@@ -43,7 +43,7 @@ from collections.abc import Callable
 
 import torch
 
-from ..device import use_bf16
+from ..device import adamw, use_bf16
 from ..engine.budget import Plan
 from .build import DraftConfig
 from .distill import DistillConfig, _batch, head_loss
@@ -58,7 +58,7 @@ class OnlineLearner:
         self.loss_cfg = DistillConfig(steps=0, lr=cfg.online_lr(), batch=cfg.batch, w_feat=cfg.w_feat, w_ce=cfg.w_ce,
                                       w_tv=cfg.w_tv, unroll=cfg.unroll, eval_depth=cfg.unroll)
         self.params = [p for p in head.parameters() if p.requires_grad]
-        self.opt = torch.optim.AdamW(self.params, lr=cfg.online_lr(), weight_decay=0.0)
+        self.opt = adamw(self.params, lr=cfg.online_lr(), weight_decay=0.0)
         self.gen = torch.Generator().manual_seed(seed)
         self.buffer: deque[list[tuple[torch.Tensor, torch.Tensor, int]]] = deque(maxlen=cfg.buffer)
         self.rollouts = 0  # rollouts collected

@@ -38,7 +38,7 @@ from pathlib import Path
 import torch
 import yaml
 
-from ..device import keep_freed_memory, torch_dtype, use_bf16
+from ..device import adamw, keep_freed_memory, torch_dtype, use_bf16
 from ..engine.engine import Engine, Rollout
 from ..engine.sampling import SamplingParams
 from . import checkpoint as ckpt
@@ -289,7 +289,7 @@ class Trainer:
         if tc.keep_freed_memory:
             keep_freed_memory()
         self.params = [p for p in model.parameters() if p.requires_grad]
-        self.opt = torch.optim.AdamW(self.params, lr=tc.lr, weight_decay=tc.weight_decay)
+        self.opt = adamw(self.params, lr=tc.lr, weight_decay=tc.weight_decay)
         self.total_opt_steps = tc.steps * tc.mu * tc.mini_batches
         self.sched = torch.optim.lr_scheduler.LambdaLR(
             self.opt, lr_lambda(tc.warmup, self.total_opt_steps, tc.cosine, tc.min_lr_ratio))
