@@ -98,6 +98,9 @@ class TrainConfig:
     share_prompt: bool = True  # training forward runs each group's prompt once (else once per row)
     recompute_old_logprobs: bool = False  # else mu=1 uses the engine's rollout logprobs (no extra forward)
     bf16: bool | str = "auto"  # bf16 autocast for the training forward/backward (fp32 master weights); auto = if fast
+    # torch.compile (inductor, dynamic shapes) of every layer's training forward + backward: warm bf16 updates ~10%
+    # faster here, for ~30-50 s of compiling in the first update (BENCHMARKS.md, session 27); needs a C++ compiler
+    compile: bool = False
     keep_freed_memory: bool = True  # glibc keeps freed memory for reuse: no page faults per update (device.keep_freed_memory)
     eval_every: int = 0  # evaluate every N steps (0 = only before and after training)
     eval_before: bool = True  # evaluate the base model at step 0

@@ -14,6 +14,8 @@ Config files keep the word ``auto``, so a run resumed on another machine re-deci
 from __future__ import annotations
 
 import functools
+import os
+import shutil
 
 import torch
 
@@ -105,3 +107,12 @@ def adamw(params, **kw) -> torch.optim.AdamW:
         return _FusedAdamW(params, fused=True, **kw)
     except (RuntimeError, ValueError):
         return torch.optim.AdamW(params, **kw)
+
+
+def check_compiler(what: str) -> None:
+    """Refuse ``what`` (a ``torch.compile`` switch) up front where inductor has no C++ compiler to call,
+    instead of failing in the middle of the first update."""
+    cxx = os.environ.get("CXX") or "c++"
+    if shutil.which(cxx) is None and shutil.which("g++") is None:
+        raise ValueError(f"{what}=true needs a C++ compiler for torch.compile (none found as {cxx!r} or 'g++'): "
+                         f"install one (e.g. g++) or set {what}=false")

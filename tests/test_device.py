@@ -1,5 +1,8 @@
 """The `auto` dtype: bf16 only where the CPU has fast bf16 (AMX), and a bf16 linear that works without packing."""
 
+import os
+import shutil
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -79,3 +82,13 @@ def test_adamw_is_fused_matches_the_reference_and_invalidates_packed_weights():
     torch.testing.assert_close(fast.weight, ref.weight, rtol=1e-6, atol=1e-7)
     with torch.no_grad():
         torch.testing.assert_close(fast(x), x @ ref.weight.T, rtol=1e-5, atol=1e-5)
+
+
+def test_compile_switch_without_a_compiler_is_one_clear_error(monkeypatch):
+    monkeypatch.setenv("PATH", "")
+    monkeypatch.delenv("CXX", raising=False)
+    with pytest.raises(ValueError, match=r"train.compile=true needs a C\+\+ compiler.*train.compile=false"):
+        device.check_compiler("train.compile")
+    monkeypatch.setenv("PATH", os.defpath)
+    if shutil.which("c++") or shutil.which("g++"):
+        device.check_compiler("train.compile")  # found: no error

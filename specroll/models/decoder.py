@@ -321,6 +321,20 @@ def attend_math(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.T
         return torch.matmul(torch.softmax(s, -1).to(torch.bfloat16), v.to(torch.bfloat16))
 
 
+_TRAIN_GRAPHS: tuple | None = None
+
+
+def _train_graphs() -> tuple:
+    """``Block._pre`` and ``Block._post`` compiled once per process (compiling is lazy: the first call traces)."""
+    global _TRAIN_GRAPHS
+    if _TRAIN_GRAPHS is None:
+        # sizes that happen to be equal (a batch of 3 rows, 3 KV heads) must not be assumed equal: each such
+        # coincidence would be a recompile
+        torch.fx.experimental._config.use_duck_shape = False
+        _TRAIN_GRAPHS = (torch.compile(Block._pre, dynamic=True), torch.compile(Block._post, dynamic=True))
+    return _TRAIN_GRAPHS
+
+
 class Block(nn.Module):
     def __init__(self, cfg: DecoderConfig):
         super().__init__()
@@ -340,20 +354,29 @@ class Block(nn.Module):
         """x: (B, T, D); layer_kv: callable (k, v) -> (K, V) over all visible slots, each (B, KV, S, hd),
         or None for a cache-free pass; mask: (B or 1, 1, G*T, S) bool, already folded by ``fold_mask``,
         or None when every query sees every key."""
+        compiled = self.__dict__.get("_compiled")
+        if compiled is not None and torch.is_grad_enabled():  # the training pass, through inductor
+            qf, k, v = compiled[0](self, x, cos, sin)
+            K, V = (k.transpose(1, 2), v.transpose(1, 2)) if layer_kv is None else layer_kv(k, v)
+            # one memory layout for the graph (strides are not symbolic: a transposed view would recompile)
+            return compiled[1](self, x, qf, K.contiguous(), V.contiguous(), mask)
         cfg = self.cfg
-        B, T, _ = x.shape
-        hd, nh, nkv = cfg.head_dim, cfg.num_heads, cfg.num_kv_heads
+        T = x.shape[1]
         qkv = self.qkv(x, norm=self.attn_norm)  # (B, T, (nh + 2 nkv) hd)
-        if fused_step(qkv, layer_kv, nh // nkv * T) and not cfg.qk_norm:
-            a = kernels.skinny().rope_attention(qkv, cos, sin, layer_kv.k, layer_kv.v, layer_kv.slots, mask, nh, nkv,
-                                                layer_kv.span, hd ** -0.5)  # (B, T, nh hd)
-        else:
-            a = self._attention(qkv, cos, sin, layer_kv, mask)
-        x = self.o(a, residual=x)
-        return self.down(self.gate_up(x, norm=self.mlp_norm), residual=x, gated=True)
+        if fused_step(qkv, layer_kv, cfg.num_heads // cfg.num_kv_heads * T) and not cfg.qk_norm:
+            a = kernels.skinny().rope_attention(qkv, cos, sin, layer_kv.k, layer_kv.v, layer_kv.slots, mask,
+                                                cfg.num_heads, cfg.num_kv_heads, layer_kv.span, cfg.head_dim ** -0.5)
+            return self._out(x, a)  # a: (B, T, nh hd)
+        qf, k, v = self._heads(qkv, cos, sin)
+        K, V = (k.transpose(1, 2), v.transpose(1, 2)) if layer_kv is None else layer_kv(k, v)  # (B, KV, S, hd)
+        return self._post(x, qf, K, V, mask)
 
-    def _attention(self, qkv, cos, sin, layer_kv, mask):
-        """The eager path: RoPE, the K/V write (``layer_kv``), attention; (B, T, nh hd)."""
+    def _pre(self, x, cos, sin):
+        """The layer up to its K/V write: ``_heads`` of the normed qkv projection."""
+        return self._heads(self.qkv(x, norm=self.attn_norm), cos, sin)
+
+    def _heads(self, qkv, cos, sin):
+        """RoPE'd queries folded per KV head (B, KV, G*T, hd), and this step's k and v, each (B, T, KV, hd)."""
         cfg = self.cfg
         B, T, _ = qkv.shape
         hd, nh, nkv = cfg.head_dim, cfg.num_heads, cfg.num_kv_heads
@@ -364,15 +387,20 @@ class Block(nn.Module):
         else:  # one RoPE pass over the q and k heads together
             qk = rotate(qkv[..., : (nh + nkv) * hd].view(B, T, nh + nkv, hd), cos, sin)
             q, k = qk[:, :, :nh], qk[:, :, nh:]
-        if layer_kv is not None:
-            K, V = layer_kv(k, v)  # (B, KV, S, hd)
-        else:
-            K, V = k.transpose(1, 2), v.transpose(1, 2)
         # fold the G query heads of each KV head into the query axis: (B, KV, G*T, hd)
         g = nh // nkv
-        qf = q.view(B, T, nkv, g, hd).permute(0, 2, 3, 1, 4).reshape(B, nkv, g * T, hd)
+        return q.view(B, T, nkv, g, hd).permute(0, 2, 3, 1, 4).reshape(B, nkv, g * T, hd), k, v
+
+    def _post(self, x, qf, K, V, mask):
+        """The layer from attention on: attention over all visible K/V (B, KV, S, hd), o, the MLP."""
+        B, T, _ = x.shape
+        nkv, hd = self.cfg.num_kv_heads, self.cfg.head_dim
         a = attend(qf, K.to(qf.dtype), V.to(qf.dtype), mask)  # (B, KV, G*T, hd)
-        return a.view(B, nkv, g, T, hd).permute(0, 3, 1, 2, 4).reshape(B, T, nh * hd)
+        return self._out(x, a.view(B, nkv, -1, T, hd).permute(0, 3, 1, 2, 4).reshape(B, T, -1))
+
+    def _out(self, x, a):
+        x = self.o(a, residual=x)
+        return self.down(self.gate_up(x, norm=self.mlp_norm), residual=x, gated=True)
 
 
 class Decoder(nn.Module):
@@ -455,6 +483,14 @@ class Decoder(nn.Module):
                     layer.mlp_norm.weight, layer.gate_up._pack(kind)[0], layer.down._pack(kind)[0]]
         self.__dict__["_fused_hit"] = (key, out)
         return out
+
+    def compile_training(self, on: bool = True) -> None:
+        """Run every layer's forward under autograd (the training pass) through ``torch.compile`` (inductor,
+        dynamic shapes): the part before the K/V write and the part after it, two graphs shared by all layers,
+        so that a pass's K/V callback (``layer_kv``) stays in Python. Passes without autograd are unaffected."""
+        fns = _train_graphs() if on else None
+        for layer in self.layers:
+            layer.__dict__["_compiled"] = fns
 
     def fold_mask(self, mask: torch.Tensor | None) -> torch.Tensor | None:
         """``fold_mask`` for this model's GQA grouping; None if every query sees every key."""

@@ -38,7 +38,7 @@ from pathlib import Path
 import torch
 import yaml
 
-from ..device import adamw, keep_freed_memory, torch_dtype, use_bf16
+from ..device import adamw, check_compiler, keep_freed_memory, torch_dtype, use_bf16
 from ..engine.engine import Engine, Rollout
 from ..engine.sampling import SamplingParams
 from . import checkpoint as ckpt
@@ -288,6 +288,9 @@ class Trainer:
         tc = cfg.train
         if tc.keep_freed_memory:
             keep_freed_memory()
+        if tc.compile:
+            check_compiler("train.compile")
+            model.compile_training(True)
         self.params = [p for p in model.parameters() if p.requires_grad]
         self.opt = adamw(self.params, lr=tc.lr, weight_decay=tc.weight_decay)
         self.total_opt_steps = tc.steps * tc.mu * tc.mini_batches
