@@ -153,7 +153,7 @@ def _draft(sub):
                    help="rollout / hidden-state dtype")
     t.add_argument("--train-bf16", action=argparse.BooleanOptionalAction, default=None,
                    help="bf16 autocast for the head's training steps, fp32 master weights (default: where the CPU "
-                        "has fast bf16, i.e. AMX); the held-out score runs in fp32 either way")
+                        "has fast bf16: AMX, or AVX-512 BF16 where it measures faster); the held-out score runs in fp32 either way")
     t.add_argument("--seed", type=int, default=0)
     t.add_argument("--init", default=None, help="continue training this draft head directory")
     t.add_argument("--out", required=True, help="output directory")
@@ -256,7 +256,7 @@ def _bench_reuse(s):
     b.add_argument("--level", type=int, default=1, help="arithmetic task difficulty (1: SmolLM2-135M learns)")
     b.add_argument("--micro-batch-size", type=int, default=16)
     b.add_argument("--train-bf16", action=argparse.BooleanOptionalAction, default=None,
-                   help="bf16 autocast for the GRPO update (default: where the CPU has fast bf16, i.e. AMX; "
+                   help="bf16 autocast for the GRPO update (default: where the CPU has fast bf16, see specroll/device.py; "
                    "the update is not what this benchmark measures)")
     b.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"], help="rollout activations")
     b.add_argument("--seed", type=int, default=0)

@@ -40,7 +40,7 @@ from .rl.data import DataConfig, read_utf8
 from .rl.losses import LossConfig
 from .rl.rewards import RewardConfig
 
-DTYPES = DTYPE_NAMES  # "auto" = bf16 where the CPU has fast bf16 (AMX), else fp32 (specroll.device)
+DTYPES = DTYPE_NAMES  # "auto" = bf16 where the CPU has fast bf16 (device.fast_bf16), else fp32 (specroll.device)
 
 
 @dataclass
@@ -98,8 +98,8 @@ class TrainConfig:
     share_prompt: bool = True  # training forward runs each group's prompt once (else once per row)
     recompute_old_logprobs: bool = False  # else mu=1 uses the engine's rollout logprobs (no extra forward)
     bf16: bool | str = "auto"  # bf16 autocast for the training forward/backward (fp32 master weights); auto = if fast
-    # torch.compile (inductor, dynamic shapes) of every layer's training forward + backward: warm bf16 updates ~10%
-    # faster here, for ~30-50 s of compiling in the first update (BENCHMARKS.md, session 27); needs a C++ compiler
+    # torch.compile (inductor, dynamic shapes) of every layer's training forward + backward; needs a C++ compiler.
+    # Zen 5 EPYC, bf16: warm updates 3.32 s against 3.34 s eager, 23 s of compiling (BENCHMARKS.md, session 27)
     compile: bool = False
     keep_freed_memory: bool = True  # glibc keeps freed memory for reuse: no page faults per update (device.keep_freed_memory)
     eval_every: int = 0  # evaluate every N steps (0 = only before and after training)

@@ -1,14 +1,20 @@
 """What this CPU does fast, and the ``auto`` dtype that follows from it.
 
-bf16 arithmetic pays only where the CPU multiplies bf16 faster than fp32, i.e. with AMX tiles:
+bf16 arithmetic pays only where the CPU multiplies bf16 faster than fp32:
 - on an AVX2-only CPU (e.g. AMD Zen 3) oneDNN refuses bf16 weight packing and the fallback GEMM ran
   at 0.3 GFLOP/s against 146 GFLOP/s in fp32 (measured 2026-11-23, AMD EPYC, 2 cores);
-- with AVX-512 BF16 but no AMX, vdpbf16ps retires one per cycle against two 512-bit FMAs (the same
-  64 flops per cycle) and torch's bf16 matmul ran 90-164 GFLOP/s against 160-300 in fp32 (2026-11-24,
-  2-core Xeon, SmolLM2's shapes), so a bf16 engine there is fp32 arithmetic on bf16 weights too.
-So every dtype option of specroll accepts ``auto``: bf16 where the CPU has AMX, fp32 elsewhere; an
-explicit ``bfloat16`` elsewhere streams bf16 weights through fp32 arithmetic (``Engine.bf16_weights``).
-Config files keep the word ``auto``, so a run resumed on another machine re-decides.
+- on an AVX-512 BF16 Xeon without AMX, vdpbf16ps retires one per cycle against two 512-bit FMAs (the
+  same 64 flops per cycle) and torch's bf16 matmul ran 90-164 GFLOP/s against 160-300 in fp32
+  (2026-11-24, 2-core Xeon, SmolLM2's shapes), so a bf16 engine there is fp32 arithmetic on bf16 weights;
+- with AMX tiles (Sapphire Rapids and later) bf16 ran 2,736 GFLOP/s against 392 in fp32 (2026-11-25);
+- on an AVX-512 BF16 AMD EPYC of family 26 (Zen 5, no AMX) bf16 ran 842 GFLOP/s against 199 in fp32 at
+  (512, 576) x (576, 3,072) (2026-11-25, 2 cores): AVX-512 BF16 alone can be the lever too.
+So ``fast_bf16`` asks AMX, and on a CPU with AVX-512 BF16 but no AMX it times one bf16 and one fp32
+matmul (``bf16_matmul_speedup``, a few ms, once per process) instead of guessing from the model name.
+``SPECROLL_FAST_BF16=1`` / ``0`` overrides the answer. Every dtype option of specroll accepts ``auto``:
+bf16 where bf16 is fast, fp32 elsewhere; an explicit ``bfloat16`` elsewhere streams bf16 weights through
+fp32 arithmetic (``Engine.bf16_weights``). Config files keep the word ``auto``, so a run resumed on
+another machine re-decides.
 """
 
 from __future__ import annotations
@@ -23,11 +29,46 @@ DTYPE_NAMES = ("auto", "float32", "bfloat16")
 _TORCH = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
+FAST_BF16_SPEEDUP = 1.5  # bf16 must beat fp32 by this much at a training-sized matmul to count as fast
+
+
 @functools.cache
 def fast_bf16() -> bool:
-    """True when this CPU multiplies bf16 faster than fp32 (AMX tiles) and oneDNN packs bf16."""
-    native = getattr(torch.cpu, "_is_amx_tile_supported", lambda: False)()
-    return bool(native and torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    """True when this CPU multiplies bf16 faster than fp32 and oneDNN packs bf16: with AMX tiles, or with
+    AVX-512 BF16 where a timed matmul says so (``bf16_matmul_speedup`` >= ``FAST_BF16_SPEEDUP``).
+    ``SPECROLL_FAST_BF16=1`` / ``0`` overrides it."""
+    env = os.environ.get("SPECROLL_FAST_BF16", "").strip()
+    if env in ("0", "1"):
+        return env == "1"
+    if env:
+        raise ValueError(f"SPECROLL_FAST_BF16 must be 0 or 1 (or unset to decide by the CPU), got {env!r}")
+    if not (torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()):
+        return False
+    if getattr(torch.cpu, "_is_amx_tile_supported", lambda: False)():
+        return True
+    if not getattr(torch.cpu, "_is_avx512_bf16_supported", lambda: False)():
+        return False
+    return bf16_matmul_speedup() >= FAST_BF16_SPEEDUP
+
+
+def bf16_matmul_speedup(rows: int = 256, repeats: int = 5) -> float:
+    """fp32 time / bf16 time of one (rows, 576) x (576, 1,536) matmul (SmolLM2's MLP width halved), best of
+    ``repeats`` each after a warm-up: ~4x on a Zen 5 EPYC, ~0.5x on an AVX-512 BF16 Xeon without AMX."""
+    import time
+
+    g = torch.Generator().manual_seed(0)
+    best = {}
+    for dt in (torch.float32, torch.bfloat16):
+        a = torch.randn(rows, 576, generator=g).to(dt)
+        w = torch.randn(576, 1536, generator=g).to(dt)
+        torch.mm(a, w)
+        times = []
+        for _ in range(repeats):
+            t = time.perf_counter()
+            torch.mm(a, w)
+            times.append(time.perf_counter() - t)
+        best[dt] = min(times)
+    return best[torch.float32] / max(best[torch.bfloat16], 1e-9)
 
 
 def resolve_dtype_name(name: str) -> str:

@@ -1,4 +1,4 @@
-"""The `auto` dtype: bf16 only where the CPU has fast bf16 (AMX), and a bf16 linear that works without packing."""
+"""The `auto` dtype: bf16 only where the CPU has fast bf16 (AMX, or AVX-512 BF16 measured faster), and a bf16 linear that works without packing."""
 
 import os
 import shutil
@@ -23,6 +23,49 @@ def test_auto_follows_the_cpu(monkeypatch):
         device.resolve_dtype_name("fp16")
     with pytest.raises(ValueError, match="true, false or auto"):
         device.use_bf16("maybe")
+
+
+def test_fast_bf16_asks_amx_then_times_avx512_bf16(monkeypatch):
+    """AMX decides at once; AVX-512 BF16 without AMX decides by the timed matmul; neither means fp32; the
+    environment variable overrides all of it and a bad value is refused with the fix."""
+    monkeypatch.delenv("SPECROLL_FAST_BF16", raising=False)
+    monkeypatch.setattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", lambda: True)
+    monkeypatch.setattr(torch.backends.mkldnn, "is_available", lambda: True)
+
+    def decide(amx, avx512_bf16, speedup):
+        monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: amx)
+        monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: avx512_bf16)
+        timed = []
+        monkeypatch.setattr(device, "bf16_matmul_speedup", lambda: timed.append(1) or speedup)
+        device.fast_bf16.cache_clear()
+        try:
+            return device.fast_bf16(), bool(timed)
+        finally:
+            device.fast_bf16.cache_clear()
+
+    assert decide(True, True, 0.5) == (True, False)  # AMX: no timing
+    assert decide(False, True, 4.0) == (True, True)  # Zen 5-like: bf16 measured faster
+    assert decide(False, True, 0.6) == (False, True)  # AVX-512 BF16 Xeon without AMX: slower
+    assert decide(False, True, device.FAST_BF16_SPEEDUP) == (True, True)  # the threshold itself counts as fast
+    assert decide(False, False, 9.0) == (False, False)  # no bf16 instructions: never timed
+    monkeypatch.setenv("SPECROLL_FAST_BF16", "1")
+    assert decide(False, False, 0.1) == (True, False)
+    monkeypatch.setenv("SPECROLL_FAST_BF16", "0")
+    assert decide(True, True, 9.0) == (False, False)
+    monkeypatch.setenv("SPECROLL_FAST_BF16", "yes")
+    with pytest.raises(ValueError, match="SPECROLL_FAST_BF16 must be 0 or 1"):
+        decide(True, True, 9.0)
+
+
+def test_bf16_matmul_speedup_is_a_ratio_of_two_timed_matmuls(monkeypatch):
+    """The probe times fp32 then bf16 (best of the repeats each) and returns fp32 time / bf16 time."""
+    import time
+
+    clock = iter([0.0, 3.0, 0.0, 2.0, 0.0, 1.0, 0.0, 4.0])  # fp32 best 2.0, bf16 best 1.0
+    with monkeypatch.context() as m:
+        m.setattr(time, "perf_counter", lambda: next(clock))
+        assert device.bf16_matmul_speedup(rows=4, repeats=2) == pytest.approx(2.0)
+    assert 0 < device.bf16_matmul_speedup(rows=8, repeats=1)  # and the real one runs
 
 
 def test_config_keeps_auto_and_parses_switches():

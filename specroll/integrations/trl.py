@@ -62,7 +62,7 @@ How this module does it:
   against the current policy; only in train mode, so evaluation samples plainly. ``exact`` leaves the
   completions' distribution exactly that of plain sampling; ``lenient`` is SPEC-RL's biased rule. Reused
   tokens carry the current policy's log-probabilities, read from the verification pass.
-- Precision: ``dtype="auto"`` samples in fp32 unless the CPU has AMX (``device.py``), while ``GRPOConfig``
+- Precision: ``dtype="auto"`` samples in fp32 unless the CPU has fast bf16 (``device.fast_bf16``), while ``GRPOConfig``
   defaults to ``bf16=True``, under which TRL scores the completions with a bf16-autocast forward. The two
   policies then differ by bf16 rounding; ``bf16=False`` makes TRL's forward the fp32 one the engine samples.
 - Unsupported TRL settings raise a one-line ``ValueError`` naming the setting: ``use_vllm``, ``tools`` /
@@ -99,7 +99,7 @@ def specroll_rollout_func(*, dtype: str = "auto", reuse: str | None = None, leni
                           store_mb: float = 256.0, seed: int | None = None) -> SpecrollRollout:
     """A ``rollout_func`` for TRL's ``GRPOTrainer`` that generates with specroll's engine.
 
-    ``dtype``: rollout precision, ``auto`` (bf16 where the CPU has AMX, else fp32), ``float32`` or ``bfloat16``.
+    ``dtype``: rollout precision, ``auto`` (bf16 where the CPU has fast bf16, ``device.fast_bf16``, else fp32), ``float32`` or ``bfloat16``.
     ``reuse``: None, ``"lenient"`` or ``"exact"`` (SPEC-RL rollout reuse across calls); ``lenience`` (lenient
     mode's l, ``math.inf`` reuses every token) and ``store_mb`` (rollout store bound) go with it.
     ``seed``: base of the per-call sampling seeds (default: the trainer's ``args.seed``).
