@@ -104,6 +104,29 @@ def _leave():
     os._exit(0)
 
 
+def _agree_worker(rank, init_file, out):
+    import os
+
+    from specroll import device
+
+    d = _join(rank, init_file)
+    res = []
+    for flags in (("1", "0"), ("1", "1"), ("0", "1")):  # rank 0's, rank 1's own answer
+        os.environ["SPECROLL_FAST_BF16"] = flags[rank]
+        device.fast_bf16.cache_clear()
+        res.append((d.agree_fast_bf16(), device.fast_bf16(), device.resolve_dtype_name("auto")))
+    torch.save(res, f"{out}/agree{rank}.pt")
+    _leave()
+
+
+def test_ranks_agree_on_fast_bf16(tmp_path):
+    """bf16 is ``auto``'s choice on every rank only if every rank finds it fast; the answer sticks."""
+    _spawn(_agree_worker, str(tmp_path / "init"), str(tmp_path))
+    want = [(False, False, "float32"), (True, True, "bfloat16"), (False, False, "float32")]
+    for rank in range(WORLD):
+        assert torch.load(tmp_path / f"agree{rank}.pt", weights_only=True) == want
+
+
 def _spawn(fn, *args):
     mp.start_processes(fn, args=args, nprocs=WORLD, start_method="spawn", join=True)
 

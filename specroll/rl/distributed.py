@@ -112,6 +112,19 @@ class Dist:
         if self.active:
             dist.barrier()
 
+    def agree_fast_bf16(self) -> bool:
+        """Make every rank take the same ``auto`` dtypes: bf16 counts as fast only if it does on every rank
+        (``device.fast_bf16`` may time a matmul, and ranks on different machines may differ). The answer is
+        set as ``SPECROLL_FAST_BF16`` in this process, so every later ``auto`` follows it."""
+        from .. import device
+
+        fast = torch.tensor([int(device.fast_bf16())])
+        if self.active:
+            dist.all_reduce(fast, op=dist.ReduceOp.MIN)
+        os.environ["SPECROLL_FAST_BF16"] = str(int(fast.item()))
+        device.fast_bf16.cache_clear()
+        return bool(fast.item())
+
 
 def from_env() -> Dist:
     """The ``Dist`` of this process: a launcher (``torchrun``, ``specroll train --nproc``) sets
@@ -125,7 +138,9 @@ def from_env() -> Dist:
     local = int(os.environ.get("LOCAL_WORLD_SIZE", world))
     if "OMP_NUM_THREADS" not in os.environ:  # torchrun sets it (to 1 when it starts several processes)
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // local))
-    return Dist(dist.get_rank(), dist.get_world_size())
+    d = Dist(dist.get_rank(), dist.get_world_size())
+    d.agree_fast_bf16()
+    return d
 
 
 def close(d: Dist) -> None:

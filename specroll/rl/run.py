@@ -15,7 +15,7 @@ from pathlib import Path
 import yaml
 
 from ..config import Config, load_config
-from ..device import torch_dtype
+from ..device import fast_bf16, torch_dtype
 from . import checkpoint as ckpt
 from .trainer import PromptSet, Trainer
 
@@ -208,6 +208,8 @@ def _launch(args, nproc: int) -> int:
         print(f"specroll: note: {nproc} processes on {cores} cores share them (1 thread each); "
               f"--nproc {cores} or fewer avoids that", file=sys.stderr)
     os.environ.setdefault("OMP_NUM_THREADS", str(max(1, cores // nproc)))
+    # one bf16 probe here, on idle cores, rather than N at once competing for them (device.fast_bf16)
+    os.environ.setdefault("SPECROLL_FAST_BF16", str(int(fast_bf16())))
     conf = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=nproc, run_id=f"specroll-{os.getpid()}",
                         rdzv_backend="c10d", rdzv_endpoint="localhost:0", max_restarts=0, monitor_interval=0.5)
     logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)  # failures: one line below
