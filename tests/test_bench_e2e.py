@@ -188,3 +188,31 @@ def test_interleaved_modes_take_the_same_steps_as_sequential_ones(tmp_path):
             if k != "timing/verify":
                 assert v == b["spec_metrics_per_step"][k], (a["spec"], k)
     assert any(v and v > 0 for v in inter["rows"][1]["spec_metrics_per_step"]["spec/reuse_ratio"])  # reuse did run
+
+
+def test_warm_up_trainer_outlives_the_timed_rows(tmp_path, monkeypatch):
+    """The untimed warm-up trainer stays in memory while the timed rows run (so the first mode's trainer cannot
+    reuse its freed pages and take its first update on easier terms than the modes after it), and it has taken
+    its steps."""
+    import gc
+    import weakref
+
+    seen = {}
+    real_warm, real_rows = e2e.warm_up, e2e.run_specroll_modes
+
+    def warm(cfg, steps):
+        dt, tr = real_warm(cfg, steps)
+        seen["trainer"] = weakref.ref(tr)
+        seen["steps"] = tr.step
+        return dt, tr
+
+    def rows(*a, **k):
+        gc.collect()
+        seen["alive_during_rows"] = seen["trainer"]() is not None
+        return real_rows(*a, **k)
+
+    monkeypatch.setattr(e2e, "warm_up", warm)
+    monkeypatch.setattr(e2e, "run_specroll_modes", rows)
+    assert main(COMMON + ["--steps", "1", "--warmup", "2", "--out", str(tmp_path / "w.json")]) == 0
+    assert seen["alive_during_rows"] and seen["steps"] == 2
+    assert real_warm(e2e._config(build_parser().parse_args(COMMON + ["--steps", "1"])), 0) == (0.0, None)

@@ -31,7 +31,8 @@ The step time is the median over ``--steps`` steps. Before any timed row, ``--wa
 throwaway trainer take the process's one-off costs: without it the first row's first update ran at about half
 speed (2026-11-24: 13.9-14.2 s against 6.8-7.2 s for the same step-1 batch in the rows after it). Each trainer's
 own first step still pays for first touching its gradients and AdamW state (~1.6 GB for SmolLM2), alike in
-every mode; ``step_s_median_after_epoch1`` leaves epoch 1 out.
+every mode: the warm-up trainer stays in memory until the rows are done, so the first mode's trainer does not
+reuse its pages (``warm_up``); ``step_s_median_after_epoch1`` leaves epoch 1 out.
 
 Speculation (``--spec off,reuse,draft,reuse+draft``): one specroll row per mode, each a fresh trainer
 with the same model, seeds and data, the modes taking their steps in turn (``--order interleaved``, the
@@ -199,16 +200,28 @@ def run_specroll_modes(cfgs: dict, first_epoch: int = 0, interleave: bool = True
     return {spec: _row(steps[spec], spec, first_epoch) for spec in cfgs}
 
 
-def warm_up(cfg, steps: int) -> float:
+def warm_up(cfg, steps: int):
     """``steps`` untimed GRPO steps of a throwaway trainer (the process's first update pays one-off costs:
-    oneDNN's primitive set-up, the heap growing to its working size); returns their wall time."""
+    oneDNN's primitive set-up, the heap growing to its working size). Returns (wall time, the trainer).
+
+    The caller keeps the trainer until the timed rows are done: once it was freed, the first timed trainer
+    built its gradients and AdamW state in the memory it left and took its first update at 4.0-4.6 s, against
+    6.9-7.4 s for the trainers after it (SmolLM2 in bf16, Zen 5 EPYC, 2026-11-26; kept alive: 6.9 / 7.3 / 7.6 s),
+    so the first mode's first step was measured on easier terms than the others'."""
+    from ..rl.run import build_trainer
+
     if steps <= 0:
-        return 0.0
+        return 0.0, None
     t = time.perf_counter()
     cfg.train.steps = steps
-    for _ in _mode_steps(cfg):
-        pass
-    return time.perf_counter() - t
+    cfg.data.n_eval = 0
+    tr = build_trainer(cfg, None)
+    try:
+        for _ in range(steps):
+            tr.train_step()
+    finally:
+        tr.reward.close()
+    return time.perf_counter() - t, tr
 
 
 class _Timed:
@@ -337,7 +350,8 @@ def run_bench(args) -> dict:
     warm = getattr(args, "warmup", 0)
     if warm:
         print(f"warm-up: {warm} untimed step(s) of a throwaway trainer", flush=True)
-        res["config"]["warmup_s"] = round(warm_up(_config(args, "off"), warm), 3)
+        warm_s, _warm_trainer = warm_up(_config(args, "off"), warm)  # held until this returns (see warm_up)
+        res["config"]["warmup_s"] = round(warm_s, 3)
     res["config"]["warmup"] = warm
     order = getattr(args, "order", "interleaved")
     res["config"]["order"] = order
