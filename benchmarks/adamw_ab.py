@@ -4,6 +4,7 @@ against the default foreach implementation, alternating in one process, after tw
     python benchmarks/adamw_ab.py [--repeats 10] [--out FILE.json]
 """
 import argparse
+import statistics
 import time
 
 import torch
@@ -35,7 +36,7 @@ def main() -> None:
             t = time.perf_counter()
             opts[name].step()
             times[name].append(time.perf_counter() - t)
-    med = {k: sorted(v)[len(v) // 2] for k, v in times.items()}
+    med = {k: statistics.median(v) for k, v in times.items()}
     for k, v in med.items():
         print(f"{k:>8}: median {v * 1e3:.1f} ms (min {min(times[k]) * 1e3:.1f}, max {max(times[k]) * 1e3:.1f})")
     print(f"fused / foreach: {med['fused'] / med['foreach']:.2f}")

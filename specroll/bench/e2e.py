@@ -163,13 +163,18 @@ def _row(steps: list[dict], spec: str, first_epoch: int) -> dict:
     return row
 
 
-def _mode_steps(cfg):
-    """A fresh trainer's ``cfg.train.steps`` steps, one ``_step_record`` per ``next``; the trainer's reward
-    worker is closed after the last."""
+def _trainer(cfg):
+    """A fresh trainer for a timed (or warm-up) row: no evaluation set."""
     from ..rl.run import build_trainer
 
     cfg.data.n_eval = 0
-    tr = build_trainer(cfg, None)
+    return build_trainer(cfg, None)
+
+
+def _mode_steps(cfg):
+    """A fresh trainer's ``cfg.train.steps`` steps, one ``_step_record`` per ``next``; the trainer's reward
+    worker is closed after the last."""
+    tr = _trainer(cfg)
     try:
         for _ in range(cfg.train.steps):
             yield _step_record(tr, tr.train_step())
@@ -208,14 +213,11 @@ def warm_up(cfg, steps: int):
     built its gradients and AdamW state in the memory it left and took its first update at 4.0-4.6 s, against
     6.9-7.4 s for the trainers after it (SmolLM2 in bf16, Zen 5 EPYC, 2026-11-26; kept alive: 6.9 / 7.3 / 7.6 s),
     so the first mode's first step was measured on easier terms than the others'."""
-    from ..rl.run import build_trainer
-
     if steps <= 0:
         return 0.0, None
     t = time.perf_counter()
     cfg.train.steps = steps
-    cfg.data.n_eval = 0
-    tr = build_trainer(cfg, None)
+    tr = _trainer(cfg)
     try:
         for _ in range(steps):
             tr.train_step()
