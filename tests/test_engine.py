@@ -197,8 +197,9 @@ def test_bf16_weight_mode_equals_fp32_on_rounded_weights(monkeypatch):
 
     if kernels.skinny() is None:
         pytest.skip("the bf16 weight mode needs the kernels built")
-    if fast_bf16():  # an AMX host: build the engine as a CPU without AMX would
+    if fast_bf16():  # a host with fast bf16: build the engine as a CPU without it would
         monkeypatch.setattr(engine_mod, "fast_bf16", lambda: False)
+    monkeypatch.setattr(kernels, "dot_bf16", lambda: False)  # such a CPU keeps fp32 arithmetic (kernels.dot_bf16)
     _, model = tiny_hf("llama")
     before = {k: v.clone() for k, v in model.state_dict().items()}
     eng = Engine(model, eos_ids=[], dtype=torch.bfloat16)
@@ -215,19 +216,21 @@ def test_bf16_weight_mode_equals_fp32_on_rounded_weights(monkeypatch):
     assert all(torch.equal(v, model.state_dict()[k]) for k, v in before.items())
 
 
-def test_amx_engine_runs_few_token_forwards_through_the_kernel(monkeypatch):
+@pytest.mark.parametrize("dot", [False, True])
+def test_amx_engine_runs_few_token_forwards_through_the_kernel(monkeypatch, dot):
     """An AMX bf16 engine (forced here on any host with the kernels) sends forwards of up to
     ``kernel_tokens`` tokens through the bf16 weight path (fp32 arithmetic on bf16-rounded weights, the
-    same bf16 KV cache) and wider ones through bf16 activations. A few-token step must equal the plain
-    fp32 forward of the rounded weights over a copy of the cache (hidden states to bf16 rounding, the
-    cache entries it writes to within one bf16 step), come back in bf16, and a wide forward must run
-    with bf16 activations."""
+    same bf16 KV cache; with ``dot``, bf16 products of the linears' rounded inputs, ``kernels.dot_bf16``) and
+    wider ones through bf16 activations. A few-token step must equal the plain fp32 forward of the rounded
+    weights over a copy of the cache (hidden states to bf16 rounding, the cache entries it writes to within
+    one bf16 step), come back in bf16, and a wide forward must run with bf16 activations."""
     from specroll import kernels
     from specroll.engine.profiler import _prefilled_cache
 
-    if kernels.skinny() is None:
-        pytest.skip("needs the kernels built")
+    if kernels.skinny() is None or (dot and not kernels.skinny().has_dot_bf16()):
+        pytest.skip("needs the kernels built" + (" and AVX-512 BF16" if dot else ""))
     monkeypatch.setattr(engine_mod, "fast_bf16", lambda: True)
+    monkeypatch.setattr(kernels, "dot_bf16", lambda: dot)
     _, model = tiny_hf("llama")
     rounded = bf16_rounded(model)
     eng = Engine(model, eos_ids=[], dtype=torch.bfloat16)
@@ -251,7 +254,15 @@ def test_amx_engine_runs_few_token_forwards_through_the_kernel(monkeypatch):
     with torch.no_grad():
         h = eng.forward(cache, ids, slots, slots, mask)
         assert seen[-1] == torch.float32 and h.dtype == torch.bfloat16
-        ref = rounded(ids, slots, cache=ref_cache, mask=mask, slots=slots, act_dtype=torch.float32)
+        with pytest.MonkeyPatch.context() as mp:
+            if dot:  # the reference linears round their inputs to bf16 too, and run in fp32 (no kernel path)
+                from specroll.models.decoder import FastLinear
+
+                mp.setattr(kernels, "max_rows", lambda: 0)
+                plain = FastLinear._prologue
+                mp.setattr(FastLinear, "_prologue",
+                           staticmethod(lambda x, norm, gated: plain(x, norm, gated).bfloat16().float()))
+            ref = rounded(ids, slots, cache=ref_cache, mask=mask, slots=slots, act_dtype=torch.float32)
     torch.testing.assert_close(h.float(), ref.bfloat16().float(), rtol=1.6e-2, atol=1e-3)
     new = cache.lens[:B, None] + torch.arange(T)  # the slots this step wrote
     for a, b in ((cache.k, ref_cache.k), (cache.v, ref_cache.v)):

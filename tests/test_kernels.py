@@ -96,13 +96,116 @@ def test_pack_takes_strided_weights():
     torch.testing.assert_close(ext.pack(w), _pack_reference(w, False), atol=0, rtol=0)
 
 
+needs_dot = pytest.mark.skipif(ext is None or not ext.has_dot_bf16(), reason="no AVX-512 BF16 here")
+
+
+def _pairs_reference(w: torch.Tensor) -> torch.Tensor:
+    """The paired panel layout (``pack(..., pairs=True)``) in torch ops: w rounded to bf16, N padded to 16 and
+    K to even with zeros; panel p's row j holds w[16p + c][2j] and w[16p + c][2j + 1] at 2c and 2c + 1."""
+    w = w.to(torch.bfloat16)
+    N, K = w.shape
+    P, K2 = -(-N // 16), -(-K // 2)
+    wp = torch.zeros(P * 16, 2 * K2, dtype=torch.bfloat16)
+    wp[:N, :K] = w
+    return wp.view(P, 16, K2, 2).transpose(1, 2).reshape(P, K2, 32).contiguous()
+
+
+@needs_dot
+@pytest.mark.parametrize("N,K", [(48, 64), (50, 37), (1, 8), (17, 5), (960, 576)])
+@pytest.mark.parametrize("src", ["fp32", "bf16"])
+def test_pack_pairs_lays_out_panels_as_the_torch_reference(N, K, src):
+    g = torch.Generator().manual_seed(N * 100 + K + 7)
+    w = torch.randn(N, K, generator=g) * 3
+    flat = w.view(-1)
+    ties = torch.tensor([1.0 + 2 ** -8, 1.0 + 3 * 2 ** -8, -(1.0 + 2 ** -8), float("inf"), float("-inf"), 0.0, -0.0])
+    flat[: min(flat.numel(), ties.numel())] = ties[: flat.numel()]
+    w = w if src == "fp32" else w.to(torch.bfloat16)
+    got, want = ext.pack(w, pairs=True), _pairs_reference(w)
+    assert got.dtype == torch.bfloat16 and got.shape == want.shape == (-(-N // 16), -(-K // 2), 32)
+    assert torch.equal(got.view(torch.int16), want.view(torch.int16))  # bit for bit, ties to even
+    again = ext.pack(w * 2 if src == "fp32" else (w.float() * 2).bfloat16(), pairs=True, into=got)
+    assert again.data_ptr() == got.data_ptr() and torch.equal(again, _pairs_reference(w.float() * 2))
+    with pytest.raises(RuntimeError, match="must be a contiguous"):
+        ext.pack(w, pairs=True, into=torch.empty(want.shape[0], K, 16, dtype=torch.bfloat16))
+
+
+@needs_dot
+@pytest.mark.parametrize("K,N", [(64, 48), (37, 50), (576, 960), (1536, 576), (8, 1)])
+@pytest.mark.parametrize("M", [1, 2, 7, 12, 16, 17, 33, 100, 200])
+def test_paired_panels_give_f_linear_of_the_bf16_rounded_operands(K, N, M):
+    """vdpbf16ps: x and W rounded to bf16 (nearest even), their products summed in fp32, then bias and residual
+    in fp32. Checked against a float64 product of the rounded operands; the input rounding is real."""
+    g = torch.Generator().manual_seed(M * 31 + N + K)
+    w, b = torch.randn(N, K, generator=g), torch.randn(N, generator=g)
+    x, r = torch.randn(M, K, generator=g), torch.randn(M, N, generator=g)
+    wp = ext.pack(w, pairs=True)
+    y = ext.linear(x, wp, N, b, r)
+    ref = (x.bfloat16().double() @ w.bfloat16().double().T + b.double() + r.double()).float()
+    torch.testing.assert_close(y, ref, atol=1e-5 * K ** 0.5 * 4, rtol=1e-5)
+    if K >= 37:
+        fp32_x = F.linear(x, w.bfloat16().float()) + b + r  # what the fp32-arithmetic bf16 panels give
+        assert (y - fp32_x).abs().max() > 1e-3
+
+
+@needs_dot
+@pytest.mark.parametrize("K", [16, 33, 64])
+def test_paired_panels_round_the_input_rows_to_nearest_even(K):
+    """Through an identity weight every output is one input value rounded to bf16: exact, ties to even."""
+    x = torch.randn(5, K, generator=torch.Generator().manual_seed(K)) * 10
+    x[0, :4] = torch.tensor([1.0 + 2 ** -8, 1.0 + 3 * 2 ** -8, -(1.0 + 2 ** -8), 1.0 + 2 ** -8 + 2 ** -20])
+    y = ext.linear(x, ext.pack(torch.eye(K), pairs=True), K)
+    assert torch.equal(y, x.bfloat16().float())
+
+
+@needs_dot
+@pytest.mark.parametrize("M", [1, 6, 16, 40])
+def test_paired_panels_take_the_prologues(M):
+    """RMSNorm and silu-gate prologues, then the bf16 rounding: the eager ops, rounded, through F.linear."""
+    from specroll.models.decoder import rms_norm
+
+    g = torch.Generator().manual_seed(M + 5)
+    K, N = 72, 40
+    w, r = torch.randn(N, K, generator=g), torch.randn(M, N, generator=g)
+    gain = torch.rand(K, generator=g) + 0.5
+    x = torch.randn(M, K, generator=g) * 3
+    wp, wb = ext.pack(w, pairs=True), w.bfloat16().double()
+    ref = (rms_norm(x, gain, 1e-5).bfloat16().double() @ wb.T + r.double()).float()
+    torch.testing.assert_close(ext.linear(x, wp, N, None, r, gain, 1e-5, False), ref, atol=1e-4, rtol=1e-5)
+    gu = torch.randn(M, 2 * K, generator=g) * 3
+    gate, up = gu.chunk(2, dim=-1)
+    ref = ((F.silu(gate) * up).bfloat16().double() @ wb.T).float()
+    torch.testing.assert_close(ext.linear(gu, wp, N, gated=True), ref, atol=1e-4, rtol=1e-5)
+
+
+def test_dot_bf16_follows_its_override(monkeypatch):
+    try:
+        monkeypatch.setenv("SPECROLL_DOT_BF16", "0")
+        kernels.dot_bf16.cache_clear()
+        assert kernels.dot_bf16() is False
+        monkeypatch.setenv("SPECROLL_DOT_BF16", "1")
+        kernels.dot_bf16.cache_clear()
+        assert kernels.dot_bf16() is (ext is not None and ext.has_dot_bf16())
+        if ext is not None and ext.has_dot_bf16():
+            monkeypatch.setenv("SPECROLL_DOT_BF16", "yes")
+            kernels.dot_bf16.cache_clear()
+            with pytest.raises(ValueError, match="SPECROLL_DOT_BF16 must be 0 or 1"):
+                kernels.dot_bf16()
+    finally:
+        monkeypatch.delenv("SPECROLL_DOT_BF16")
+        kernels.dot_bf16.cache_clear()
+
+
 @needs_kernel
-@pytest.mark.parametrize("bf16", [False, True])
-def test_fast_linear_repacks_its_panels_in_place_after_an_in_place_update(bf16):
+@pytest.mark.parametrize("bf16,dot", [(False, False), (True, False), (True, True)])
+def test_fast_linear_repacks_its_panels_in_place_after_an_in_place_update(bf16, dot, monkeypatch):
     """An optimizer step changes the weights in place: the next kernel-path call packs the new values into
-    the same panels (no fresh allocation), and its output follows the new weights, not the stale panels."""
+    the same panels (no fresh allocation), and its output follows the new weights, not the stale panels.
+    ``dot``: bf16 panels paired for vdpbf16ps (``kernels.dot_bf16``), which also round the input rows."""
     from specroll.models.decoder import bf16_weights
 
+    if dot and not ext.has_dot_bf16():
+        pytest.skip("no AVX-512 BF16 here")
+    monkeypatch.setattr(kernels, "dot_bf16", lambda: dot)
     torch.manual_seed(0)
     lin = FastLinear(64, 40)
     x = torch.randn(3, 64)
@@ -114,9 +217,9 @@ def test_fast_linear_repacks_its_panels_in_place_after_an_in_place_update(bf16):
         y = lin(x)
     assert lin._packed[kind][1] is panels  # repacked in place
     w = lin.weight.detach()
-    ref = F.linear(x, w.bfloat16().float() if bf16 else w)
+    ref = F.linear(x.bfloat16().float() if dot else x, w.bfloat16().float() if bf16 else w)
     torch.testing.assert_close(y, ref, atol=1e-4, rtol=1e-5)
-    assert torch.equal(panels, _pack_reference(w, bf16))
+    assert torch.equal(panels, _pairs_reference(w) if dot else _pack_reference(w, bf16))
 
 
 @needs_kernel

@@ -1,7 +1,7 @@
 """Hand-written CPU kernels, compiled once per machine on first use.
 
 ``skinny()`` returns the compiled module: the skinny GEMM of ``skinny.cpp`` (decode-sized linears, 1-32
-rows, fp32 or bf16 weights), the decode attention of ``attention.cpp``, a draft head's whole sampled
+rows, fp32 or bf16 weights; ``dot_bf16`` says when bf16 ones take bf16 arithmetic), the decode attention of ``attention.cpp``, a draft head's whole sampled
 chain of ``draft.cpp`` and the training forward's logits-block passes of ``logprobs.cpp`` (see the files
 for why), or
 None where it cannot run: not an x86 CPU with AVX2 + FMA, no C++ compiler, or ``SPECROLL_KERNELS=0``.
@@ -73,3 +73,28 @@ def max_rows() -> int:
         return 0
     isa = getattr(ext, "isa", None)
     return MAX_ROWS_AVX512 if isa is not None and isa() == "avx512" else MAX_ROWS
+
+
+@functools.cache
+def dot_bf16() -> bool:
+    """Whether bf16 panels are packed for ``vdpbf16ps`` (``pack(..., pairs=True)``: bf16 x bf16 products, fp32
+    sums, the input rows rounded to bf16 as oneDNN's bf16 matmuls round them) rather than for fp32 FMA over
+    widened weights. True on a CPU with AVX-512 BF16 where bf16 is fast (``device.fast_bf16``) without AMX: there
+    vdpbf16ps does twice FMA's flops per cycle (Zen 5: 500 against 268 GFLOP/s per core, 2026-11-26) and all
+    linears of a SmolLM2 forward took 0.66x the FMA loop's time at 16-96 rows (benchmarks/skinny_dot_bf16.py,
+    BENCHMARKS.md session 29). Elsewhere it buys no flops (an AVX-512 BF16 Xeon: the same 64 per cycle as FMA)
+    and would only round the activations. ``SPECROLL_DOT_BF16=0`` / ``1`` overrides (1 needs AVX-512 BF16)."""
+    ext = skinny()
+    if ext is None or not ext.has_dot_bf16():
+        if os.environ.get("SPECROLL_DOT_BF16", "").strip() == "1":
+            warnings.warn("specroll: SPECROLL_DOT_BF16=1 ignored: this CPU has no AVX-512 BF16 (or no kernels)",
+                          stacklevel=2)
+        return False
+    env = os.environ.get("SPECROLL_DOT_BF16", "").strip()
+    if env in ("0", "1"):
+        return env == "1"
+    if env:
+        raise ValueError(f"SPECROLL_DOT_BF16 must be 0 or 1 (or unset to decide by the CPU), got {env!r}")
+    from ..device import fast_bf16
+
+    return fast_bf16() and not getattr(torch.cpu, "_is_amx_tile_supported", lambda: False)()

@@ -244,11 +244,84 @@ SPECROLL_T512 void acc512x2(const float* __restrict x, int64_t ldx, const W* __r
 
 template <typename W>
 struct Acc512x2 {
+  static int64_t row(int64_t m, int64_t ldx) { return m * ldx; }  // where row m starts in x (row-major)
   using Fn = void (*)(const float*, int64_t, const W*, const W*, int64_t, float*);
   static constexpr Fn table[MAX_MB512 + 1] = {
       nullptr, acc512x2<1, W>, acc512x2<2, W>, acc512x2<3, W>, acc512x2<4, W>, acc512x2<5, W>, acc512x2<6, W>,
       acc512x2<7, W>, acc512x2<8, W>, acc512x2<9, W>, acc512x2<10, W>, acc512x2<11, W>, acc512x2<12, W>,
       acc512x2<13, W>, acc512x2<14, W>, acc512x2<15, W>, acc512x2<16, W>};
+};
+
+// bf16 x bf16 products with fp32 sums (``vdpbf16ps``), for CPUs where that is faster than fp32 FMA: on a Zen 5
+// EPYC (2 cores, 2026-11-26) a register-bound loop retired 500 GFLOP/s per core of vdpbf16ps against 268 of
+// 512-bit FMA, and torch's bf16 matmul ran ~4x its fp32 one; on the AVX-512 BF16 Xeon above, the same flops as
+// FMA. The panels pair neighbouring k: a panel row holds, for k = 2j and 2j + 1, the 16 columns' two weights as
+// one 32-bit lane each (low half k = 2j), so one 64-byte load feeds one vdpbf16ps that adds x[2j] w[2j][c] +
+// x[2j+1] w[2j+1][c] to column c. The input rows are rounded to bf16 once per call and read as the same pairs
+// (``to_pairs``); this is the arithmetic of oneDNN's bf16 matmuls (bf16 products, fp32 sums), while the residual
+// and the epilogue stay fp32. ``kernels.dot_bf16`` decides where the engine packs its bf16 panels this way.
+#define SPECROLL_TBF16 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16")))
+
+bool cpu_avx512bf16() {
+  static const bool v = cpu_avx512() && __builtin_cpu_supports("avx512bf16");
+  return v;
+}
+
+// x (M, K) fp32 -> (ceil(K / 2), M) bf16 pairs, pair-major: the M rows' pair j side by side, so a k step of
+// ``acc512dp`` broadcasts from one pointer at constant offsets (row-major, each row would need its own pointer:
+// 16 of them spill). Rounded to nearest even; an odd K's last pair is padded with 0.
+SPECROLL_TBF16 void to_pairs(const float* x, int64_t M, int64_t K, uint32_t* out) {
+  const int64_t K2 = (K + 1) / 2;
+  alignas(64) uint32_t row[16];
+  for (int64_t m = 0; m < M; m++) {
+    const float* xr = x + m * K;
+    for (int64_t k = 0; k < 2 * K2; k += 32) {  // 32 floats -> 16 pairs
+      const int64_t n = std::min<int64_t>(32, K - k);
+      const __m512 lo = _mm512_maskz_loadu_ps(n >= 16 ? 0xFFFF : (__mmask16)((1u << n) - 1), xr + k);
+      const __m512 hi = _mm512_maskz_loadu_ps(n >= 32 ? 0xFFFF : n <= 16 ? 0 : (__mmask16)((1u << (n - 16)) - 1),
+                                              xr + k + 16);
+      _mm512_store_si512(row, reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(hi, lo)));  // lo's 16 first
+      const int64_t j0 = k / 2, nj = std::min<int64_t>(16, K2 - j0);
+      for (int64_t j = 0; j < nj; j++) out[(j0 + j) * M + m] = row[j];
+    }
+  }
+}
+
+// ``acc512x2`` with vdpbf16ps: x holds K2 bf16 pairs of MB rows, pair-major (``to_pairs``; rows ldx apart),
+// wa / wb two paired panels of K2 rows.
+template <int MB>
+SPECROLL_TBF16 void acc512dp(const uint32_t* __restrict x, int64_t ldx, const uint32_t* __restrict wa,
+                             const uint32_t* __restrict wb, int64_t K2, float* __restrict acc) {
+  __m512 a[MB], b[MB];
+#pragma GCC unroll 16
+  for (int m = 0; m < MB; m++) a[m] = _mm512_setzero_ps(), b[m] = _mm512_setzero_ps();
+  for (int64_t k = 0; k < K2; k++) {
+    const uint32_t* pa = wa + k * PW;
+    const uint32_t* pb = wb + k * PW;
+    _mm_prefetch(reinterpret_cast<const char*>(pa + PREFETCH_K * PW), _MM_HINT_T0);
+    _mm_prefetch(reinterpret_cast<const char*>(pb + PREFETCH_K * PW), _MM_HINT_T0);
+    _mm_prefetch(reinterpret_cast<const char*>(pa + PREFETCH_FAR * PW), _MM_HINT_T1);
+    _mm_prefetch(reinterpret_cast<const char*>(pb + PREFETCH_FAR * PW), _MM_HINT_T1);
+    const __m512bh w0 = reinterpret_cast<__m512bh>(_mm512_loadu_si512(pa));
+    const __m512bh w1 = reinterpret_cast<__m512bh>(_mm512_loadu_si512(pb));
+#pragma GCC unroll 16
+    for (int m = 0; m < MB; m++) {
+      const __m512bh xb = reinterpret_cast<__m512bh>(_mm512_set1_epi32(static_cast<int>(x[k * ldx + m])));
+      a[m] = _mm512_dpbf16_ps(a[m], xb, w0);
+      b[m] = _mm512_dpbf16_ps(b[m], xb, w1);
+    }
+  }
+#pragma GCC unroll 16
+  for (int m = 0; m < MB; m++) _mm512_storeu_ps(acc + m * PW, a[m]), _mm512_storeu_ps(acc + (MB + m) * PW, b[m]);
+}
+
+struct Acc512dp {
+  static int64_t row(int64_t m, int64_t) { return m; }  // where row m starts in x (pair-major)
+  using Fn = void (*)(const uint32_t*, int64_t, const uint32_t*, const uint32_t*, int64_t, float*);
+  static constexpr Fn table[MAX_MB512 + 1] = {
+      nullptr, acc512dp<1>, acc512dp<2>, acc512dp<3>, acc512dp<4>, acc512dp<5>, acc512dp<6>, acc512dp<7>,
+      acc512dp<8>, acc512dp<9>, acc512dp<10>, acc512dp<11>, acc512dp<12>, acc512dp<13>, acc512dp<14>,
+      acc512dp<15>, acc512dp<16>};
 };
 
 // Panels p and q (q = p + 1, or q = p for a thread's odd last panel, computed twice and written once) for M
@@ -257,20 +330,22 @@ struct Acc512x2 {
 // forward from DRAM at 20 / 32 / 48 rows: 32.7-34.5 / 46.1-49.0 / 61.0-64.1 ms with the earlier one-panel loop's
 // blocks of 12 over L1 chunks of a panel, 28.2-29.8 / 37.1-44.9 / 52.0-54.7 this way (2026-11-24, Xeon, one
 // process, alternating). One loop for every panel also sums every output column in the same order.
-// acc holds 2 x 16 x 16 floats.
-template <typename W>
-void panels512x2(const float* x, int64_t M, int64_t K, const W* wp, float* y, int64_t N, int64_t p, int64_t q,
-                 const float* bias, const float* res, float* acc) {
+// ``Table`` is ``Acc512x2<W>`` (x fp32 rows ldx apart, K panel rows) or ``Acc512dp`` (x and W bf16 pairs, x
+// pair-major with ldx rows per pair, K = pair rows). acc holds 2 x 16 x 16 floats.
+template <typename Table, typename X, typename W>
+void panels512x2(const X* x, int64_t ldx, int64_t M, int64_t K, const W* wp, float* y, int64_t N, int64_t p,
+                 int64_t q, const float* bias, const float* res, float* acc) {
   if (M > MAX_MB512) {
     const int64_t nb = (M + MAX_MB512 - 1) / MAX_MB512;
     for (int64_t b = 0, m0 = 0; b < nb; b++) {
       const int64_t m1 = M * (b + 1) / nb;
-      panels512x2(x + m0 * K, m1 - m0, K, wp, y + m0 * N, N, p, q, bias, res ? res + m0 * N : nullptr, acc);
+      panels512x2<Table>(x + Table::row(m0, ldx), ldx, m1 - m0, K, wp, y + m0 * N, N, p, q, bias,
+                         res ? res + m0 * N : nullptr, acc);
       m0 = m1;
     }
     return;
   }
-  Acc512x2<W>::table[M](x, K, wp + p * K * PW, wp + q * K * PW, K, acc);
+  Table::table[M](x, ldx, wp + p * K * PW, wp + q * K * PW, K, acc);
   for (int64_t i = 0; i < (q == p ? 1 : 2); i++) {
     const int64_t c0 = (p + i) * PW;
     epilogue(acc + i * M * PW, M, y + c0, N, (int)std::min<int64_t>(PW, N - c0), bias ? bias + c0 : nullptr,
@@ -318,23 +393,52 @@ void pack_panels(const In* w, Out* out, int64_t N, int64_t K, int64_t P, const i
     }
   });
 }
+
+// pairs: bf16 panels of paired k for ``vdpbf16ps`` (see ``acc512dp``), (P, ceil(K / 2), 32): panel row j holds
+// w[c][2j] and w[c][2j + 1] at 2c and 2c + 1 (an odd K's last row padded with 0).
+template <typename In, typename Cvt>
+void pack_pairs(const In* w, uint16_t* out, int64_t N, int64_t K, int64_t P, Cvt cvt) {
+  const int64_t K2 = (K + 1) / 2;
+  at::parallel_for(0, P, 1, [&](int64_t p0, int64_t p1) {
+    for (int64_t p = p0; p < p1; p++) {
+      uint16_t* o = out + p * K2 * 2 * PW;
+      const int64_t rows = std::min<int64_t>(PW, N - p * PW);
+      for (int64_t k = 0; k < 2 * K2; k++) {
+        uint16_t* orow = o + (k / 2) * 2 * PW + (k & 1);
+        int j = 0;
+        if (k < K)
+          for (; j < rows; j++) orow[2 * j] = cvt(w[(p * PW + j) * K + k]);
+        for (; j < PW; j++) orow[2 * j] = 0;
+      }
+    }
+  });
+}
 }  // namespace
 
-torch::Tensor pack(const torch::Tensor& w_in, bool bf16, const c10::optional<torch::Tensor>& into) {
+torch::Tensor pack(const torch::Tensor& w_in, bool bf16, const c10::optional<torch::Tensor>& into, bool pairs) {
   TORCH_CHECK(w_in.dim() == 2 && (w_in.scalar_type() == torch::kFloat32 || w_in.scalar_type() == torch::kBFloat16),
               "pack: expected an fp32 or bf16 (N, K) weight");
   const auto w = w_in.contiguous();
-  const bool out_bf16 = bf16 || w.scalar_type() == torch::kBFloat16;
+  const bool out_bf16 = bf16 || pairs || w.scalar_type() == torch::kBFloat16;
   const int64_t N = w.size(0), K = w.size(1), P = (N + PW - 1) / PW;
+  const int64_t rows = pairs ? (K + 1) / 2 : K, width = pairs ? 2 * PW : PW;
   const auto dt = out_bf16 ? torch::kBFloat16 : torch::kFloat32;
   torch::Tensor out;
   if (into.has_value()) {  // repack in place (the same weight after an optimizer step)
     out = *into;
     TORCH_CHECK(out.is_contiguous() && out.scalar_type() == dt && out.dim() == 3 && out.size(0) == P &&
-                    out.size(1) == K && out.size(2) == PW,
-                "pack: `into` must be a contiguous ", P, " x ", K, " x ", PW, " tensor of the panels' dtype");
+                    out.size(1) == rows && out.size(2) == width,
+                "pack: `into` must be a contiguous ", P, " x ", rows, " x ", width, " tensor of the panels' dtype");
   } else {
-    out = torch::empty({P, K, PW}, w.options().dtype(dt));
+    out = torch::empty({P, rows, width}, w.options().dtype(dt));
+  }
+  if (pairs) {
+    auto* o = reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>());
+    if (w.scalar_type() == torch::kBFloat16)
+      pack_pairs(reinterpret_cast<const uint16_t*>(w.data_ptr<at::BFloat16>()), o, N, K, P, [](uint16_t h) { return h; });
+    else
+      pack_pairs(w.data_ptr<float>(), o, N, K, P, [](float f) { return bf16_bits(f); });
+    return out;
   }
   int slot[PW];
   for (int j = 0; j < PW; j++) slot[j] = out_bf16 ? (j < PW / 2 ? 2 * j : 2 * (j - PW / 2) + 1) : j;
@@ -389,9 +493,14 @@ torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& wp, int64_t N,
   auto x2 = x.reshape({-1, x.size(-1)}).contiguous();
   if (norm || gated) x2 = prologue(x2, norm, eps, gated);
   const int64_t K = x2.size(1), P = wp.size(0);
-  TORCH_CHECK(wp.dim() == 3 && wp.size(1) == K && wp.size(2) == PW && P * PW >= N, "linear: packed weight does not match");
+  const bool pairs = bf16 && wp.dim() == 3 && wp.size(2) == 2 * PW;  // ``pack(..., pairs=true)``: vdpbf16ps
+  TORCH_CHECK(wp.dim() == 3 && wp.size(1) == (pairs ? (K + 1) / 2 : K) && P * PW >= N, "linear: packed weight does not match");
+  TORCH_CHECK(!pairs || cpu_avx512bf16(), "linear: paired bf16 panels need a CPU with AVX-512 BF16");
   const bool v512 = use512();
   const int64_t M = x2.size(0);
+  const int64_t K2 = (K + 1) / 2;
+  std::vector<uint32_t> xpairs(pairs ? M * K2 : 0);  // the input rows as bf16 pairs (``to_pairs``)
+  if (pairs) to_pairs(x2.data_ptr<float>(), M, K, xpairs.data());
   auto out_shape = x.sizes().vec();
   out_shape.back() = N;
   auto y = torch::empty({M, N}, x.options());
@@ -411,12 +520,15 @@ torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& wp, int64_t N,
     at::parallel_for(0, P, 8, [&](int64_t p0, int64_t p1) {
       std::vector<float> acc(std::max<int64_t>(Ms, 2 * MAX_MB512) * PW);
       for (int64_t p = p0; p < p1; p++) {
-        if (v512) {  // two panels in one pass
+        if (v512 || pairs) {  // two panels in one pass
           const int64_t q = std::min(p + 1, p1 - 1);
           const float* xp = xs + s0 * K;
           const float* rp = rs ? rs + s0 * N : nullptr;
-          if (bf16) panels512x2(xp, Ms, K, wh, ys + s0 * N, N, p, q, bs, rp, acc.data());
-          else panels512x2(xp, Ms, K, ws, ys + s0 * N, N, p, q, bs, rp, acc.data());
+          if (pairs)
+            panels512x2<Acc512dp>(xpairs.data() + s0, M, Ms, K2, reinterpret_cast<const uint32_t*>(wh), ys + s0 * N,
+                                  N, p, q, bs, rp, acc.data());
+          else if (bf16) panels512x2<Acc512x2<uint16_t>>(xp, K, Ms, K, wh, ys + s0 * N, N, p, q, bs, rp, acc.data());
+          else panels512x2<Acc512x2<float>>(xp, K, Ms, K, ws, ys + s0 * N, N, p, q, bs, rp, acc.data());
           p = q;
           continue;
         }
@@ -463,8 +575,11 @@ void softmax_grad_(torch::Tensor& lg, const torch::Tensor& logz, const torch::Te
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("pack", &pack, "pack an (N, K) fp32 or bf16 weight into 16-column panels (bf16 ones when bf16 is set)",
-        py::arg("w"), py::arg("bf16") = false, py::arg("into") = py::none());
+  m.def("pack", &pack,
+        "pack an (N, K) fp32 or bf16 weight into 16-column panels (bf16 ones when bf16 is set; bf16 panels of paired "
+        "k for vdpbf16ps when pairs is set)",
+        py::arg("w"), py::arg("bf16") = false, py::arg("into") = py::none(), py::arg("pairs") = false);
+  m.def("has_dot_bf16", &cpu_avx512bf16, "whether this CPU runs vdpbf16ps (AVX-512 BF16), which paired panels need");
   m.def("isa", &isa, "the instruction set linear() runs: avx512 or avx2");
   m.def("set_isa", &set_isa, "auto (the best this CPU has) or avx2 (force the AVX2 paths, for tests and A/B runs)");
   m.def("linear", &linear, "f(x) @ W^T (+ bias) (+ residual) over packed panels; f = identity, RMSNorm or silu-gate",

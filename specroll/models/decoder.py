@@ -139,8 +139,9 @@ _BF16_WEIGHTS = contextvars.ContextVar("specroll_bf16_weights", default=False)
 @contextlib.contextmanager
 def bf16_weights(on: bool = True):
     """Within this block, fp32 no-grad linears of up to ``kernels.max_rows()`` rows (decode and verification
-    steps) stream bf16 copies of their weights through the skinny kernel (fp32 arithmetic, half the
-    bytes): the bf16 rollout mode of CPUs without native bf16. Larger inputs (prefills) are compute-bound,
+    steps) stream bf16 copies of their weights through the skinny kernel (half the bytes; fp32 arithmetic, or
+    bf16 products with fp32 sums where ``kernels.dot_bf16``): the bf16 rollout mode of CPUs without native
+    bf16, and a native-bf16 engine's few-token forwards (``Engine.kernel_tokens``). Larger inputs (prefills) are compute-bound,
     where bf16 bytes buy nothing, and keep the fp32 weights on oneDNN. No effect where the kernel is
     unavailable, under autograd, or for bf16 activations."""
     tok = _BF16_WEIGHTS.set(bool(on))
@@ -184,9 +185,11 @@ class FastLinear(nn.Linear):
                 # converts as it packs, into the panels of the weights' last version when there are any
                 # (no fresh 270-540 MB to fault in after every optimizer step)
                 bf16 = dtype == "skinny_bf16" or w.dtype == torch.bfloat16
-                shape = (-(-w.shape[0] // 16), w.shape[1], 16)
+                pairs = bf16 and kernels.dot_bf16()  # bf16 arithmetic (vdpbf16ps) where it is faster
+                n, k = w.shape
+                shape = (-(-n // 16), (k + 1) // 2, 32) if pairs else (-(-n // 16), k, 16)
                 old = hit[1] if hit is not None and hit[1].shape == shape else None  # same dtype: same key
-                packed = kernels.skinny().pack(w.detach(), bf16, old)
+                packed = kernels.skinny().pack(w.detach(), bf16, old, pairs)
                 b = None if self.bias is None else self.bias.detach().float().contiguous()
             else:
                 wd = w.detach().to(dtype).contiguous()
