@@ -224,29 +224,35 @@ def test_bf16_head_chains_are_lossless(small):
         outs = engine.generate([PROMPT], SamplingParams(**{**params.__dict__, "seed": 100 + i}), n=8, drafter=drafter)
         idx = torch.stack([(o.completion_ids * V ** torch.arange(M_SMALL)).sum() for o in outs])
         counts += torch.bincount(idx, minlength=V**M_SMALL)
-    assert "skinny_bf16" in trained.fc._packed and "skinny_bf16" in trained.block.qkv._packed
-    assert "skinny_bf16" not in model.layers[0].qkv._packed  # the policy keeps its fp32 weights
+    bf16 = "skinny_bf16_dot" if kernels.dot_bf16() else "skinny_bf16"  # panels for vdpbf16ps where it pays
+    assert bf16 in trained.fc._packed and bf16 in trained.block.qkv._packed
+    assert not any(str(k).startswith("skinny_bf16") for k in model.layers[0].qkv._packed)  # the policy keeps fp32
     p = chi2_gof(counts, exact_probs(model, PROMPT, params, M_SMALL))
     assert p > 1e-3, f"bf16 head chains: chi-square p = {p:.2e}"
     assert drafter.totals[3] > 0
 
 
-@pytest.mark.parametrize("mode", ["plain", "chain", "tree"])
-def test_speculation_on_a_hybrid_amx_engine_is_lossless(small, monkeypatch, mode):
+@pytest.mark.parametrize("mode,dot", [("plain", False), ("chain", False), ("tree", False), ("plain", True),
+                                      ("chain", True)])
+def test_speculation_on_a_hybrid_amx_engine_is_lossless(small, monkeypatch, mode, dot):
     """A bf16 engine as on an AMX CPU (forced here on any host): steps of up to ``kernel_tokens`` tokens take
     the kernel path (fp32 arithmetic on bf16-rounded weights), wider ones bf16 activations. With 12 rows per
     call, plain steps (12 tokens) take the kernel path and verifications (48 or 84 tokens) the AMX one, so the
     draft is checked by other numerics than plain sampling uses. The completions must still follow plain
-    sampling's distribution: the exact one of the bf16-rounded weights (``plain`` checks that reference)."""
+    sampling's distribution: the exact one of the bf16-rounded weights (``plain`` checks that reference).
+    ``dot``: as on a CPU with fast AVX-512 BF16 and no AMX (``kernels.dot_bf16``): every step here takes the
+    kernel path, whose linears round their inputs to bf16; the reference rounds them too."""
     import specroll.engine.engine as engine_mod
+    from specroll.models.decoder import FastLinear
 
-    if kernels.skinny() is None:
-        pytest.skip("the kernels are not available here")
+    if kernels.skinny() is None or (dot and not kernels.skinny().has_dot_bf16()):
+        pytest.skip("the kernels are not available here" + (" (or no AVX-512 BF16)" if dot else ""))
     model, trained = small
     rounded = bf16_rounded(model)
     monkeypatch.setattr(engine_mod, "fast_bf16", lambda: True)
+    monkeypatch.setattr(kernels, "dot_bf16", lambda: dot)
     engine = Engine(model, dtype=torch.bfloat16)
-    assert engine.kernel_tokens == Engine.KERNEL_TOKENS_AMX
+    assert engine.kernel_tokens == (kernels.max_rows() if dot else Engine.KERNEL_TOKENS_AMX)
     widths = []
     real = Engine.forward
     monkeypatch.setattr(Engine, "forward", lambda self, cache, ids, *a: widths.append(ids.numel()) or real(
@@ -258,10 +264,20 @@ def test_speculation_on_a_hybrid_amx_engine_is_lossless(small, monkeypatch, mode
         outs = engine.generate([PROMPT], SamplingParams(**{**params.__dict__, "seed": 300 + i}), n=12, drafter=drafter)
         idx = torch.stack([(o.completion_ids * V ** torch.arange(M_SMALL)).sum() for o in outs])
         counts += torch.bincount(idx, minlength=V**M_SMALL)
-    p = chi2_gof(counts, exact_probs(rounded, PROMPT, params, M_SMALL))
+    with pytest.MonkeyPatch.context() as mp:
+        if dot:  # fp32 linears (no kernel path) of inputs rounded to bf16
+            plain = FastLinear._prologue
+            mp.setattr(kernels, "max_rows", lambda: 0)
+            mp.setattr(FastLinear, "_prologue",
+                       staticmethod(lambda x, norm, gated: plain(x, norm, gated).bfloat16().float()))
+        want = exact_probs(rounded, PROMPT, params, M_SMALL)
+    p = chi2_gof(counts, want)
     assert p > 1e-3, f"{mode} on the hybrid engine: chi-square p = {p:.2e}"
     kern = [w for w in widths if w <= engine.kernel_tokens]
-    assert kern and (mode == "plain" or len(kern) < len(widths))  # both paths ran (verifications: AMX)
+    if dot:
+        assert kern == widths  # every step on the kernel path
+    else:
+        assert kern and (mode == "plain" or len(kern) < len(widths))  # both paths ran (verifications: AMX)
     assert drafter is None or drafter.totals[3] > 0
 
 

@@ -234,7 +234,8 @@ def test_amx_engine_runs_few_token_forwards_through_the_kernel(monkeypatch, dot)
     _, model = tiny_hf("llama")
     rounded = bf16_rounded(model)
     eng = Engine(model, eos_ids=[], dtype=torch.bfloat16)
-    assert eng.kernel_tokens == Engine.KERNEL_TOKENS_AMX and eng.act_dtype == eng.kv_dtype == torch.bfloat16
+    assert eng.kernel_tokens == (kernels.max_rows() if dot else Engine.KERNEL_TOKENS_AMX)
+    assert eng.act_dtype == eng.kv_dtype == torch.bfloat16
     seen = []
     real_forward = Decoder.forward
 
@@ -245,7 +246,8 @@ def test_amx_engine_runs_few_token_forwards_through_the_kernel(monkeypatch, dot)
     monkeypatch.setattr(Decoder, "forward", spy)
     gen = torch.Generator().manual_seed(0)
     B, T = 3, 2
-    cache = _prefilled_cache(eng, B, 20, 11, gen)  # 3 x 20 prompt tokens: a wide (bf16 activation) prefill
+    W = eng.kernel_tokens // B + 1  # B x W tokens: wider than the kernel path takes
+    cache = _prefilled_cache(eng, B, W, T + W, gen)  # a wide (bf16 activation) prefill
     assert seen[-1] == torch.bfloat16
     ref_cache = copy.copy(cache)  # the same state over copies of the K/V tensors
     ref_cache.k, ref_cache.v, ref_cache.lens = cache.k.clone(), cache.v.clone(), cache.lens.clone()
@@ -263,16 +265,19 @@ def test_amx_engine_runs_few_token_forwards_through_the_kernel(monkeypatch, dot)
                 mp.setattr(FastLinear, "_prologue",
                            staticmethod(lambda x, norm, gated: plain(x, norm, gated).bfloat16().float()))
             ref = rounded(ids, slots, cache=ref_cache, mask=mask, slots=slots, act_dtype=torch.float32)
-    torch.testing.assert_close(h.float(), ref.bfloat16().float(), rtol=1.6e-2, atol=1e-3)
+    # with dot, an fp32 difference of one ulp between the kernel's RMSNorm and torch's can land a linear's input
+    # on the other side of a bf16 rounding boundary: a few elements then differ by a few bf16 steps
+    tol = dict(rtol=1.6e-2, atol=4e-3 if dot else 1e-3)
+    torch.testing.assert_close(h.float(), ref.bfloat16().float(), **tol)
     new = cache.lens[:B, None] + torch.arange(T)  # the slots this step wrote
     for a, b in ((cache.k, ref_cache.k), (cache.v, ref_cache.v)):
         got = torch.stack([a[:, r, :, new[r]] for r in range(B)]).float()
         want = torch.stack([b[:, r, :, new[r]] for r in range(B)]).float()
-        torch.testing.assert_close(got, want, rtol=1.6e-2, atol=1e-3)
-    wide = torch.randint(V, (B, 11), generator=gen)  # 33 tokens > kernel_tokens
-    slots = cache.chain_slots(11)
+        torch.testing.assert_close(got, want, **tol)
+    wide = torch.randint(V, (B, W), generator=gen)  # B x W tokens > kernel_tokens
+    slots = cache.chain_slots(W)
     with torch.no_grad():
-        assert eng.forward(cache, wide, slots, slots, cache.mask(11)).dtype == torch.bfloat16
+        assert eng.forward(cache, wide, slots, slots, cache.mask(W)).dtype == torch.bfloat16
     assert seen[-1] == torch.bfloat16
 
 

@@ -209,7 +209,7 @@ def test_fast_linear_repacks_its_panels_in_place_after_an_in_place_update(bf16, 
     torch.manual_seed(0)
     lin = FastLinear(64, 40)
     x = torch.randn(3, 64)
-    kind = "skinny_bf16" if bf16 else "skinny"
+    kind = ("skinny_bf16_dot" if dot else "skinny_bf16") if bf16 else "skinny"
     with torch.no_grad(), bf16_weights(bf16):
         lin(x)
         panels = lin._packed[kind][1]

@@ -64,17 +64,22 @@ class Engine:
     """Batched KV-cache generation over a ``Decoder``.
 
     ``dtype``: rollout precision (default: the weights' dtype). ``bfloat16`` of fp32 weights runs bf16
-    rollouts through bf16 copies of the weights: on a CPU with AMX (``device.fast_bf16``), bf16 activations and KV
-    cache with oneDNN-packed weights; elsewhere (``bf16_weights``) fp32 activations and arithmetic with
-    bf16 weights streamed by the skinny kernel and a bf16 KV cache (``act_dtype`` and ``kv_dtype`` say which).
-    With AMX, forwards of up to ``kernel_tokens`` tokens (decode steps at up to 32 live rows) take the second
-    way too, over the same bf16 cache: at one row it costs 0.42x the AMX path's time.
+    rollouts through bf16 copies of the weights: on a CPU with fast bf16 (``device.fast_bf16``: AMX, or AVX-512
+    BF16 that a timed matmul finds fast), bf16 activations and KV cache with oneDNN-packed weights; elsewhere
+    (``bf16_weights``) fp32 activations and arithmetic with bf16 weights streamed by the skinny kernel and a bf16
+    KV cache (``act_dtype`` and ``kv_dtype`` say which). With fast bf16, forwards of up to ``kernel_tokens``
+    tokens (decode steps at up to 32 live rows with AMX, 96 without) take the second way too, over the same
+    bf16 cache: at one row it costs 0.42x the AMX path's time. Without AMX its linears round their inputs to
+    bf16 and multiply with vdpbf16ps (``kernels.dot_bf16``), as oneDNN's bf16 matmuls do.
     """
 
     PACK_TOKENS = 512  # prompt tokens packed into one prefill forward (enough rows for the GEMMs' full rate)
     # see ``kernel_tokens``. Forward + logits of SmolLM2 on a 2-vCPU AMX Xeon, kernel / AMX path time at rows x 1
     # token: 0.42 at 1 row, 0.53 at 8, 0.69 at 16, 0.97 at 32, 1.12 at 48, 1.29 at 64; 0.51 at 1 x 7, 1.02-1.03
-    # at 8 x 4 and 16 x 2 (benchmarks/amx_paths.py, BENCHMARKS.md session 25)
+    # at 8 x 4 and 16 x 2 (benchmarks/amx_paths.py, BENCHMARKS.md session 25). Where the kernel's bf16 panels
+    # take vdpbf16ps (``kernels.dot_bf16``: a Zen 5 EPYC), every width up to ``kernels.max_rows()`` (96): there
+    # the kernel path took 0.53-0.68x oneDNN's bf16 time from 1 x 1 to 96 x 1 and 0.61-0.76x at 8 x 4, 16 x 2,
+    # 16 x 4 (BENCHMARKS.md session 29)
     KERNEL_TOKENS_AMX = 32
     FORWARD_OVERHEAD_AMX = 128
 
@@ -92,8 +97,10 @@ class Engine:
         # With AMX, forwards of at most this many tokens (decode at a few live rows) run the bf16 weight
         # mode's way instead: the skinny kernel streams the bf16 weights with fp32 arithmetic, reading and
         # writing the same bf16 KV cache, and hands back bf16 hidden states like the AMX path (``forward``)
-        self.kernel_tokens = (self.KERNEL_TOKENS_AMX if self.dtype == torch.bfloat16 and model.dtype == torch.float32
-                              and fast_bf16() and kernels.skinny() is not None else 0)
+        # (with vdpbf16ps, ``kernels.dot_bf16``, up to every width the kernel takes)
+        self.kernel_tokens = ((kernels.max_rows() if kernels.dot_bf16() else self.KERNEL_TOKENS_AMX)
+                              if self.dtype == torch.bfloat16 and model.dtype == torch.float32 and fast_bf16()
+                              and kernels.skinny() is not None else 0)
         self.prefill_chunk = prefill_chunk  # max tokens per verification forward (drafters/reuse.py)
         # a wide forward's fixed cost in token-equivalents, for splitting verification into forwards
         # (``reuse.stage_chunks``). SmolLM2's forward + logits on the AMX path (``python benchmarks/amx_paths.py

@@ -45,6 +45,7 @@ from pathlib import Path
 
 import torch
 
+from .. import kernels
 from ..device import fast_bf16, resolve_dtype_name, torch_dtype
 
 DEFAULT_DELTA = 0.5
@@ -97,7 +98,8 @@ def find_c_peak(tokens, latencies, delta: float = DEFAULT_DELTA) -> int:
 def fingerprint() -> dict:
     """The machine facts a profile depends on: CPU model, its vector ISA as torch sees it (two "AMD EPYC"
     machines differ 500x in bf16 matmul rate), cores, torch threads, torch version; and the engine's
-    few-token path threshold on AMX (``Engine.KERNEL_TOKENS_AMX``)."""
+    few-token path threshold on AMX (``Engine.KERNEL_TOKENS_AMX``) and whether bf16 panels take bf16
+    arithmetic (``kernels.dot_bf16``)."""
     cpu = platform.processor() or platform.machine()
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
@@ -110,7 +112,7 @@ def fingerprint() -> dict:
 
     return {"cpu": cpu, "isa": torch.backends.cpu.get_cpu_capability(), "native_bf16": fast_bf16(),
             "cores": os.cpu_count(), "torch_threads": torch.get_num_threads(), "torch": torch.__version__,
-            "kernel_tokens_amx": Engine.KERNEL_TOKENS_AMX}
+            "kernel_tokens_amx": Engine.KERNEL_TOKENS_AMX, **({"dot_bf16": True} if kernels.dot_bf16() else {})}
 
 
 def dtype_name(dtype) -> str:

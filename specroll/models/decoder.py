@@ -174,18 +174,21 @@ class FastLinear(nn.Linear):
         self._packed: dict = {}
 
     def _pack(self, dtype: torch.dtype | str):
-        """(packed weight, bias) for ``dtype``, or the skinny kernel's fp32 / bf16 panels for "skinny" / "skinny_bf16"."""
+        """(packed weight, bias) for ``dtype``, or the skinny kernel's fp32 / bf16 panels for "skinny" / "skinny_bf16"
+        (bf16 panels paired for vdpbf16ps where ``kernels.dot_bf16``, kept under their own key)."""
         w = self.weight
         key = (w._version, w.data_ptr(), None if self.bias is None else self.bias._version)
-        hit = self._packed.get(dtype)
+        skinny = dtype in ("skinny", "skinny_bf16")
+        bf16 = skinny and (dtype == "skinny_bf16" or w.dtype == torch.bfloat16)
+        pairs = bf16 and kernels.dot_bf16()  # bf16 arithmetic (vdpbf16ps) where it is faster
+        slot = f"{dtype}_dot" if pairs else dtype  # a switched kernels.dot_bf16 (an A/B run) keeps both
+        hit = self._packed.get(slot)
         if hit is not None and hit[0] == key:
             return hit[1], hit[2]
         with torch.no_grad():
-            if dtype in ("skinny", "skinny_bf16"):
+            if skinny:
                 # converts as it packs, into the panels of the weights' last version when there are any
                 # (no fresh 270-540 MB to fault in after every optimizer step)
-                bf16 = dtype == "skinny_bf16" or w.dtype == torch.bfloat16
-                pairs = bf16 and kernels.dot_bf16()  # bf16 arithmetic (vdpbf16ps) where it is faster
                 n, k = w.shape
                 shape = (-(-n // 16), (k + 1) // 2, 32) if pairs else (-(-n // 16), k, 16)
                 old = hit[1] if hit is not None and hit[1].shape == shape else None  # same dtype: same key
@@ -195,7 +198,7 @@ class FastLinear(nn.Linear):
                 wd = w.detach().to(dtype).contiguous()
                 b = None if self.bias is None else self.bias.detach().to(dtype)
                 packed = torch.ops.mkldnn._reorder_linear_weight(wd, None) if self._packs(dtype) else wd
-        self._packed[dtype] = (key, packed, b)
+        self._packed[slot] = (key, packed, b)
         return packed, b
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None, norm: RMSNorm | None = None,
@@ -474,7 +477,7 @@ class Decoder(nn.Module):
                 layer.attn_norm, layer.qkv, layer.o, layer.mlp_norm, layer.gate_up, layer.down)]
         # the list is rebuilt (and the panels re-packed by ``_pack``) whenever a parameter changed in place
         # (an optimizer step, load_state_dict) or was replaced: 30-40 us to check, ~430 us to rebuild
-        key = (kind, tuple((w._version, w.data_ptr()) for m in mods for w in m._parameters.values() if w is not None))
+        key = (kind, kind == "skinny_bf16" and kernels.dot_bf16(), tuple((w._version, w.data_ptr()) for m in mods for w in m._parameters.values() if w is not None))
         hit = self.__dict__.get("_fused_hit")
         if hit is not None and hit[0] == key:
             return hit[1]
