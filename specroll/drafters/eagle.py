@@ -635,7 +635,7 @@ class EagleDrafter:
         N = tree.tokens.shape[1]
         slots = cache.chain_slots(N)
         h = engine.forward(cache, tree.tokens, root_pos[:, None] + tree.depth, slots, cache.mask(N, tree.mask))
-        logits = self.policy.logits(h)  # (B, N, V)
+        logits = engine.logits(h)  # (B, N, V)
         v = (self.chain_rule if tree.q_logp is not None else self.rule)(tree, logits, st.params, st.gen)
         toks, plp, slp, count = v.tokens, v.policy_lp, v.sample_lp, v.n_accept + 1
         if self.prefix is not None:  # the first root, sampled from the prefill logits
@@ -674,7 +674,7 @@ class EagleDrafter:
         slots = cache.chain_slots(1)
         h = engine.forward(cache, root[:, None], slots, slots, cache.mask(1))[:, 0]
         cache.advance(1)
-        logits = self.policy.logits(h)
+        logits = engine.logits(h)
         tok, plp, slp = sample(logits, st.params, st.gen)
         toks, plp, slp, count = tok[:, None], plp[:, None], slp[:, None], torch.ones(B, dtype=torch.long)
         if self.prefix is not None:  # the first root, sampled from the prefill logits

@@ -494,7 +494,7 @@ class ReuseDrafter:
         rows["n_acc"][s:e] = start + n
         b = torch.arange(e - s)
         st.hidden[s:e] = H[b, n].to(st.hidden.dtype)
-        st.logits[s:e] = engine.model.logits(H[b, n])
+        st.logits[s:e] = engine.logits(H[b, n])
         if self.mode == "exact":
             rows["exclude"][s:e] = torch.where(n < L, x[b, n.clamp(max=T - 1)], -1)
         if "hidden" in rows:  # H[:, k] is the hidden state before draft token start + k
@@ -510,7 +510,7 @@ class ReuseDrafter:
         step = max(1, _LOGIT_BUDGET // engine.model.cfg.vocab_size)
         plain = params.temperature == 1.0 and params.top_p == 1.0 and params.top_k == 0
         for a in range(0, xv.numel(), step):
-            logits = engine.model.logits(hv[a : a + step])
+            logits = engine.logits(hv[a : a + step])
             t = xv[a : a + step]
             plp_v[a : a + step] = token_logprobs(logits, t)
             if plain:  # sampling distribution == policy: one log-normaliser pass, not two

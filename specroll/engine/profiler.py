@@ -192,7 +192,7 @@ class VerifyPoint:
         t = time.perf_counter()
         with self.engine.precision():
             h = self.engine.forward(self.cache, self.ids, self.slots, self.slots, self.mask)
-            self.engine.model.logits(h)
+            self.engine.logits(h)
         return time.perf_counter() - t
 
 
