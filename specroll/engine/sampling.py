@@ -116,12 +116,35 @@ def sample(
     if params.greedy:
         tokens = logits.argmax(-1)
         sample_lp = torch.zeros(tokens.shape, dtype=torch.float32)
+    elif not params.top_k and params.top_p == 1.0 and _fused(logits):
+        return _sample_fused(logits, params, gen)
     else:
         logp = processed_logprobs(logits, params)
         tokens = sample_from_logprobs(logp, gen)
         sample_lp = logp.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
     policy_lp = sample_lp if params.unfiltered else token_logprobs(logits, tokens)
     return tokens, policy_lp, sample_lp
+
+
+def _fused(logits: torch.Tensor) -> bool:
+    """Whether ``sample``'s plain case (temperature only) runs the kernels' one-call sampler."""
+    from .. import kernels
+
+    return (logits.device.type == "cpu" and logits.numel() > 0 and not torch.is_grad_enabled()
+            and kernels.skinny() is not None)
+
+
+def _sample_fused(logits: torch.Tensor, params: SamplingParams, gen: torch.Generator | None):
+    """``sample`` at a plain temperature through ``kernels``' ``sample_rows``: the same uniforms from ``gen``
+    as ``sample_from_probs`` draws, the same inverse-CDF rule, three passes over each row instead of five
+    allocating ones (tests/test_sampling_kernel.py checks it against the torch-op path)."""
+    from .. import kernels
+
+    lead, V = logits.shape[:-1], logits.shape[-1]
+    u = torch.rand(lead + (1,), generator=gen, dtype=torch.float32)
+    tok, slp, plp = kernels.skinny().sample_rows(logits.reshape(-1, V).contiguous(), u.reshape(-1),
+                                                 float(params.temperature))
+    return tok.view(lead), plp.view(lead), slp.view(lead)
 
 
 def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:

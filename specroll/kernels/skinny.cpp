@@ -572,6 +572,7 @@ void lse_block_(const torch::Tensor& lg, torch::Tensor& m, torch::Tensor& s, tor
                 const torch::Tensor& ids, int64_t c0, bool with_entropy);  // logprobs.cpp
 void softmax_grad_(torch::Tensor& lg, const torch::Tensor& logz, const torch::Tensor& g, const torch::Tensor& ids,
                    int64_t c0);  // logprobs.cpp
+std::vector<torch::Tensor> sample_rows(const torch::Tensor& logits, const torch::Tensor& u, double temperature);
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -609,6 +610,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "(rl.logprobs.LinearLogprobs)",
         py::arg("lg"), py::arg("m"), py::arg("s"), py::arg("t"), py::arg("tgt"), py::arg("ids"), py::arg("c0"),
         py::arg("with_entropy"));
+  m.def("sample_rows", &specroll::sample_rows,
+        "one inverse-CDF draw per row of (R, V) fp32 logits at a temperature with the uniforms u: (tokens, sample "
+        "log-prob, policy log-prob) (engine.sampling.sample)",
+        py::arg("logits"), py::arg("u"), py::arg("temperature"));
   m.def("softmax_grad_", &specroll::softmax_grad_,
         "a logits block becomes (onehot - softmax) * g in place (rl.logprobs.LinearLogprobs backward)", py::arg("lg"),
         py::arg("logz"), py::arg("g"), py::arg("ids"), py::arg("c0"));
