@@ -1,9 +1,9 @@
 """Hand-written CPU kernels, compiled once per machine on first use.
 
 ``skinny()`` returns the compiled module: the skinny GEMM of ``skinny.cpp`` (decode-sized linears, 1-32
-rows, fp32 or bf16 weights; ``dot_bf16`` says when bf16 ones take bf16 arithmetic), the decode attention of ``attention.cpp``, a draft head's whole sampled
-chain of ``draft.cpp`` and the training forward's logits-block passes of ``logprobs.cpp`` (see the files
-for why), or
+rows, fp32 or bf16 weights; ``dot_bf16`` says when bf16 ones take bf16 arithmetic), the decode attention
+of ``attention.cpp``, a draft head's whole sampled chain of ``draft.cpp``, and the training forward's
+logits-block passes and the one-call sampler of ``logprobs.cpp`` (see the files for why), or
 None where it cannot run: not an x86 CPU with AVX2 + FMA, no C++ compiler, or ``SPECROLL_KERNELS=0``.
 Callers fall back to oneDNN and SDPA, so a missing compiler costs speed, not function.
 

@@ -141,9 +141,9 @@ def bf16_weights(on: bool = True):
     """Within this block, fp32 no-grad linears of up to ``kernels.max_rows()`` rows (decode and verification
     steps) stream bf16 copies of their weights through the skinny kernel (half the bytes; fp32 arithmetic, or
     bf16 products with fp32 sums where ``kernels.dot_bf16``): the bf16 rollout mode of CPUs without native
-    bf16, and a native-bf16 engine's few-token forwards (``Engine.kernel_tokens``). Larger inputs (prefills) are compute-bound,
-    where bf16 bytes buy nothing, and keep the fp32 weights on oneDNN. No effect where the kernel is
-    unavailable, under autograd, or for bf16 activations."""
+    bf16, and a native-bf16 engine's few-token forwards (``Engine.kernel_tokens``). Larger inputs (prefills)
+    are compute-bound, where bf16 bytes buy nothing, and keep the fp32 weights on oneDNN. No effect where the
+    kernel is unavailable, under autograd, or for bf16 activations."""
     tok = _BF16_WEIGHTS.set(bool(on))
     try:
         yield
