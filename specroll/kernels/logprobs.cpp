@@ -51,17 +51,25 @@ inline float hmax(__m256 v) {
   return *std::max_element(buf, buf + 8);
 }
 
+// max over a row of W values (fp32 or bf16), -inf for an all -inf row
+template <typename T>
+float row_max(const T* x, int64_t W) {
+  __m256 m8 = _mm256_set1_ps(-std::numeric_limits<float>::infinity());
+  int64_t j = 0;
+  for (; j + 8 <= W; j += 8) m8 = _mm256_max_ps(m8, load8(x + j));
+  float mx = hmax(m8);
+  for (; j < W; j++) mx = std::max(mx, (float)x[j]);
+  return mx;
+}
+
 template <typename T>
 void lse_rows(const T* lg, int64_t N, int64_t W, float* m, float* s, float* t, float* tgt, const int64_t* ids,
               int64_t c0, bool with_entropy) {
   at::parallel_for(0, N, 16, [&](int64_t i0, int64_t i1) {
     for (int64_t i = i0; i < i1; i++) {
       const T* x = lg + i * W;
-      __m256 m8 = _mm256_set1_ps(-std::numeric_limits<float>::infinity());
-      int64_t j = 0;
-      for (; j + 8 <= W; j += 8) m8 = _mm256_max_ps(m8, load8(x + j));
-      float mx = hmax(m8);
-      for (int64_t k = j; k < W; k++) mx = std::max(mx, (float)x[k]);
+      const float mx = row_max(x, W);
+      int64_t j;
       const float m_new = std::max(m[i], mx);
       const __m256 mn8 = _mm256_set1_ps(m_new);
       __m256 se = _mm256_setzero_ps(), te = _mm256_setzero_ps();
@@ -174,11 +182,8 @@ std::vector<torch::Tensor> sample_rows(const torch::Tensor& logits, const torch:
   at::parallel_for(0, R, 1, [&](int64_t r0, int64_t r1) {
     for (int64_t r = r0; r < r1; r++) {
       const float* x = lg + r * V;
-      __m256 m8 = _mm256_set1_ps(-std::numeric_limits<float>::infinity());
-      int64_t j = 0;
-      for (; j + 8 <= V; j += 8) m8 = _mm256_max_ps(m8, load8(x + j));
-      float mx = hmax(m8);
-      for (int64_t k = j; k < V; k++) mx = std::max(mx, x[k]);
+      const float mx = row_max(x, V);
+      int64_t j;
       const __m256 mx8 = _mm256_set1_ps(mx), it8 = _mm256_set1_ps(inv_t);
       // e_j = exp((x_j - max) / T), the same expression in both passes below (so the same values)
       auto e8 = [&](int64_t k) { return exp8_nonpos(_mm256_mul_ps(_mm256_sub_ps(load8(x + k), mx8), it8)); };
