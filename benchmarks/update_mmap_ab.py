@@ -1,7 +1,10 @@
 """Warm GRPO updates of SmolLM2 (``update_ab.update_trainer``'s batch: 4 prompts x G = 8 x 64 tokens, bf16
-autocast) with ``device.keep_freed_memory`` as it is (every block from the heap, ``M_MMAP_MAX`` = 0) against the
-same with glibc's default mmap of blocks over 32 MB restored (``M_MMAP_MAX`` = 65536), one process per side,
-alternating; each process times ``--updates`` updates of one trainer in a row.
+autocast) with ``device.keep_freed_memory`` plus no mmap at all (``heap``: ``mallopt(M_MMAP_MAX, 0)``, every block
+from the heap) against ``keep_freed_memory`` alone (``mmap``: glibc still maps blocks over 32 MB afresh), one
+process per side, alternating; each process times ``--updates`` updates of one trainer in a row.
+
+Session 29's run of this (BENCHMARKS.md) measured the heap side 0.92x; inside ``bench e2e`` the same setting
+did not speed up specroll's steps (one run), so ``keep_freed_memory`` does not set it.
 
     python benchmarks/update_mmap_ab.py [--processes 3] [--updates 6] [--out FILE.json]
 """
@@ -27,8 +30,8 @@ def child(side: str, updates: int) -> None:
 
     tr, batch = update_trainer([])  # the Trainer applies keep_freed_memory
     tr.cfg.train.bf16 = True
-    if side == "mmap":
-        ctypes.CDLL("libc.so.6").mallopt(-4, 65536)  # M_MMAP_MAX back to glibc's default
+    if side == "heap":
+        ctypes.CDLL("libc.so.6").mallopt(-4, 0)  # M_MMAP_MAX = 0: no block is mapped afresh
     rollouts, rewards = batch(0)
     ts = []
     for _ in range(updates):

@@ -97,25 +97,21 @@ def use_bf16(flag: bool | str) -> bool:
     return fast_bf16() if isinstance(flag, str) else flag
 
 
-_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD, _M_MMAP_MAX = -1, -3, -4  # glibc's mallopt parameters (malloc.h)
+_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3  # glibc's mallopt parameters (malloc.h)
 
 
 @functools.cache
 def keep_freed_memory() -> bool:
-    """Make glibc serve every allocation from the heap (no ``mmap`` of large blocks, ``M_MMAP_MAX`` = 0) and
-    never hand freed heap memory back to the OS. Returns whether it applied (glibc on Linux), once per process.
+    """Make glibc serve every allocation up to 32 MB (its ceiling for this) from the heap and never hand freed
+    heap memory back to the OS. Returns whether it applied (glibc on Linux), once per process.
 
-    Why: a GRPO update allocates and frees the same activations and gradient blocks micro-batch after
+    Why: a GRPO update allocates and frees the same few-MB activations and gradient blocks micro-batch after
     micro-batch. By default glibc maps the larger ones afresh each time and trims the heap's top, so every
     update page-faults them in again. On a 2-core Xeon VM (2026-11-24) an exp over a 16 MB block took ~25 ms
     inside an update against ~1 ms alone, and a warm SmolLM2 update of 4 prompts x 8 x 64 tokens took
-    9.7-9.9 s with blocks up to 32 MB kept and 10.3-11.8 s without (two runs each, one process per setting).
-    Blocks over 32 MB (glibc's ceiling for ``M_MMAP_THRESHOLD``) were still mapped afresh: a SmolLM2 update
-    makes several of the tied embedding's size (113 MB: its gradients, the AdamW step's temporaries), and a
-    fresh one costs 20 ms to zero against 2.7 ms warm. With no mmap at all, bf16 updates 3-6 of a warm
-    trainer took 3.15 s by median (3.08-3.21) against 3.44 s (3.32-3.58) with it (Zen 5 EPYC, 2026-11-26,
-    three processes per side, ``benchmarks/update_mmap_ab.py``, BENCHMARKS.md session 29). The price: the process keeps its peak heap size. ``Trainer`` calls it unless
-    ``train.keep_freed_memory`` is off."""
+    9.7-9.9 s with this and 10.3-11.8 s without (two runs each, one process per setting). The price: the
+    process keeps its peak heap size. ``Trainer`` calls it unless ``train.keep_freed_memory`` is
+    off."""
     import ctypes
     import sys
 
@@ -123,8 +119,7 @@ def keep_freed_memory() -> bool:
         return False
     try:
         libc = ctypes.CDLL("libc.so.6")
-        return (bool(libc.mallopt(_M_MMAP_THRESHOLD, 32 << 20)) and bool(libc.mallopt(_M_TRIM_THRESHOLD, 2**31 - 1))
-                and bool(libc.mallopt(_M_MMAP_MAX, 0)))
+        return bool(libc.mallopt(_M_MMAP_THRESHOLD, 32 << 20)) and bool(libc.mallopt(_M_TRIM_THRESHOLD, 2**31 - 1))
     except (OSError, AttributeError):  # not glibc (musl has no mallopt)
         return False
 

@@ -105,32 +105,6 @@ def test_keep_freed_memory_on_glibc():
     assert device.keep_freed_memory() is on_glibc  # once per process (cached), same answer
 
 
-def test_keep_freed_memory_serves_blocks_over_32_mb_from_the_heap():
-    """After ``keep_freed_memory`` a 64 MB tensor (over glibc's 32 MB mmap ceiling) is not a fresh mapping:
-    glibc's count of mmapped blocks (``mallinfo2().hblks``) does not move."""
-    import ctypes
-    import platform
-    import sys
-
-    if not (sys.platform.startswith("linux") and platform.libc_ver()[0] == "glibc"):
-        pytest.skip("glibc only")
-    libc = ctypes.CDLL("libc.so.6")
-    if not hasattr(libc, "mallinfo2"):
-        pytest.skip("glibc before 2.33 has no mallinfo2")
-
-    class Mallinfo2(ctypes.Structure):
-        _fields_ = [(n, ctypes.c_size_t) for n in ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks",
-                                                   "fsmblks", "uordblks", "fordblks", "keepcost")]
-
-    libc.mallinfo2.restype = Mallinfo2
-    assert device.keep_freed_memory()
-    before = libc.mallinfo2().hblks
-    x = torch.empty(64 << 20, dtype=torch.uint8)
-    x.fill_(1)
-    assert libc.mallinfo2().hblks == before
-    del x
-
-
 def test_adamw_is_fused_matches_the_reference_and_invalidates_packed_weights():
     """``device.adamw``'s fused step against torch's default AdamW, and the version bump the packed-weight
     caches rely on: a FastLinear packed before the step must compute with the weights after it."""
