@@ -352,6 +352,41 @@ def test_shared_prompt_forward_equals_per_row_forward(dtype):
     torch.testing.assert_close(g2, g1, atol=tol * 10, rtol=tol * 10)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_packed_completion_pass_equals_padded_pass(dtype):
+    """``shared_prompt_logprobs(packed=True)`` (pass 2's linears over the real tokens only) against the padded
+    pass (the reference): the same log-probabilities, entropies and gradients, with rows of very different
+    lengths (one of them empty) in one micro-batch."""
+    import dataclasses
+
+    from specroll.rl.trainer import shared_prompt_logprobs
+
+    tr = make_trainer(make_cfg())
+    rollouts = tr.engine.generate(prompts().ids[:3], SamplingParams(temperature=1.0, max_new_tokens=8, seed=4,
+                                                                    min_new_tokens=8), n=4)
+    keep = [8, 1, 5, 0, 3, 8, 2, 7, 6, 4, 1, 8]  # completion lengths per row
+    cut = [dataclasses.replace(r, completion_ids=r.completion_ids[:n], logprobs=r.logprobs[:n],
+                               sample_logprobs=r.sample_logprobs[:n]) for r, n in zip(rollouts, keep)]
+    batch = Batch.from_rollouts(cut)
+    group = torch.arange(len(cut)) // 4
+    rows = torch.tensor([0, 5, 6, 7, 11, 2, 3, 9])
+    params = [tr.model.embed.weight, tr.model.layers[0].qkv.weight, tr.model.layers[-1].down.weight]
+    out = {}
+    for packed in (False, True):
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=dtype == torch.bfloat16):
+            lp, ent = shared_prompt_logprobs(tr.model, batch, rows, group, with_entropy=True, packed=packed)
+        w = torch.randn(lp.shape, generator=torch.Generator().manual_seed(0)) * batch.cmask[rows]
+        out[packed] = (lp, ent, torch.autograd.grad((lp * w).sum(), params))
+    m = batch.cmask[rows].bool()
+    assert m.sum() == sum(keep[i] for i in rows.tolist()) and not out[True][0][~m].any()
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(out[True][0], out[False][0], atol=tol, rtol=0)
+    torch.testing.assert_close(out[True][1], out[False][1], atol=tol, rtol=0)
+    for g_packed, g_padded in zip(out[True][2], out[False][2]):
+        assert g_padded.abs().sum() > 0
+        torch.testing.assert_close(g_packed, g_padded, atol=tol * 10, rtol=tol * 10)
+
+
 def test_compiled_training_forward_matches_eager(monkeypatch):
     """``train.compile``: the layers' training forward through inductor against the eager layers (the reference):
     the same log-probabilities and gradients in fp32, and under bf16 autocast no further from the fp32 result

@@ -377,6 +377,22 @@ class Block(nn.Module):
         K, V = (k.transpose(1, 2), v.transpose(1, 2)) if layer_kv is None else layer_kv(k, v)  # (B, KV, S, hd)
         return self._post(x, qf, K, V, mask)
 
+    def forward_packed(self, x, where, B, T, cos, sin, layer_kv, mask):
+        """``forward`` over a right-padded (B, T) batch given only its real tokens: x (N, D) holds the tokens at
+        flat positions ``where`` (N,) of the (B * T) grid. The norms, the four linears and the MLP run on the
+        N real rows; the projected q/k/v are scattered onto the padded grid (zeros at padding) for RoPE and
+        attention, whose output is gathered back. Padding positions must not be visible to real queries
+        (right padding under a causal mask is not). Returns (N, D). Why: in a GRPO update every micro-batch
+        is padded to its longest completion, and the linears are most of the update's FLOPs."""
+        qkv = self.qkv(x, norm=self.attn_norm)  # (N, (nh + 2 nkv) hd)
+        grid = qkv.new_zeros(B * T, qkv.shape[-1]).index_copy(0, where, qkv).view(B, T, -1)
+        qf, k, v = self._heads(grid, cos, sin)
+        K, V = (k.transpose(1, 2), v.transpose(1, 2)) if layer_kv is None else layer_kv(k, v)
+        nkv, hd = self.cfg.num_kv_heads, self.cfg.head_dim
+        a = attend(qf, K.to(qf.dtype), V.to(qf.dtype), mask)  # (B, KV, G*T, hd)
+        a = a.view(B, nkv, -1, T, hd).permute(0, 3, 1, 2, 4).reshape(B * T, -1).index_select(0, where)
+        return self._out(x, a)
+
     def _pre(self, x, cos, sin):
         """The layer up to its K/V write: ``_heads`` of the normed qkv projection."""
         return self._heads(self.qkv(x, norm=self.attn_norm), cos, sin)

@@ -147,7 +147,7 @@ def _pad_to_batch(out, batch: Batch):
 
 
 def shared_prompt_logprobs(model, batch: Batch, rows: torch.Tensor, group: torch.Tensor,
-                           with_entropy: bool = False):
+                           with_entropy: bool = False, packed: bool | None = None):
     """Same result as ``completion_logprobs``, but each distinct prompt is run once.
 
     ``group`` (N,) maps every batch row to its prompt (rows of a GRPO group share it). Pass 1 runs
@@ -157,6 +157,11 @@ def shared_prompt_logprobs(model, batch: Batch, rows: torch.Tensor, group: torch
     A prompt's K/V reach its rows by ``index_select``, whose backward is an ``index_add``: plain indexing
     (``Kp[inv]``) back-propagates through ``index_put_(accumulate=True)``, ~20x slower here (0.24 s of a
     9 s update, BENCHMARKS.md session 23).
+
+    ``packed`` (default: unless the layers are compiled, ``Decoder.compile_training``) runs pass 2's norms,
+    linears and MLP over the real completion tokens only (``Block.forward_packed``), not over the rows'
+    padding to the longest completion; attention still runs on the padded grid. ``packed=False`` is the
+    padded reference (tests/test_trainer.py compares the two).
     """
     uniq, inv = torch.unique(group[rows], return_inverse=True)  # distinct prompts; row -> prompt slot
     first = torch.stack([rows[(inv == i).nonzero()[0, 0]] for i in range(len(uniq))])  # a row per prompt
@@ -168,9 +173,16 @@ def shared_prompt_logprobs(model, batch: Batch, rows: torch.Tensor, group: torch
     C = max(1, int(batch.clen[rows].max()))  # these rows' longest completion (rows are length-sorted)
     b = len(rows)
     cids = batch.comp[rows, :C]  # (b, C)
+    valid = torch.arange(C)[None] < batch.clen[rows][:, None]
+    if packed is None:
+        packed = model.layers[0].__dict__.get("_compiled") is None
+    where = valid.flatten().nonzero().squeeze(1) if packed else None  # real completion tokens of the (b, C) grid
     # one embedding lookup for both passes: its backward allocates a (V, D) gradient once, not twice
-    emb = model.embed(torch.cat([pids.flatten(), cids.flatten()])).to(dtype)
-    x, y = emb[: U * Lp].view(U, Lp, -1), emb[U * Lp :].view(b, C, -1)
+    cflat = cids.flatten() if where is None else cids.flatten().index_select(0, where)
+    emb = model.embed(torch.cat([pids.flatten(), cflat])).to(dtype)
+    x, y = emb[: U * Lp].view(U, Lp, -1), emb[U * Lp :]
+    if where is None:
+        y = y.view(b, C, -1)
     pos = torch.arange(Lp).expand(U, Lp)
     cos, sin = model.rope(pos, dtype)
     pvalid = torch.arange(Lp)[None] < plen[:, None]  # (U, Lp)
@@ -199,10 +211,11 @@ def shared_prompt_logprobs(model, batch: Batch, rows: torch.Tensor, group: torch
             return (torch.cat([Kp.index_select(0, inv), k.transpose(1, 2).to(Kp.dtype)], dim=2),
                     torch.cat([Vp.index_select(0, inv), v.transpose(1, 2).to(Vp.dtype)], dim=2))
 
-        y = layer(y, cos2, sin2, join, m2)
-    hc = model.norm(y)  # (b, C, D); position j predicts token j + 1
+        y = layer(y, cos2, sin2, join, m2) if where is None else layer.forward_packed(y, where, b, C, cos2, sin2, join, m2)
+    hc = model.norm(y)  # (b, C, D) or packed (N, D); position j predicts token j + 1
+    if where is not None:
+        hc = hc.new_zeros(b * C, hc.shape[-1]).index_copy(0, where, hc).view(b, C, -1)
     h = torch.cat([h_last.index_select(0, inv)[:, None].to(hc.dtype), hc[:, : C - 1]], dim=1)
-    valid = torch.arange(C)[None] < batch.clen[rows][:, None]
     return _pad_to_batch(token_logprobs(model, h, cids, valid, with_entropy), batch)
 
 
