@@ -114,6 +114,37 @@ def test_under_bf16_autocast(block_path):
     torch.testing.assert_close(got[0], ref[0], rtol=1e-5, atol=2e-5)  # same bf16 logits: the values agree
 
 
+def test_kept_logits_blocks_equal_recomputed_blocks(monkeypatch):
+    """Under bf16 autocast with the kernels, the backward takes the forward's logits blocks instead of
+    recomputing them (``KEEP_BLOCKS``): the same values and gradients as recomputing, and one lm_head matmul
+    per block fewer. Without autocast nothing is kept."""
+    if L._fused() is None:
+        pytest.skip("the CPU kernels are not available here")
+    monkeypatch.setattr(L, "BLOCK", 513 * 37)  # three blocks
+    h, W, ids, gout = _case(seed=5)
+    real, calls = torch.nn.functional.linear, [0]
+
+    def counted(*a, **k):
+        calls[0] += 1
+        return real(*a, **k)
+
+    monkeypatch.setattr(L.F, "linear", counted)
+    out = {}
+    for keep in (False, True):
+        monkeypatch.setattr(L, "KEEP_BLOCKS", keep)
+        calls[0] = 0
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            out[keep] = _grads(lambda h, W, i: LinearLogprobs.apply(h, W, i, True), h, W, ids, gout)
+        out[keep] = (*out[keep], calls[0])
+    assert out[False][-1] == 6 and out[True][-1] == 3  # forward 3 blocks (+ 3 recomputed in the backward)
+    for a, b in zip(out[True][:-1], out[False][:-1]):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+    assert out[True][3].dtype == W.dtype and out[True][3].abs().sum() > 0
+    calls[0] = 0
+    _grads(lambda h, W, i: LinearLogprobs.apply(h, W, i, True), h, W, ids, gout)  # fp32: recomputed
+    assert calls[0] == 6
+
+
 def test_fused_block_kernels_match_torch_ops():
     """``lse_block_`` and ``softmax_grad_`` on fp32 and bf16 blocks with a width that is no multiple of 8,
     targets inside and outside the block, and a running state that starts empty or carries a larger max."""

@@ -28,6 +28,7 @@ import torch
 import torch.nn.functional as F
 
 BLOCK = 1 << 22  # floats per logits block (16 MB): 512 tokens x 8,192 vocabulary columns
+KEEP_BLOCKS = True  # bf16 autocast + kernels: keep the forward's logits blocks for the backward (False: recompute)
 
 
 def logprobs_and_entropy(logits: torch.Tensor, ids: torch.Tensor, with_entropy: bool):
@@ -55,9 +56,19 @@ class LinearLogprobs(torch.autograd.Function):
         m = torch.full((N,), float("-inf"))  # running max, sum of exp(logit - max), sum of that * logit
         s, t, tgt = torch.zeros(N), torch.zeros(N), torch.zeros(N)
         ext = _fused()
+        # under bf16 autocast with the kernels, the bf16 logits blocks are kept for the backward (2 bytes per
+        # token and vocabulary entry, ~150 MB for 1,500 tokens of SmolLM2) instead of being recomputed there,
+        # and the weight is cast to bf16 once for both passes
+        keep = (ext is not None and KEEP_BLOCKS and torch.is_autocast_enabled("cpu")
+                and torch.get_autocast_dtype("cpu") == torch.bfloat16 and any(ctx.needs_input_grad[:2]))
+        w_mm = weight.to(torch.bfloat16) if keep else weight
+        ctx.blocks = [] if keep else None
         for c0, c1 in vocab_chunks(N, V):
             if ext is not None:  # one pass over the block, in its own dtype (kernels/logprobs.cpp)
-                ext.lse_block_(F.linear(h, weight[c0:c1]).contiguous(), m, s, t, tgt, ids, c0, with_entropy)
+                lg = F.linear(h, w_mm[c0:c1]).contiguous()
+                ext.lse_block_(lg, m, s, t, tgt, ids, c0, with_entropy)
+                if keep:
+                    ctx.blocks.append(lg)
                 continue
             lg = F.linear(h, weight[c0:c1]).float()  # (N, c1 - c0)
             m_new = torch.maximum(m, lg.amax(1))
@@ -71,7 +82,8 @@ class LinearLogprobs(torch.autograd.Function):
             inside = ((ids >= c0) & (ids < c1)).nonzero().squeeze(1)
             tgt[inside] = lg[inside, ids[inside] - c0]
         logz = m + s.log()
-        ctx.save_for_backward(h, weight, ids, logz)
+        ctx.save_for_backward(h, w_mm, ids, logz)
+        ctx.weight_dtype = weight.dtype
         if not with_entropy:
             return tgt - logz, torch.zeros(0)
         ent = logz - t / s  # -sum p log p = logz - sum p logit
@@ -81,7 +93,8 @@ class LinearLogprobs(torch.autograd.Function):
     @staticmethod
     @torch.amp.custom_bwd(device_type="cpu")
     def backward(ctx, g_logp: torch.Tensor, _g_ent):
-        h, weight, ids, logz = ctx.saved_tensors
+        h, weight, ids, logz = ctx.saved_tensors  # weight: the forward's bf16 copy when it kept its blocks
+        blocks, ctx.blocks = ctx.blocks, None
         need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         N, V = h.shape[0], weight.shape[0]
         gh = torch.zeros(h.shape, dtype=torch.float32) if need_h else None
@@ -89,10 +102,13 @@ class LinearLogprobs(torch.autograd.Function):
         g_logp = g_logp.float().contiguous()
         h_mm = None  # h in the dtype of the weight-gradient matmul, cast once
         ext = _fused()
-        for c0, c1 in vocab_chunks(N, V):
+        for i, (c0, c1) in enumerate(vocab_chunks(N, V)):
             w = weight[c0:c1]
             if ext is not None:
-                g = F.linear(h, w).contiguous()  # the chunk's logits again, in the forward's dtype
+                if blocks is not None:  # the forward's logits block (freed once used)
+                    g, blocks[i] = blocks[i], None
+                else:
+                    g = F.linear(h, w).contiguous()  # the chunk's logits again, in the forward's dtype
                 ext.softmax_grad_(g, logz, g_logp, ids, c0)  # (onehot - softmax) * g, in place
                 if g.dtype != torch.float32:  # autocast: both matmuls in bf16, as autocast's own backward runs
                     if need_h:
@@ -111,7 +127,7 @@ class LinearLogprobs(torch.autograd.Function):
             if need_w:  # straight into the gradient's rows (no block-sized temporary)
                 h_mm = h.float() if h_mm is None else h_mm
                 torch.mm(g.t(), h_mm, out=gw[c0:c1])
-        return (None if gh is None else gh.to(h.dtype), None if gw is None else gw.to(weight.dtype), None, None)
+        return (None if gh is None else gh.to(h.dtype), None if gw is None else gw.to(ctx.weight_dtype), None, None)
 
 
 def _fused():
