@@ -33,6 +33,9 @@ def test_bench_e2e_spec_modes_rows_ratios_and_figure(tmp_path, capsys):
                 "speedup_vs_trl"} <= set(r)
         assert len(r["step_s_all"]) == len(r["reward_mean_per_step"]) == 2
         assert 0 < r["tokens_per_step"] <= 2 * 2 * 6
+        assert r["ms_per_token_median"] == pytest.approx(statistics.median(
+            1000 * s / n for s, n in zip(r["step_s_all"], r["tokens_all"])), rel=0.1)  # step_s_all: 1 ms steps
+        assert r["speedup_vs_off_per_token"] == pytest.approx(off["ms_per_token_median"] / r["ms_per_token_median"])
         assert r["speedup_vs_off"] == pytest.approx(off["step_s_median"] / r["step_s_median"])
         assert r["speedup_vs_trl"] is None
         assert res["reward_curves"][r["spec"]] == r["reward_mean_per_step"]
@@ -51,9 +54,12 @@ def test_bench_e2e_spec_modes_rows_ratios_and_figure(tmp_path, capsys):
 
 
 def test_ratios_against_trl():
-    res = {"rows": [{"system": "specroll", "spec": "off", "step_s_median": 4.0, "reward_mean_per_step": [0.1]},
-                    {"system": "specroll", "spec": "reuse+draft", "step_s_median": 1.0, "reward_mean_per_step": [0.2]},
-                    {"system": "trl", "spec": "off", "step_s_median": 10.0, "reward_mean_per_step": [0.3]},
+    res = {"rows": [{"system": "specroll", "spec": "off", "step_s_median": 4.0, "reward_mean_per_step": [0.1],
+                     "ms_per_token_median": 3.0},
+                    {"system": "specroll", "spec": "reuse+draft", "step_s_median": 1.0, "reward_mean_per_step": [0.2],
+                     "ms_per_token_median": 2.0},
+                    {"system": "trl", "spec": "off", "step_s_median": 10.0, "reward_mean_per_step": [0.3],
+                     "ms_per_token_median": 12.0},
                     {"system": "trl+specroll", "spec": "off", "step_s_median": 8.0, "reward_mean_per_step": [0.4]}]}
     e2e.add_ratios(res)
     off, comb, trl, trl_spec = res["rows"]
@@ -61,12 +67,17 @@ def test_ratios_against_trl():
     assert (off["speedup_vs_trl"], comb["speedup_vs_trl"], trl["speedup_vs_trl"]) == (2.5, 10.0, 1.0)
     assert (trl_spec["speedup_vs_trl"], trl_spec["speedup_vs_off"]) == (1.25, 0.5)  # TRL's median over its own
     assert res["speedup_vs_trl"] == 2.5  # the off row's, as before the spec modes existed
-    assert res["best"] == {"spec": "reuse+draft", "step_s_median": 1.0, "speedup_vs_off": 4.0, "speedup_vs_trl": 10.0}
+    assert (off["speedup_vs_trl_per_token"], comb["speedup_vs_trl_per_token"], comb["speedup_vs_off_per_token"]) == (
+        4.0, 6.0, 1.5)
+    assert trl_spec["speedup_vs_trl_per_token"] is None  # no token counts: no per-token ratio
+    assert res["best"] == {"spec": "reuse+draft", "step_s_median": 1.0, "speedup_vs_off": 4.0, "speedup_vs_trl": 10.0,
+                           "speedup_vs_trl_per_token": 6.0}
     assert res["reward_curves"] == {"off": [0.1], "reuse+draft": [0.2], "trl": [0.3], "trl+specroll": [0.4]}
 
 
 ROW_KEYS = {"system", "spec", "step_s_median", "tokens_per_step", "phases", "step_s_all", "phases_all",
-            "reward_mean_per_step", "speedup_vs_off", "speedup_vs_trl"}
+            "reward_mean_per_step", "speedup_vs_off", "speedup_vs_trl", "tokens_all", "ms_per_token_median",
+            "speedup_vs_off_per_token", "speedup_vs_trl_per_token"}
 TRL_KEYS = ROW_KEYS | {"bf16", "step_s_median_after_epoch1"}
 TRL_SPECROLL_KEYS = TRL_KEYS | {"rollout_s", "rollout_s_all", "rollout_func", "reuse_mode", "spec_metrics_per_step"}
 

@@ -51,7 +51,10 @@ is then ``reuse`` and its ``reuse_mode`` names the rule (without it: ``off`` and
 
 Every row gets ``speedup_vs_off`` and ``speedup_vs_trl``: the median step time of the reference row
 (specroll ``off``; ``trl``) divided by this row's, so > 1 means this row is faster, None when the
-reference did not run. For ``trl+specroll`` that is TRL's own median step over TRL-with-specroll's:
+reference did not run. The modes sample different completions (reuse keeps an earlier epoch's, and any
+change in arithmetic moves the trajectory), so their steps hold different numbers of tokens: each row
+also has ``ms_per_token_median`` (the median over steps of step time per completion token, ``tokens_all``
+per step) and the same two ratios of it, ``speedup_vs_off_per_token`` and ``speedup_vs_trl_per_token``. For ``trl+specroll`` that is TRL's own median step over TRL-with-specroll's:
 the whole-step gain of swapping in specroll's generation. Each row also has its per-step reward curve
 and spec metrics, and ``step_s_median_after_epoch1`` when there is more than one epoch;
 ``reward_curves`` and a PNG (reward and step time against step, every row) sit beside the timings.
@@ -139,6 +142,8 @@ def _summary(system: str, steps: list[dict], spec: str = "off", first_epoch: int
     out = {
         "system": system, "spec": spec, "step_s_median": med("step"),
         "tokens_per_step": statistics.mean(s["tokens"] for s in steps),
+        "tokens_all": [None if math.isnan(s["tokens"]) else round(s["tokens"]) for s in steps],
+        "ms_per_token_median": _per_token(steps),
         "phases": {p: med(p) for p in PHASES},
         "step_s_all": [round(s["step"], 3) for s in steps],
         "phases_all": {p: [round(s.get(p, 0.0), 3) for s in steps] for p in PHASES},
@@ -147,6 +152,12 @@ def _summary(system: str, steps: list[dict], spec: str = "off", first_epoch: int
     if 0 < first_epoch < len(steps):  # steps that could reuse an earlier epoch's rollouts
         out["step_s_median_after_epoch1"] = med("step", steps[first_epoch:])
     return out
+
+
+def _per_token(steps: list[dict]) -> float | None:
+    """Median over steps of the step's milliseconds per completion token (None without token counts)."""
+    xs = [1000.0 * s["step"] / s["tokens"] for s in steps if s["tokens"] > 0]  # a NaN count compares False
+    return statistics.median(xs) if xs else None
 
 
 def _step_record(tr, m: dict) -> dict:
@@ -392,11 +403,14 @@ def add_ratios(res: dict) -> None:
     for r in rows:
         r["speedup_vs_off"] = off["step_s_median"] / r["step_s_median"] if off else None
         r["speedup_vs_trl"] = trl["step_s_median"] / r["step_s_median"] if trl else None
+        for name, ref in (("off", off), ("trl", trl)):  # the same ratios per completion token
+            a, b = (ref or {}).get("ms_per_token_median"), r.get("ms_per_token_median")
+            r[f"speedup_vs_{name}_per_token"] = a / b if a and b else None
     ref = off or (ours[0] if ours else None)
     res["speedup_vs_trl"] = ref["speedup_vs_trl"] if ref else None
     best = min(ours, key=lambda r: r["step_s_median"]) if ours else None
-    res["best"] = None if best is None else {k: best[k] for k in ("spec", "step_s_median", "speedup_vs_off",
-                                                                  "speedup_vs_trl")}
+    res["best"] = None if best is None else {k: best.get(k) for k in (
+        "spec", "step_s_median", "speedup_vs_off", "speedup_vs_trl", "speedup_vs_trl_per_token")}
     res["reward_curves"] = {_label(r): r["reward_mean_per_step"] for r in rows}
 
 
@@ -477,8 +491,10 @@ def cli(args) -> int:
         ph = ", ".join(f"{k} {v:.2f}" for k, v in r["phases"].items())
         vs = "".join(f"  {v:.2f}x vs {k[11:]}" for k in ("speedup_vs_off", "speedup_vs_trl") if (v := r.get(k)))
         eng = f", engine rollout {r['rollout_s']:.2f}" if r.get("rollout_s") is not None else ""
+        pt = "" if r.get("ms_per_token_median") is None else f"  {r['ms_per_token_median']:.2f} ms/token" + (
+            f" ({r['speedup_vs_trl_per_token']:.2f}x vs trl)" if r.get("speedup_vs_trl_per_token") else "")
         print(f"{r['system']:12s} {_label(r):12s} step {r['step_s_median']:.2f}s  tokens/step "
-              f"{r['tokens_per_step']:.0f}{vs}  ({ph}{eng})")
+              f"{r['tokens_per_step']:.0f}{vs}{pt}  ({ph}{eng})")
     if res.get("trl_missing"):
         print(res["trl_missing"])
     print(f"wrote {args.out} and {res['figure']}")
