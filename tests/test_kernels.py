@@ -498,3 +498,33 @@ def test_decoder_layers_weights_follow_in_place_updates_and_replaced_parameters(
             ref = _step_outputs(model, 40, 1, False, seed=0)
             monkeypatch.setattr(decoder.Decoder, "_fused_weights", real)
             assert torch.equal(fused[0], ref[0]), change
+
+
+@needs_kernel
+def test_frozen_weights_checks_the_fused_weight_list_once():
+    """Inside ``Decoder.frozen_weights`` (a rollout) the packed weight list is checked against the parameters at
+    the first forward only; outside it, and in the next ``frozen_weights``, every forward checks again."""
+    from specroll.models import decoder
+    from specroll.models.tiny import tiny_hf_config
+
+    torch.manual_seed(3)
+    model = decoder.Decoder(decoder.DecoderConfig.from_hf(tiny_hf_config("llama"))).eval()
+    x = torch.zeros(1, 1, model.cfg.hidden_size)
+    from specroll.engine.cache import KVCache
+
+    cache = KVCache.for_model(model.cfg, 1, 8, torch.float32)
+    with torch.no_grad():
+        first = model._fused_weights(x, cache)
+        with model.frozen_weights():
+            assert model._fused_weights(x, cache) is first
+            model.layers[0].gate_up.weight.mul_(1.5)
+            assert model._fused_weights(x, cache) is first  # the promise: not re-checked inside
+            with model.frozen_weights():  # re-entrant
+                assert model._fused_weights(x, cache) is first
+            assert model._fused_weights(x, cache) is first
+        fresh = model._fused_weights(x, cache)  # outside: the change shows
+        assert fresh is not first
+        model.layers[1].o.weight.mul_(2.0)
+        with model.frozen_weights():
+            again = model._fused_weights(x, cache)
+            assert again is not fresh and model._fused_weights(x, cache) is again

@@ -14,6 +14,7 @@ sampling distribution's.
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass, field
 
 import torch
@@ -194,7 +195,9 @@ class Engine:
     @torch.no_grad()
     def generate(self, prompts, params: SamplingParams, n: int = 1, drafter=None) -> list[Rollout]:
         """Sample ``n`` completions for each prompt. Returns prompt-major rollouts (p0s0, p0s1, ...)."""
-        with self.precision():  # every forward of the rollout, the drafter's included
+        # every forward of the rollout (the drafter's included) in the engine's precision; the policy's weights
+        # do not change during a rollout, so its fused layer list is checked against them once
+        with self.precision(), getattr(self.model, "frozen_weights", contextlib.nullcontext)():
             return self._generate(prompts, params, n, drafter)
 
     def _generate(self, prompts, params: SamplingParams, n: int, drafter) -> list[Rollout]:
