@@ -1,10 +1,11 @@
 """A/B of the kernels of another git revision against the working tree, in one process (BENCHMARKS.md).
 
-  python benchmarks/ab_build.py REV [--batch B] [--tokens 1,7,8] [--reps 25]
+  python benchmarks/ab_build.py REV [--batch B] [--tokens 1,7,8] [--reps 25] [--dtype float32|bfloat16]
+      [--cache 150]
 
 Builds ``specroll/kernels/*.cpp`` as of REV into a scratch directory (a second extension module, ~45 s),
-then times one policy forward + logits of SmolLM2 (fp32, B rows over a 150-token cache, T new tokens per
-row) with each build in turn, alternating which goes first, and prints medians. Both builds read the same
+then times one policy forward + logits of SmolLM2 (an engine of ``--dtype``, fp32 by default; B rows over a
+``--cache``-token cache, T new tokens per row) with each build in turn, alternating which goes first, and prints medians. Both builds read the same
 packed weights, so only the kernels' code differs; the kernels' results are checked to agree first."""
 
 from __future__ import annotations
@@ -46,6 +47,8 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--tokens", default="1,7,8", help="new tokens per row in a forward, comma-separated")
     ap.add_argument("--reps", type=int, default=25)
+    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    ap.add_argument("--cache", type=int, default=150, help="cached tokens per row before the timed forwards")
     args = ap.parse_args()
     torch.set_grad_enabled(False)
     new = kernels.skinny()
@@ -54,13 +57,13 @@ def main() -> None:
         print(f"building the kernels of {args.rev} ...", flush=True)
         old = build(args.rev, Path(tmp))
         model, _ = hub.load("smollm2-135m", torch.float32)
-        engine = Engine(model, eos_ids=[], dtype=torch.float32)
-        B, Ts = args.batch, [int(t) for t in args.tokens.split(",")]
-        cache = KVCache.for_model(model.cfg, B, 150 + max(Ts), torch.float32)
+        engine = Engine(model, eos_ids=[], dtype=getattr(torch, args.dtype))
+        B, Ts, P = args.batch, [int(t) for t in args.tokens.split(",")], args.cache
+        cache = KVCache.for_model(model.cfg, B, P + max(Ts), engine.kv_dtype)
         cache.reset(B)
-        slots = cache.chain_slots(150)
-        engine.forward(cache, torch.randint(1000, (B, 150)), slots, slots, cache.mask(150))
-        cache.advance(150)
+        slots = cache.chain_slots(P)
+        engine.forward(cache, torch.randint(1000, (B, P)), slots, slots, cache.mask(P))
+        cache.advance(P)
         x = torch.randn(8, 576)
         w = model.layers[0].gate_up._pack("skinny")[0]
         torch.testing.assert_close(old.linear(x, w, w.shape[0] * 16, None, None, None, 1e-5, False),
@@ -74,11 +77,11 @@ def main() -> None:
                 for T in Ts:
                     s = cache.chain_slots(T)
                     t = time.perf_counter()
-                    model.logits(engine.forward(cache, torch.randint(1000, (B, T)), s, s, cache.mask(T)))
+                    engine.logits(engine.forward(cache, torch.randint(1000, (B, T)), s, s, cache.mask(T)))
                     times.setdefault((name, T), []).append(time.perf_counter() - t)  # slots rewritten next time
         for T in Ts:
             o, n = (statistics.median(times[(k, T)]) for k in ("old", "new"))
-            print(f"batch {B}, {T} tokens per row: {args.rev} {o * 1e3:.2f} ms, working tree {n * 1e3:.2f} ms "
+            print(f"{args.dtype} batch {B}, {T} tokens per row over {P}: {args.rev} {o * 1e3:.2f} ms, working tree {n * 1e3:.2f} ms "
                   f"({o / n:.3f}x)")
 
 
