@@ -314,11 +314,12 @@ def _sdpa64(q, k, v, mask):
 
 @needs_kernel
 @pytest.mark.parametrize("Q,S,D", [(1, 1, 64), (3, 7, 64), (3, 100, 64), (17, 33, 24), (64, 9, 128), (5, 300, 8),
-                                   (6, 21, 12)])
+                                   (6, 21, 12), (7, 37, 16), (2, 19, 80)])
 @pytest.mark.parametrize("mask_kind", ["none", "ragged", "broadcast"])
-def test_attention_kernel_matches_sdpa(Q, S, D, mask_kind):
+def test_attention_kernel_matches_sdpa(Q, S, D, mask_kind, isa):
     """The kernel against float64 attention and SDPA, on strided cache-like K/V views; scores span a wide
-    range (the kernel's own exp), rows see different numbers of keys, some queries see none (zeros)."""
+    range (the kernel's own exp), rows see different numbers of keys, some queries see none (zeros). Under
+    AVX-512 a head_dim that is a multiple of 16 takes the 16-lane code (others the AVX2 code)."""
     g = torch.Generator().manual_seed(Q * 1000 + S + D)
     B, H = 3, 2
     q = torch.randn(B, H, Q, D, generator=g) * 4
@@ -335,6 +336,43 @@ def test_attention_kernel_matches_sdpa(Q, S, D, mask_kind):
     torch.testing.assert_close(out, _sdpa64(q, k, v, mask), atol=2e-5, rtol=2e-5)
     if mask_kind != "ragged":  # SDPA's NaN rows aside, the same as what the eager path computes
         torch.testing.assert_close(out, F.scaled_dot_product_attention(q, k, v, attn_mask=mask), atol=2e-5, rtol=2e-5)
+
+
+@needs_kernel
+@pytest.mark.parametrize("kv", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("T,S", [(1, 101), (7, 40), (1, 3), (2, 17)])
+def test_rope_attention_at_smollm2_head_layout(T, S, kv, isa):
+    """``rope_attention`` with SmolLM2's heads (9 query heads on 3 KV heads, head_dim 64) over S committed cache
+    slots plus T new ones, fp32 or bf16 cache, against float64 attention over the cache as written (RoPE'd k and
+    v, rounded to the cache's dtype); the written slots against the rounded RoPE'd k / v."""
+    from specroll.models.decoder import rope_tables, rotate
+
+    NH, KV, D, B = 9, 3, 64, 2
+    G = NH // KV
+    g = torch.Generator().manual_seed(T * 100 + S)
+    qkv = torch.randn(B, T, (NH + 2 * KV) * D, generator=g)
+    span = S + T
+    k_cache = torch.randn(B, KV, span + 3, D, generator=g).to(kv)
+    v_cache = torch.randn(B, KV, span + 3, D, generator=g).to(kv)
+    k0, v0 = k_cache.clone(), v_cache.clone()
+    slots = (S + torch.arange(T)).expand(B, T).contiguous()
+    inv_freq = 1.0 / (10000 ** (torch.arange(0, D, 2).float() / D))
+    cos, sin = rope_tables(slots, inv_freq, torch.float32)
+    vis = torch.arange(span)[None] <= (S + torch.arange(T))[:, None]  # (T, span): the prompt and the causal prefix
+    mask = vis[None].expand(G, T, span).reshape(1, 1, G * T, span)
+    out = ext.rope_attention(qkv, cos, sin, k_cache, v_cache, slots, mask, NH, KV, span, D ** -0.5)
+    q = rotate(qkv[..., : NH * D].view(B, T, NH, D), cos, sin)
+    k = rotate(qkv[..., NH * D : (NH + KV) * D].view(B, T, KV, D), cos, sin).to(kv)
+    v = qkv[..., (NH + KV) * D :].view(B, T, KV, D).to(kv)
+    K, V = k0.clone(), v0.clone()
+    K[:, :, S:span], V[:, :, S:span] = k.transpose(1, 2), v.transpose(1, 2)
+    torch.testing.assert_close(k_cache[:, :, :span].float(), K[:, :, :span].float(), atol=1e-2 if kv == torch.bfloat16 else 1e-5, rtol=1e-2)
+    assert torch.equal(k_cache[:, :, span:], k0[:, :, span:]) and torch.equal(v_cache[:, :, :span], V[:, :, :span])
+    Kd, Vd = K[:, :, :span].double(), V[:, :, :span].double()
+    sc = torch.einsum("bthd,bhsd->bhts", q.double(), Kd.repeat_interleave(G, 1)) * D ** -0.5
+    sc = sc.masked_fill(~vis, float("-inf"))
+    ref = torch.einsum("bhts,bhsd->bthd", torch.softmax(sc, -1), Vd.repeat_interleave(G, 1)).reshape(B, T, NH * D)
+    torch.testing.assert_close(out.double(), ref, atol=3e-5 if kv == torch.float32 else 2e-2, rtol=1e-4)
 
 
 @needs_kernel
@@ -377,7 +415,7 @@ def _step_outputs(model, cache_len: int, T: int, tree: bool, seed: int, B: int =
 @pytest.mark.parametrize("B", [4, 1])
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
 @pytest.mark.parametrize("T,tree", [(1, False), (4, False), (6, True)])
-def test_fused_rope_attention_step_matches_eager(monkeypatch, arch, T, tree, B, kv):
+def test_fused_rope_attention_step_matches_eager(monkeypatch, arch, T, tree, B, kv, isa):
     """A decode / tree-verification forward through ``rope_attention`` gives the eager path's hidden states
     and writes the same K/V into the cache (committed slots and new slots alike). At batch 1 with several
     tokens the kernel splits each head's queries between the threads (after writing every k / v). With a

@@ -356,6 +356,7 @@ void panels512x2(const X* x, int64_t ldx, int64_t M, int64_t K, const W* wp, flo
 }  // namespace
 
 std::string isa() { return use512() ? "avx512" : "avx2"; }
+bool kernels_use512() { return use512(); }  // for attention.cpp
 void set_isa(const std::string& name) {
   TORCH_CHECK(name == "auto" || name == "avx2" || name == "avx512", "set_isa: auto, avx2 or avx512, got ", name);
   TORCH_CHECK(name != "avx512" || cpu_avx512(), "set_isa: this CPU has no AVX-512");
