@@ -566,3 +566,6 @@ def test_frozen_weights_checks_the_fused_weight_list_once():
         with model.frozen_weights():
             again = model._fused_weights(x, cache)
             assert again is not fresh and model._fused_weights(x, cache) is again
+            with decoder.bf16_weights(True):  # another panel layout: its own list, not the trusted one
+                other = model._fused_weights(x, cache)
+                assert other is not again and other[1].dtype == torch.bfloat16 and again[1].dtype == torch.float32

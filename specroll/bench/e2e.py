@@ -51,11 +51,12 @@ is then ``reuse`` and its ``reuse_mode`` names the rule (without it: ``off`` and
 
 Every row gets ``speedup_vs_off`` and ``speedup_vs_trl``: the median step time of the reference row
 (specroll ``off``; ``trl``) divided by this row's, so > 1 means this row is faster, None when the
-reference did not run. The modes sample different completions (reuse keeps an earlier epoch's, and any
-change in arithmetic moves the trajectory), so their steps hold different numbers of tokens: each row
-also has ``ms_per_token_median`` (the median over steps of step time per completion token, ``tokens_all``
-per step) and the same two ratios of it, ``speedup_vs_off_per_token`` and ``speedup_vs_trl_per_token``. For ``trl+specroll`` that is TRL's own median step over TRL-with-specroll's:
-the whole-step gain of swapping in specroll's generation. Each row also has its per-step reward curve
+reference did not run. For ``trl+specroll`` that is TRL's own median step over TRL-with-specroll's:
+the whole-step gain of swapping in specroll's generation. The modes sample different completions (reuse
+keeps an earlier epoch's, and any change in arithmetic moves the trajectory), so their steps hold
+different numbers of tokens: each row also has ``ms_per_token_median`` (the median over steps of step
+time per completion token; ``tokens_all`` per step) and the same two ratios of it,
+``speedup_vs_off_per_token`` and ``speedup_vs_trl_per_token``. Each row also has its per-step reward curve
 and spec metrics, and ``step_s_median_after_epoch1`` when there is more than one epoch;
 ``reward_curves`` and a PNG (reward and step time against step, every row) sit beside the timings.
 """

@@ -491,12 +491,13 @@ class Decoder(nn.Module):
         if mods is None:  # every module whose parameters go into the list, in the list's order
             mods = self.__dict__["_fused_mods"] = [m for layer in self.layers for m in (
                 layer.attn_norm, layer.qkv, layer.o, layer.mlp_norm, layer.gate_up, layer.down)]
+        layout = (kind, kind == "skinny_bf16" and kernels.dot_bf16())
         hit = self.__dict__.get("_fused_hit")
-        if hit is not None and self.__dict__.get("_frozen_hit") is hit:  # checked once in this ``frozen_weights``
-            return hit[1]
+        if hit is not None and self.__dict__.get("_frozen_hit") is hit and hit[0][:2] == layout:
+            return hit[1]  # the parameters were checked at this ``frozen_weights``'s first forward
         # the list is rebuilt (and the panels re-packed by ``_pack``) whenever a parameter changed in place
         # (an optimizer step, load_state_dict) or was replaced: ~0.4 ms to check, ~430 us to rebuild
-        key = (kind, kind == "skinny_bf16" and kernels.dot_bf16(), tuple((w._version, w.data_ptr()) for m in mods for w in m._parameters.values() if w is not None))
+        key = (*layout, tuple((w._version, w.data_ptr()) for m in mods for w in m._parameters.values() if w is not None))
         if hit is not None and hit[0] == key:
             self._trust(hit)
             return hit[1]
