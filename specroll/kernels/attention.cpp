@@ -69,26 +69,22 @@ inline float dot8(const float* __restrict a, const KT* __restrict b, int64_t n) 
 // e^x for x <= 0 (scores minus their row max), 8 lanes: x = n ln2 + r with |r| <= ln2 / 2, e^r by its
 // Taylor series to r^7 (relative error < 1e-8 there), 2^n through the exponent bits. e^x for x < -87
 // (below float's normal range) is 0; -inf gives 0.
+// The constants of both widths' e^x: the floor, log2(e), ln2 split in a part exact in float and the rest, and
+// the Taylor coefficients of e^r from r^7 down (Horner order).
+constexpr float EXP_MIN = -87.f, LOG2E = 1.44269504088896341f, LN2_HI = 0.693145751953125f,
+                LN2_LO = 1.428606765330187e-06f;
+constexpr float EXP_TAYLOR[8] = {1.f / 5040.f, 1.f / 720.f, 1.f / 120.f, 1.f / 24.f, 1.f / 6.f, 0.5f, 1.f, 1.f};
+
 inline __m256 exp_nonpos(__m256 x) {
-  const __m256 lo = _mm256_set1_ps(-87.f);
+  const __m256 lo = _mm256_set1_ps(EXP_MIN);
   const __m256 tiny = _mm256_cmp_ps(x, lo, _CMP_LT_OQ);
   x = _mm256_max_ps(x, lo);
-  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
-                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  // r = x - n ln2, with ln2 split in a part exact in float and the rest
-  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693145751953125f), x);
-  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(1.428606765330187e-06f), r);
-  __m256 y = _mm256_set1_ps(1.f / 5040.f);
-  y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(1.f / 720.f));
-  y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(1.f / 120.f));
-  y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(1.f / 24.f));
-  y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(1.f / 6.f));
-  y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(0.5f));
-  y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(1.f));
-  y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(1.f));
+  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(LOG2E)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(LN2_LO), _mm256_fnmadd_ps(n, _mm256_set1_ps(LN2_HI), x));
+  __m256 y = _mm256_set1_ps(EXP_TAYLOR[0]);
+  for (int i = 1; i < 8; i++) y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(EXP_TAYLOR[i]));
   const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
-  y = _mm256_mul_ps(y, _mm256_castsi256_ps(e));
-  return _mm256_andnot_ps(tiny, y);
+  return _mm256_andnot_ps(tiny, _mm256_mul_ps(y, _mm256_castsi256_ps(e)));
 }
 
 // Eight 8-lane vectors -> one vector of their eight horizontal sums, in order.
@@ -213,20 +209,12 @@ SPECROLL_A512 inline __m512 hsum16(const __m512* v) {
 
 // e^x for x <= 0 in 16 lanes: ``exp_nonpos``'s method.
 SPECROLL_A512 inline __m512 exp16_nonpos(__m512 x) {
-  const __mmask16 tiny = _mm512_cmp_ps_mask(x, _mm512_set1_ps(-87.f), _CMP_LT_OQ);
-  x = _mm512_max_ps(x, _mm512_set1_ps(-87.f));
-  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145751953125f), x);
-  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.428606765330187e-06f), r);
-  __m512 y = _mm512_set1_ps(1.f / 5040.f);
-  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(1.f / 720.f));
-  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(1.f / 120.f));
-  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(1.f / 24.f));
-  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(1.f / 6.f));
-  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(0.5f));
-  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(1.f));
-  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(1.f));
+  const __mmask16 tiny = _mm512_cmp_ps_mask(x, _mm512_set1_ps(EXP_MIN), _CMP_LT_OQ);
+  x = _mm512_max_ps(x, _mm512_set1_ps(EXP_MIN));
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(LOG2E)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(LN2_LO), _mm512_fnmadd_ps(n, _mm512_set1_ps(LN2_HI), x));
+  __m512 y = _mm512_set1_ps(EXP_TAYLOR[0]);
+  for (int i = 1; i < 8; i++) y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(EXP_TAYLOR[i]));
   const __m512i e = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
   return _mm512_maskz_mul_ps(static_cast<__mmask16>(~tiny), y, _mm512_castsi512_ps(e));
 }
