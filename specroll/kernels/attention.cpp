@@ -284,11 +284,21 @@ SPECROLL_A512 void pv16(const float* __restrict p, int64_t S, const KT* vb, int6
   }
 }
 
-template <typename KT, int QB>
-SPECROLL_A512 void block16(const float* qb, int64_t D, const KT* kb, int64_t kst, const KT* vb, int64_t vst, int64_t S,
-                           float* p, float* out, bool scores) {
-  if (scores) scores16<QB, KT>(qb, D, kb, kst, S, p);
-  else pv16<QB, KT>(p, S, vb, vst, D, out);
+// Every block of up to 4 queries of a task: raw scores (SCORES) or the V accumulation.
+template <typename KT, bool SCORES>
+SPECROLL_A512 void blocks16(const float* qb, int64_t Q, int64_t D, const KT* kb, int64_t kst, const KT* vb,
+                            int64_t vst, int64_t S, float* p, float* out) {
+  for (int64_t i0 = 0; i0 < Q; i0 += 4) {
+    const float* q = qb + i0 * D;
+    float* pp = p + i0 * S;
+    float* o = out + i0 * D;
+    switch (std::min<int64_t>(4, Q - i0)) {
+      case 4: SCORES ? scores16<4, KT>(q, D, kb, kst, S, pp) : pv16<4, KT>(pp, S, vb, vst, D, o); break;
+      case 3: SCORES ? scores16<3, KT>(q, D, kb, kst, S, pp) : pv16<3, KT>(pp, S, vb, vst, D, o); break;
+      case 2: SCORES ? scores16<2, KT>(q, D, kb, kst, S, pp) : pv16<2, KT>(pp, S, vb, vst, D, o); break;
+      default: SCORES ? scores16<1, KT>(q, D, kb, kst, S, pp) : pv16<1, KT>(pp, S, vb, vst, D, o);
+    }
+  }
 }
 
 // ``attend_one`` with 16-lane vectors (D % 16 == 0); same contract.
@@ -298,63 +308,47 @@ SPECROLL_A512 void attend_one512(const float* __restrict qb, int64_t Q, int64_t 
                                  float* __restrict out, float* __restrict p, float* __restrict mx,
                                  float* __restrict sum) {
   const float ninf = -std::numeric_limits<float>::infinity();
-  for (int pass = 0; pass < 2; pass++) {
-    if (pass == 1) {  // the scale, the mask, the row max; exponentials and their sum
-      for (int64_t i = 0; i < Q; i++) {
-        float* pr = p + i * S;
-        const bool* m = mrow ? mrow + i * mq : nullptr;
-        const __m512 scv = _mm512_set1_ps(sc), ninfv = _mm512_set1_ps(ninf);
-        __m512 best = ninfv;
-        int64_t s = 0;
-        for (; s + 16 <= S; s += 16) {
-          __m512 x = _mm512_mul_ps(scv, _mm512_loadu_ps(pr + s));
-          if (m) {  // bools are bytes 0 / 1
-            const __mmask16 vis = _mm_test_epi8_mask(_mm_loadu_si128(reinterpret_cast<const __m128i*>(m + s)),
-                                                     _mm_set1_epi8(1));
-            x = _mm512_mask_blend_ps(vis, ninfv, x);
-          }
-          _mm512_storeu_ps(pr + s, x);
-          best = _mm512_max_ps(best, x);
-        }
-        float b = _mm512_reduce_max_ps(best);
-        for (; s < S; s++) {
-          const float x = (!m || m[s]) ? sc * pr[s] : ninf;
-          pr[s] = x;
-          b = std::max(b, x);
-        }
-        mx[i] = b;
-        if (b == ninf) {
-          std::fill(pr, pr + S, 0.f);
-          sum[i] = 0.f;
-          continue;
-        }
-        const __m512 m16 = _mm512_set1_ps(b);
-        __m512 z16 = _mm512_setzero_ps();
-        s = 0;
-        for (; s + 16 <= S; s += 16) {
-          const __m512 e = exp16_nonpos(_mm512_sub_ps(_mm512_loadu_ps(pr + s), m16));
-          _mm512_storeu_ps(pr + s, e);
-          z16 = _mm512_add_ps(z16, e);
-        }
-        float z = _mm512_reduce_add_ps(z16);
-        for (; s < S; s++) z += (pr[s] = std::exp(pr[s] - b));
-        sum[i] = z;
+  blocks16<KT, true>(qb, Q, D, kb, kst, vb, vst, S, p, out);
+  for (int64_t i = 0; i < Q; i++) {  // the scale, the mask, the row max; exponentials and their sum
+    float* pr = p + i * S;
+    const bool* m = mrow ? mrow + i * mq : nullptr;
+    const __m512 scv = _mm512_set1_ps(sc), ninfv = _mm512_set1_ps(ninf);
+    __m512 best = ninfv;
+    int64_t s = 0;
+    for (; s + 16 <= S; s += 16) {
+      __m512 x = _mm512_mul_ps(scv, _mm512_loadu_ps(pr + s));
+      if (m) {  // bools are bytes 0 / 1
+        const __mmask16 vis = _mm_test_epi8_mask(_mm_loadu_si128(reinterpret_cast<const __m128i*>(m + s)),
+                                                 _mm_set1_epi8(1));
+        x = _mm512_mask_blend_ps(vis, ninfv, x);
       }
+      _mm512_storeu_ps(pr + s, x);
+      best = _mm512_max_ps(best, x);
     }
-    const bool scores = pass == 0;
-    for (int64_t i0 = 0; i0 < Q; i0 += 4) {
-      const float* q = qb + i0 * D;
-      float* pp = p + i0 * S;
-      float* o = out + i0 * D;
-      switch (std::min<int64_t>(4, Q - i0)) {
-        case 4: block16<KT, 4>(q, D, kb, kst, vb, vst, S, pp, o, scores); break;
-        case 3: block16<KT, 3>(q, D, kb, kst, vb, vst, S, pp, o, scores); break;
-        case 2: block16<KT, 2>(q, D, kb, kst, vb, vst, S, pp, o, scores); break;
-        default: block16<KT, 1>(q, D, kb, kst, vb, vst, S, pp, o, scores);
-      }
+    float b = _mm512_reduce_max_ps(best);
+    for (; s < S; s++) {
+      const float x = (!m || m[s]) ? sc * pr[s] : ninf;
+      pr[s] = x;
+      b = std::max(b, x);
     }
+    mx[i] = b;
+    if (b == ninf) {
+      std::fill(pr, pr + S, 0.f);
+      sum[i] = 0.f;
+      continue;
+    }
+    const __m512 m16 = _mm512_set1_ps(b);
+    __m512 z16 = _mm512_setzero_ps();
+    for (s = 0; s + 16 <= S; s += 16) {
+      const __m512 e = exp16_nonpos(_mm512_sub_ps(_mm512_loadu_ps(pr + s), m16));
+      _mm512_storeu_ps(pr + s, e);
+      z16 = _mm512_add_ps(z16, e);
+    }
+    float z = _mm512_reduce_add_ps(z16);
+    for (; s < S; s++) z += (pr[s] = std::exp(pr[s] - b));
+    sum[i] = z;
   }
-  // pass 2 (the V accumulation) ran in the loop's second round; normalise
+  blocks16<KT, false>(qb, Q, D, kb, kst, vb, vst, S, p, out);
   for (int64_t i = 0; i < Q; i++) {
     if (sum[i] > 0.f) {
       const __m512 inv = _mm512_set1_ps(1.f / sum[i]);

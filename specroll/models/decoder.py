@@ -388,10 +388,7 @@ class Block(nn.Module):
         grid = qkv.new_zeros(B * T, qkv.shape[-1]).index_copy(0, where, qkv).view(B, T, -1)
         qf, k, v = self._heads(grid, cos, sin)
         K, V = (k.transpose(1, 2), v.transpose(1, 2)) if layer_kv is None else layer_kv(k, v)
-        nkv, hd = self.cfg.num_kv_heads, self.cfg.head_dim
-        a = attend(qf, K.to(qf.dtype), V.to(qf.dtype), mask)  # (B, KV, G*T, hd)
-        a = a.view(B, nkv, -1, T, hd).permute(0, 3, 1, 2, 4).reshape(B * T, -1).index_select(0, where)
-        return self._out(x, a)
+        return self._out(x, self._attend(qf, K, V, mask, B, T).reshape(B * T, -1).index_select(0, where))
 
     def _pre(self, x, cos, sin):
         """The layer up to its K/V write: ``_heads`` of the normed qkv projection."""
@@ -416,9 +413,13 @@ class Block(nn.Module):
     def _post(self, x, qf, K, V, mask):
         """The layer from attention on: attention over all visible K/V (B, KV, S, hd), o, the MLP."""
         B, T, _ = x.shape
+        return self._out(x, self._attend(qf, K, V, mask, B, T))
+
+    def _attend(self, qf, K, V, mask, B: int, T: int):
+        """``attend`` of the folded queries (B, KV, G*T, hd), back in HF head order: (B, T, nh * hd)."""
         nkv, hd = self.cfg.num_kv_heads, self.cfg.head_dim
         a = attend(qf, K.to(qf.dtype), V.to(qf.dtype), mask)  # (B, KV, G*T, hd)
-        return self._out(x, a.view(B, nkv, -1, T, hd).permute(0, 3, 1, 2, 4).reshape(B, T, -1))
+        return a.view(B, nkv, -1, T, hd).permute(0, 3, 1, 2, 4).reshape(B, T, -1)
 
     def _out(self, x, a):
         x = self.o(a, residual=x)
