@@ -227,3 +227,25 @@ def test_warm_up_trainer_outlives_the_timed_rows(tmp_path, monkeypatch):
     assert main(COMMON + ["--steps", "1", "--warmup", "2", "--out", str(tmp_path / "w.json")]) == 0
     assert seen["alive_during_rows"] and seen["steps"] == 2
     assert real_warm(e2e._config(build_parser().parse_args(COMMON + ["--steps", "1"])), 0) == (0.0, None)
+
+
+def test_run_figures_of_two_runs_in_one_folder_do_not_overwrite_each_other(tmp_path):
+    """``run_figure``: each run's figure is named after its JSON; the fixed name holds the latest run's copy."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from specroll.bench.common import run_figure, save_figure
+
+    written = []
+    for stem, y in (("a", [1, 2]), ("b", [3, 1])):
+        png, latest = run_figure(tmp_path / f"{stem}.json", "curve.png")
+        assert (png, latest) == (tmp_path / f"{stem}_curve.png", tmp_path / "curve.png")
+        fig, ax = plt.subplots()
+        ax.plot(y)
+        assert save_figure(fig, png, latest=latest) == png
+        written.append(png.read_bytes())
+    assert written[0] != written[1]  # two different figures, both kept
+    assert (tmp_path / "a_curve.png").read_bytes() == written[0]
+    assert (tmp_path / "curve.png").read_bytes() == written[1]

@@ -329,7 +329,10 @@ def test_bench_spec_static_and_adaptive_rows_and_figure(tmp_path, monkeypatch, c
     rows = json.loads(out.read_text())["rows"]
     assert [(r["batch"], r["plan"]) for r in rows] == [(1, "static"), (4, "static"), (1, "adaptive"), (4, "adaptive")]
     assert rows[2]["plan_max"] == {"n_verify": 8, "k": 4, "depth": 3}  # BudgetPlanner(8, k_max=4, l_max=5)(1)
-    assert (out.parent / "speedup_vs_batch.png").read_bytes()[:4] == b"\x89PNG"
+    png = out.parent / "spec_speedup_vs_batch.png"  # this run's figure, and its copy under the contract's name
+    assert json.loads(out.read_text())["figure"] == str(png)
+    assert png.read_bytes()[:4] == b"\x89PNG"
+    assert (out.parent / "speedup_vs_batch.png").read_bytes() == png.read_bytes()
     # sampled chains sized by the budget: C_peak 8 gives 7 drafts at 1 row (capped by --depth 5), 1 at 4 live rows,
     # none at 8 (plain steps emit one token per row, so with every row run to the length limit all 8 stay live)
     assert main(["bench", "spec", "--model", "tiny-llama", "--draft", str(tmp_path / "head"), "--batch-sizes", "1,4,8",

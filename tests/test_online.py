@@ -447,7 +447,9 @@ def test_cli_bench_online_writes_both_curves(tmp_path, monkeypatch, capsys, desi
         assert r["tokens_generated"] > 0
         assert (r["draft_loss"] is not None) == (r["mode"] == "online")
     assert set(res["summary"]) == {"online", "frozen"}
-    assert (out.parent / "accept_length_vs_step.png").stat().st_size > 0
+    png = out.parent / "online_accept_length_vs_step.png"
+    assert res["figure"] == str(png) and png.read_bytes()[:4] == b"\x89PNG"
+    assert (out.parent / "accept_length_vs_step.png").read_bytes() == png.read_bytes()
     assert "online: accept length" in capsys.readouterr().out
     assert main(["bench", "online", "--model", "tiny-llama", "--draft", str(tmp_path / "none"), "--out",
                  str(out)]) == 2

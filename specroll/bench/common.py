@@ -10,6 +10,7 @@ import datetime
 import json
 import os
 import platform
+import shutil
 import statistics
 import time
 from pathlib import Path
@@ -51,8 +52,9 @@ def measure_matmul_rate(dtype: torch.dtype, n: int = 2048, repeats: int = 5) -> 
     return 2 * n**3 / best / 1e9
 
 
-def save_figure(fig, png: str | Path, dpi: int = 110) -> Path:
-    """Lay out, write (creating the folder) and close a matplotlib figure; returns the path."""
+def save_figure(fig, png: str | Path, dpi: int = 110, latest: str | Path | None = None) -> Path:
+    """Lay out, write (creating the folder) and close a matplotlib figure; returns the path. ``latest``: also
+    copy it there (a fixed name that always holds the most recent run's figure, see ``run_figure``)."""
     import matplotlib.pyplot as plt
 
     fig.tight_layout()
@@ -60,7 +62,16 @@ def save_figure(fig, png: str | Path, dpi: int = 110) -> Path:
     png.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(png, dpi=dpi)
     plt.close(fig)
+    if latest is not None and Path(latest) != png:
+        shutil.copyfile(png, latest)
     return png
+
+
+def run_figure(out: str | Path, name: str) -> tuple[Path, Path]:
+    """Where a benchmark writing ``out`` (its JSON) puts its figure ``name``: ``<out stem>_<name>`` beside it, so
+    two runs into one folder keep their own figures, and a copy under ``name`` itself (the latest run's)."""
+    out = Path(out)
+    return out.with_name(f"{out.stem}_{name}"), out.with_name(name)
 
 
 def median_time(fn, repeats: int) -> float:

@@ -21,7 +21,8 @@ differ once the heads differ (a different draft consumes different random draws)
 Writes ``{"rows": [{"mode", "step", "accept_length", "accept_rate", "rollout_s", "rollout_cpu_s",
 "draft_update_s", "draft_loss", "draft_top1", "reward_mean", "tokens_generated"}], "summary": {mode:
 {"accept_length_start", "accept_length_end", "accept_length_min", "rollout_s_mean", ...}}, "config",
-"machine"}`` and ``accept_length_vs_step.png`` next to the JSON. ``accept_length`` is tokens emitted
+"machine", "figure"}`` and the figure ``<FILE stem>_accept_length_vs_step.png`` next to the JSON, copied to
+``accept_length_vs_step.png`` there (the latest run's; ``common.run_figure``). ``accept_length`` is tokens emitted
 per row per decode step (1.0 = no draft token accepted); ``_end`` is the mean of the last
 ``min(3, steps)`` steps.
 """
@@ -31,7 +32,7 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
-from .common import machine_info, save_figure, write_json
+from .common import machine_info, run_figure, save_figure, write_json
 
 MODES = ("online", "frozen")
 DESIGNS = ("paired", "separate")
@@ -160,7 +161,7 @@ def summarize(rows: list[dict]) -> dict:
     return out
 
 
-def plot(rows: list[dict], png: str | Path, design: str = "paired") -> Path:
+def plot(rows: list[dict], png: str | Path, design: str = "paired", latest: str | Path | None = None) -> Path:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -184,7 +185,7 @@ def plot(rows: list[dict], png: str | Path, design: str = "paired") -> Path:
     for a in (ax1, ax2):
         a.grid(alpha=0.3)
         a.legend()
-    return save_figure(fig, png)
+    return save_figure(fig, png, latest=latest)
 
 
 def run(args, say=print) -> dict:
@@ -212,11 +213,13 @@ def cli(args) -> int:
         raise CliError(f"--draft {args.draft}: no such directory; pass a `specroll draft train --out DIR` "
                        "directory or random")
     res = run(args)
+    png, latest = run_figure(args.out, "accept_length_vs_step.png")
+    res["figure"] = str(png)
     write_json(args.out, res)
-    png = plot(res["rows"], Path(args.out).parent / "accept_length_vs_step.png", args.design)
+    plot(res["rows"], png, args.design, latest=latest)
     for mode, s in res["summary"].items():
         print(f"{mode}: accept length {s['accept_length_start']:.2f} -> {s['accept_length_end']:.2f} "
               f"(min {s['accept_length_min']:.2f}), rollout {s['rollout_s_mean']:.1f}s/step, "
               f"draft update {s['draft_update_s_mean']:.2f}s/step")
-    print(f"wrote {args.out} and {png}")
+    print(f"wrote {args.out}, {png} and {latest}")
     return 0

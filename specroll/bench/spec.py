@@ -26,7 +26,7 @@ import torch
 from ..drafters.eagle import EagleDrafter, Plan, load_head_as
 from ..engine.engine import Engine
 from ..engine.sampling import SamplingParams
-from .common import DTYPES, machine_info, parse_float_list, parse_int_list, write_json
+from .common import DTYPES, machine_info, parse_float_list, parse_int_list, run_figure, write_json
 
 
 def _static(args):
@@ -168,7 +168,7 @@ def run_bench(args) -> dict:
             "repeats": args.repeats, "distinct_prompts": len(prompts), "machine": machine_info()}
 
 
-def plot_speedup_vs_batch(rows: list[dict], png) -> Path:
+def plot_speedup_vs_batch(rows: list[dict], png, latest=None) -> Path:
     """Speedup over the vanilla engine against batch size, one line per plan (FastGRPO Fig. 3)."""
     import matplotlib
 
@@ -187,13 +187,18 @@ def plot_speedup_vs_batch(rows: list[dict], png) -> Path:
     ax.legend()
     from .common import save_figure
 
-    return save_figure(fig, png)
+    return save_figure(fig, png, latest=latest)
 
 
 def cli(args) -> int:
     out = run_bench(args)
+    plots = len({r["plan"] for r in out["rows"]}) > 1
+    png, latest = run_figure(args.out, "speedup_vs_batch.png")
+    if plots:
+        out["figure"] = str(png)
     write_json(args.out, out)
     print(f"wrote {args.out}")
-    if len({r["plan"] for r in out["rows"]}) > 1:
-        print(f"wrote {plot_speedup_vs_batch(out['rows'], Path(args.out).with_name('speedup_vs_batch.png'))}")
+    if plots:
+        plot_speedup_vs_batch(out["rows"], png, latest=latest)
+        print(f"wrote {png} and {latest}")
     return 0
