@@ -320,8 +320,21 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+# options that name files or directories (comma-separated lists in --extra-data): a leading ``~`` of each is
+# expanded, as the shell does only at the start of a word (not after a comma or an ``=``)
+PATH_OPTIONS = ("out", "out_dir", "data", "draft", "init", "data_cache", "extra_data", "config", "resume", "run_dir")
+
+
+def expand_paths(args: argparse.Namespace) -> argparse.Namespace:
+    for name in PATH_OPTIONS:
+        v = getattr(args, name, None)
+        if isinstance(v, str) and "~" in v:
+            setattr(args, name, ",".join(os.path.expanduser(x) for x in v.split(",")))
+    return args
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    args = expand_paths(build_parser().parse_args(argv))
     try:
         rc = args.func(args)
     except (CliError, ValueError, FileNotFoundError) as e:

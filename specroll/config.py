@@ -24,6 +24,7 @@ import datetime
 import difflib
 import functools
 import math
+import os
 import re
 import types
 import typing
@@ -372,6 +373,12 @@ def _yaml_lines(text: str) -> dict[tuple[str, str], int]:
     return out
 
 
+# fields that name a file or directory: a leading ``~`` there means the home directory, as in a shell (which
+# does not expand it inside ``draft.head=~/heads/h``, nor in a YAML file)
+PATH_FIELDS = frozenset({("model", "name"), ("train", "out_dir"), ("data", "path"), ("data", "eval_path"),
+                         ("draft", "head")})
+
+
 def _merge(base: dict, update: dict, source: str, lines: dict | None = None) -> dict:
     """Merge a nested {section: {key: value}} dict into ``base``, checking every key and the type of
     every value (``lines``: {(section, key): line} of a YAML file, for the messages)."""
@@ -395,6 +402,8 @@ def _merge(base: dict, update: dict, source: str, lines: dict | None = None) -> 
             except ValueError as e:
                 line = (lines or {}).get((sec, k))
                 raise ValueError(f"{source}{f':{line}' if line else ''}: {e}") from None
+            if (sec, k) in PATH_FIELDS and isinstance(v, str) and v.startswith("~"):
+                v = os.path.expanduser(v)
             base.setdefault(sec, {})[k] = v
     return base
 

@@ -258,3 +258,26 @@ def test_prompt_length_advice_speaks_of_the_command_that_read_the_data():
         build_prompts(ex, tok, cfg, distill._advice())
     assert "longer than 8 tokens, the prompt limit of `specroll draft train`" in str(e.value)
     assert "data." not in str(e.value)
+
+
+def test_a_leading_tilde_in_path_fields_and_path_options_means_home(tmp_path, monkeypatch):
+    """The shell expands ``~`` only at the start of a word: not in ``draft.head=~/h``, a YAML file, or after
+    the comma of ``--extra-data a,~/b``. specroll expands it there, and only in fields that name paths."""
+    import argparse
+
+    from specroll.cli import expand_paths
+
+    monkeypatch.setenv("HOME", str(tmp_path))
+    cfg = load_config(None, None, ["draft.head=~/heads/h", "data.task=file", "data.path=~/d.jsonl", "train.out_dir=~/runs/x",
+                                   "data.system_prompt=~ not a path"])
+    assert cfg.draft.head == str(tmp_path / "heads" / "h")
+    assert cfg.data.path == str(tmp_path / "d.jsonl")
+    assert cfg.train.out_dir == str(tmp_path / "runs" / "x")
+    assert cfg.data.system_prompt == "~ not a path"
+    y = tmp_path / "c.yaml"
+    y.write_text("data:\n  task: file\n  path: d.jsonl\n  eval_path: ~/e.jsonl\n")
+    assert load_config(y).data.eval_path == str(tmp_path / "e.jsonl")
+    a = expand_paths(argparse.Namespace(extra_data="~/a.st,/abs/b.st,~/c.st", out="~/o.json", plan="~static"))
+    assert a.extra_data == f"{tmp_path}/a.st,/abs/b.st,{tmp_path}/c.st"
+    assert a.out == f"{tmp_path}/o.json"
+    assert a.plan == "~static"  # not a path option: left alone
