@@ -57,6 +57,12 @@ def _generate(sub):
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"])
     p.add_argument("--json", action="store_true", help="print one JSON object per completion")
+    p.add_argument("--draft", default=None, help="speculate with this EAGLE draft head directory (`specroll draft "
+                   "train --out DIR`, or a run's draft_head/): the same distribution as plain sampling, fewer forwards")
+    p.add_argument("--draft-plan", default="adaptive", choices=["adaptive", "chain"],
+                   help="adaptive: chains sized by the live rows and this machine's C_peak (profiled once on first "
+                   "use), plain decoding where drafting does not pay; chain: --draft-depth drafts at every step")
+    p.add_argument("--draft-depth", type=int, default=6, help="longest draft chain (tokens per step - 1)")
     p.set_defaults(func=_run("specroll.generate:cli"))
 
 
@@ -322,7 +328,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 # options that name files or directories (comma-separated lists in --extra-data): a leading ``~`` of each is
 # expanded, as the shell does only at the start of a word (not after a comma or an ``=``)
-PATH_OPTIONS = ("out", "out_dir", "data", "draft", "init", "data_cache", "extra_data", "config", "resume", "run_dir")
+PATH_OPTIONS = ("out", "out_dir", "data", "draft", "init", "data_cache", "extra_data", "config", "resume", "run_dir",
+                "checkpoint")
 
 
 def expand_paths(args: argparse.Namespace) -> argparse.Namespace:

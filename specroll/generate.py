@@ -2,6 +2,14 @@
 
 Applies the model's chat template, samples ``-n`` completions per prompt with the batched engine and
 prints them (rich panels, or JSON lines with ``--json``), with a one-line speed summary.
+
+``--draft DIR`` speculates with an EAGLE draft head (`specroll draft train`, or a run's ``draft_head/``): each
+step drafts a chain sampled from the head and the policy verifies it in one forward by rejection sampling
+(greedy: the head's top-1 chain, kept while it matches the policy's argmax), so the completions have exactly
+the distribution of plain sampling. ``--draft-plan adaptive`` (default) sizes the chain by the live rows and
+this machine's C_peak (``engine.budget``; profiled once on first use): long chains for a few rows, plain
+decoding where verifying drafts would cost more than it saves; ``chain`` drafts ``--draft-depth`` tokens at
+every step whatever the batch.
 """
 
 from __future__ import annotations
@@ -48,9 +56,13 @@ def cli(args) -> int:
         base = hub.resolve(args.model or hub.DEFAULT_MODEL)
         model, tok = hub.load(base, torch.float32)
     engine = Engine(model, eos_ids=hub.eos_ids(tok, base), dtype=dtype)
+    drafter = None
+    if getattr(args, "draft", None):
+        name = args.model or (_run_model_name(args.checkpoint) if args.checkpoint else hub.DEFAULT_MODEL)
+        drafter = build_drafter(args, model, engine, name)
     ids = [encode_chat(tok, p, args.system, args.raw) for p in prompts_text]
     t = time.perf_counter()
-    outs = engine.generate(ids, params, n=args.n)
+    outs = engine.generate(ids, params, n=args.n, drafter=drafter)
     dt = time.perf_counter() - t
     n_tok = sum(len(o.completion_ids) for o in outs)
     if args.json:
@@ -60,12 +72,44 @@ def cli(args) -> int:
                 "completion": tok.decode(o.completion_ids, skip_special_tokens=True),
                 "tokens": len(o.completion_ids), "finish_reason": o.finish_reason,
                 "logprob": float(o.logprobs.sum()),
+                **({"drafted": o.n_drafted, "accepted": o.n_accepted} if drafter is not None else {}),
             }))
         return 0
     _print_rich(prompts_text, outs, tok)
-    print(f"{len(outs)} completions, {n_tok} tokens in {dt:.2f}s ({n_tok / dt:.1f} tok/s, {args.dtype})",
+    spec = ""
+    if drafter is not None:
+        sm = drafter.summary()
+        spec = (f"; draft head: {sm['accept_length']:.2f} tokens per step, {sm['accepted']} of {sm['drafted']} "
+                "drafted tokens accepted")
+    print(f"{len(outs)} completions, {n_tok} tokens in {dt:.2f}s ({n_tok / dt:.1f} tok/s, {args.dtype}){spec}",
           file=sys.stderr)
     return 0
+
+
+def _run_model_name(checkpoint) -> str:
+    """The ``model.name`` of the run a checkpoint belongs to (the key of its C_peak profile)."""
+    from .config import load_config
+    from .rl import checkpoint as ckpt
+
+    return load_config(str(ckpt.resolve(checkpoint) / "config.yaml")).model.name
+
+
+def build_drafter(args, model, engine: Engine, model_name: str):
+    """The ``--draft`` head's ``EagleDrafter``: sampled chains, fixed (``--draft-plan chain``) or sized by the
+    live rows and C_peak (``adaptive``, ``engine.profiler.adaptive_planner``)."""
+    from .drafters.eagle import EagleDrafter, Plan, load_head_as
+
+    if args.draft_depth < 1:
+        raise CliError(f"--draft-depth must be >= 1, got {args.draft_depth}")
+    head = load_head_as(f"--draft {args.draft}", args.draft, model)
+    if args.draft_plan == "chain":
+        plan = Plan(args.draft_depth + 1, 1, args.draft_depth)
+        return EagleDrafter(head, plan=plan, sampled=True)
+    from .engine.profiler import adaptive_planner
+
+    planner = adaptive_planner(model_name, engine.dtype, engine=engine, k_max=1, l_max=args.draft_depth,
+                               log=lambda m: print(m, file=sys.stderr))
+    return EagleDrafter(head, plan_fn=planner, max_plan=planner.max_plan, sampled=True)
 
 
 def _print_rich(prompts_text, outs, tok) -> None:

@@ -1099,3 +1099,50 @@ def test_draft_vocab_is_kept_between_rollouts_until_the_lm_head_changes(mid):
         other.lm_head.weight.mul_(1.5)  # an in-place update
     Engine(other, eos_ids=[EOS]).generate(PROMPTS[:1], params, drafter=EagleDrafter(head, Plan(3, 1, 2), sampled=True))
     torch.testing.assert_close(head._draft_vocab_cache[2].lin.weight, other.lm_head.weight.detach()[head.vocab_ids])
+
+
+# --- `specroll generate --draft` ------------------------------------------------------------------------
+
+@pytest.mark.parametrize("plan", ["adaptive", "chain"])
+def test_generate_draft_option_samples_plain_sampling_distribution(small, tmp_path, monkeypatch, plan):
+    """The drafter `specroll generate --draft` builds (``generate.build_drafter``) is lossless. With a C_peak
+    large enough for every one of the 2000 rows to speculate, the adaptive plan drafts full chains too."""
+    from argparse import Namespace
+
+    import specroll.engine.profiler as profiler
+    from specroll.generate import build_drafter
+
+    model, head = small
+    save_head(head, tmp_path / "head")
+    monkeypatch.setattr(profiler, "get_c_peak", lambda *a, **k: 100_000)
+    engine = Engine(model)
+    drafter = build_drafter(Namespace(draft=str(tmp_path / "head"), draft_plan=plan, draft_depth=3), model, engine,
+                            "small")
+    assert drafter.sampled and drafter.max_plan == Plan(4, 1, 3)
+    params = PARAMS["t1"]
+    counts = sample_counts(engine, params, S, drafter)
+    p = chi2_gof(counts, exact_probs(model, PROMPT, params, M_SMALL))
+    assert p > 1e-3, f"generate --draft-plan {plan}: chi-square p = {p:.2e}"
+    assert drafter.totals[3] > 0  # drafts were accepted
+
+
+def test_generate_cli_with_a_draft_head(tmp_path, capsys):
+    import json
+
+    from specroll.cli import main
+    from specroll.models import hub
+
+    model, _ = hub.load("tiny-llama")
+    save_head(head_for(model), tmp_path / "head")
+    args = ["generate", "--model", "tiny-llama", "--prompt", "What is 2 + 3?", "-n", "3", "--max-new-tokens", "6",
+            "--temperature", "1", "--dtype", "float32", "--draft", str(tmp_path / "head"), "--draft-plan", "chain"]
+    assert main([*args, "--json"]) == 0
+    rows = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert len(rows) == 3 and all(r["drafted"] >= r["accepted"] >= 0 for r in rows)
+    assert sum(r["drafted"] for r in rows) > 0
+    assert main(args) == 0
+    assert "tokens per step" in capsys.readouterr().err
+    assert main([*args, "--draft-depth", "0"]) == 2
+    assert "--draft-depth must be >= 1" in capsys.readouterr().err
+    assert main([*args[:-4], "--draft", str(tmp_path / "none")]) == 2
+    assert "draft_head.json not found" in capsys.readouterr().err
