@@ -22,17 +22,23 @@ META_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokeni
               "chat_template.jinja")
 
 
+def run_model_name(checkpoint_dir: Path) -> str:
+    """The ``model.name`` of the run a resolved checkpoint directory belongs to (its saved config)."""
+    from .config import load_config
+
+    return load_config(str(Path(checkpoint_dir) / "config.yaml")).model.name
+
+
 def checkpoint_policy(checkpoint: str | Path, model: str | None = None, dtype=None):
     """(checkpoint dir, Decoder with its weights, tokenizer, base HF dir) for a checkpoint or run directory (its
     latest checkpoint). The base model is the run's ``model.name`` unless ``model`` names another."""
     import torch
 
-    from .config import load_config
     from .models import hub
     from .rl import checkpoint as ckpt
 
     ck = ckpt.resolve(checkpoint)
-    name = model or load_config(str(ck / "config.yaml")).model.name
+    name = model or run_model_name(ck)
     base = hub.resolve(name, quiet=True)
     policy, tok = hub.load(base, dtype or torch.float32, quiet=True)
     ckpt.load_model_weights(policy, ck)

@@ -48,17 +48,18 @@ def cli(args) -> int:
     params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
                             max_new_tokens=args.max_new_tokens, seed=args.seed)
     dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[args.dtype]
+    name = args.model or hub.DEFAULT_MODEL  # the model's name: the key of its C_peak profile
     if getattr(args, "checkpoint", None):
-        from .export import checkpoint_policy
+        from .export import checkpoint_policy, run_model_name
 
-        _, model, tok, base = checkpoint_policy(args.checkpoint, args.model)
+        ck, model, tok, base = checkpoint_policy(args.checkpoint, args.model)
+        name = args.model or run_model_name(ck)
     else:
-        base = hub.resolve(args.model or hub.DEFAULT_MODEL)
+        base = hub.resolve(name)
         model, tok = hub.load(base, torch.float32)
     engine = Engine(model, eos_ids=hub.eos_ids(tok, base), dtype=dtype)
     drafter = None
     if getattr(args, "draft", None):
-        name = args.model or (_run_model_name(args.checkpoint) if args.checkpoint else hub.DEFAULT_MODEL)
         drafter = build_drafter(args, model, engine, name)
     ids = [encode_chat(tok, p, args.system, args.raw) for p in prompts_text]
     t = time.perf_counter()
@@ -86,14 +87,6 @@ def cli(args) -> int:
     return 0
 
 
-def _run_model_name(checkpoint) -> str:
-    """The ``model.name`` of the run a checkpoint belongs to (the key of its C_peak profile)."""
-    from .config import load_config
-    from .rl import checkpoint as ckpt
-
-    return load_config(str(ckpt.resolve(checkpoint) / "config.yaml")).model.name
-
-
 def build_drafter(args, model, engine: Engine, model_name: str):
     """The ``--draft`` head's ``EagleDrafter``: sampled chains, fixed (``--draft-plan chain``) or sized by the
     live rows and C_peak (``adaptive``, ``engine.profiler.adaptive_planner``)."""
@@ -105,8 +98,11 @@ def build_drafter(args, model, engine: Engine, model_name: str):
     if args.draft_plan == "chain":
         plan = Plan(args.draft_depth + 1, 1, args.draft_depth)
         return EagleDrafter(head, plan=plan, sampled=True)
-    from .engine.profiler import adaptive_planner
+    from .engine.profiler import adaptive_planner, load_profile, profile_path
 
+    if load_profile(model_name, engine.dtype) is None:
+        print(f"--draft-plan adaptive: no C_peak profile for {model_name} ({engine.dtype}) on this machine yet; "
+              f"profiling once (cached at {profile_path(model_name, engine.dtype)})", file=sys.stderr)
     planner = adaptive_planner(model_name, engine.dtype, engine=engine, k_max=1, l_max=args.draft_depth,
                                log=lambda m: print(m, file=sys.stderr))
     return EagleDrafter(head, plan_fn=planner, max_plan=planner.max_plan, sampled=True)

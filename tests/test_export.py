@@ -76,3 +76,24 @@ def test_export_refuses_a_non_empty_destination_and_leaves_it_alone(run_dir, tmp
     assert f"{out} already exists and is not an empty directory" in err and "Traceback" not in err
     assert [p.name for p in out.iterdir()] == ["keep.txt"]
     assert not list(tmp_path.glob(".taken.tmp-*"))
+
+
+def test_generate_from_a_checkpoint_with_a_draft_head_profiles_its_run_model_once(run_dir, tmp_path, capsys,
+                                                                                   monkeypatch):
+    """``--checkpoint`` + ``--draft`` (adaptive plan): C_peak is looked up under the run's model.name, profiled
+    on first use with a note, then read from the cache."""
+    from specroll.drafters.eagle import head_for, save_head
+    from specroll.engine.profiler import load_profile
+
+    monkeypatch.setenv("SPECROLL_HOME", str(tmp_path / "home"))  # no profile from another test
+
+    policy, _ = hub.load("tiny-llama")
+    save_head(head_for(policy), tmp_path / "head")
+    args = ["generate", "--checkpoint", str(run_dir), "--prompt", "What is 2 + 3?", "-n", "2", "--max-new-tokens",
+            "4", "--dtype", "float32", "--draft", str(tmp_path / "head")]
+    assert load_profile("tiny-llama", torch.float32) is None
+    assert main(args) == 0
+    assert "profiling once" in capsys.readouterr().err
+    assert load_profile("tiny-llama", torch.float32)["c_peak"] >= 1
+    assert main(args) == 0
+    assert "profiling once" not in capsys.readouterr().err
