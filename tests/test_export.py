@@ -83,9 +83,10 @@ def test_generate_from_a_checkpoint_with_a_draft_head_profiles_its_run_model_onc
     """``--checkpoint`` + ``--draft`` (adaptive plan): C_peak is looked up under the run's model.name, profiled
     on first use with a note, then read from the cache."""
     from specroll.drafters.eagle import head_for, save_head
+    from specroll.engine import profiler
     from specroll.engine.profiler import load_profile
 
-    monkeypatch.setenv("SPECROLL_HOME", str(tmp_path / "home"))  # no profile from another test
+    monkeypatch.setattr(profiler, "profiles_dir", lambda: tmp_path / "profiles")  # no profile from another test
 
     policy, _ = hub.load("tiny-llama")
     save_head(head_for(policy), tmp_path / "head")
