@@ -98,11 +98,8 @@ def build_drafter(args, model, engine: Engine, model_name: str):
     if args.draft_plan == "chain":
         plan = Plan(args.draft_depth + 1, 1, args.draft_depth)
         return EagleDrafter(head, plan=plan, sampled=True)
-    from .engine.profiler import adaptive_planner, dtype_name, load_profile, profile_path
+    from .engine.profiler import adaptive_planner
 
-    if load_profile(model_name, engine.dtype) is None:
-        print(f"--draft-plan adaptive: no C_peak profile for {model_name} ({dtype_name(engine.dtype)}) on this machine "
-              f"yet; profiling once (cached at {profile_path(model_name, engine.dtype)})", file=sys.stderr)
     planner = adaptive_planner(model_name, engine.dtype, engine=engine, k_max=1, l_max=args.draft_depth,
                                log=lambda m: print(m, file=sys.stderr))
     return EagleDrafter(head, plan_fn=planner, max_plan=planner.max_plan, sampled=True)

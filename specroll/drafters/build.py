@@ -14,7 +14,7 @@ directory written by ``specroll draft train`` (or a run's ``draft_head/``).
 
 ``draft.plan``: ``static`` uses ``n_verify/k/depth`` every step; ``adaptive`` re-plans every step from
 the live batch size with ``engine.budget.BudgetPlanner`` and this machine's cached C_peak
-(``engine.profiler.get_c_peak``, which profiles once on first use); ``tuned`` starts from the adaptive
+(``engine.profiler.get_c_peak``, which profiles once on first use, saying so); ``tuned`` starts from the adaptive
 plan and then follows the measured tokens per second of each live-batch size (``engine.budget.TunedPlanner``:
 chains of 0..6 drafts with ``draft.chain``, else the budget's trees up to C_peak).
 """
@@ -172,7 +172,7 @@ def recipe_note(dc: DraftConfig) -> str | None:
 
 def make_plan(cfg, model, log=print):
     """(plan, plan_fn, max_plan) for the drafter from ``cfg.draft`` (adaptive: cached C_peak)."""
-    from ..engine.profiler import adaptive_planner, load_profile, profile_path
+    from ..engine.profiler import adaptive_planner
 
     dc = cfg.draft
     if dc.plan == "static":
@@ -183,9 +183,6 @@ def make_plan(cfg, model, log=print):
     from ..engine.engine import Engine
 
     dtype = torch_dtype(cfg.model.rollout_dtype)
-    if load_profile(cfg.model.name, dtype) is None and log is not None:
-        log(f"draft.plan={dc.plan}: no C_peak profile for {cfg.model.name} ({dtype}) on this "
-            f"machine yet; profiling once (cached at {profile_path(cfg.model.name, dtype)})")
     shape = {"k_max": 1} if dc.chain else {}  # sampled chains: the budget's tokens on one path
     planner = adaptive_planner(cfg.model.name, dtype, engine=Engine(model, dtype=dtype), log=log, **shape)
     if log is not None:

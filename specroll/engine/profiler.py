@@ -299,6 +299,9 @@ def get_c_peak(model_name: str, dtype, engine=None, profile_if_missing: bool = T
         raise FileNotFoundError(f"no C_peak profile for {model_name} ({dtype_name(dtype)}) on this machine at "
                                 f"{profile_path(model_name, dtype)}; run `specroll profile --model {model_name} "
                                 f"--dtype {dtype_name(dtype)}`")
+    if log is not None:
+        log(f"no C_peak profile for {model_name} ({dtype_name(dtype)}) on this machine yet; profiling once "
+            f"(cached at {profile_path(model_name, dtype)})")
     result = run_profile(model_name, dtype, engine, **QUICK, log=log)
     save_profile(result)
     return result["c_peak"]
