@@ -31,7 +31,9 @@ def main() -> None:
     head = load_head_as(f"--draft {a.draft}", a.draft, model)
     engine = Engine(model, eos_ids=hub.eos_ids(tok, hub.resolve(a.model, quiet=True)), dtype=torch.bfloat16)
     prompts = bench_prompts(tok, a.repeats, 0)
-    times: dict[str, list[float]] = collections.defaultdict(list)
+    # per depth, per part: call times; rollouts of the two depths alternate (this host drifts over a minute)
+    times = {d: collections.defaultdict(list) for d in (a.depth, 0)}
+    cur = {"d": 0}
 
     def timed(obj, name, key):
         f = getattr(obj, name)
@@ -39,7 +41,7 @@ def main() -> None:
         def g(*args, **kw):
             t = time.perf_counter()
             out = f(*args, **kw)
-            times[key].append(time.perf_counter() - t)
+            times[cur["d"]][key].append(time.perf_counter() - t)
             return out
         setattr(obj, name, g)
 
@@ -52,24 +54,27 @@ def main() -> None:
     def timed_rule(*args, **kw):
         t = time.perf_counter()
         out = rule(*args, **kw)
-        times["rule"].append(time.perf_counter() - t)
+        times[cur["d"]]["rule"].append(time.perf_counter() - t)
         return out
 
-    for depth in (a.depth, 0):
-        plan = Plan(depth + 1, 1, depth) if depth else Plan()
-        for r in range(a.repeats + 1):  # the first rollout warms up and is not counted
-            if r == 1:
-                times.clear()
-            p = SamplingParams(temperature=1.0, max_new_tokens=a.max_new_tokens, min_new_tokens=a.max_new_tokens, seed=r)
+    for r in range(a.repeats + 1):  # the first round warms up and is not counted
+        if r == 1:
+            for v in times.values():
+                v.clear()
+        for depth in (a.depth, 0):
+            cur["d"] = depth
+            plan = Plan(depth + 1, 1, depth) if depth else Plan()
+            p = SamplingParams(temperature=1.0, max_new_tokens=a.max_new_tokens, min_new_tokens=a.max_new_tokens,
+                               seed=r)
             drafter = EagleDrafter(head, plan=plan, sampled=True)
             drafter.chain_rule = timed_rule
             engine.generate([prompts[r % len(prompts)]], p, drafter=drafter)
-        med = {k: 1e3 * statistics.median(v) for k, v in times.items()}
+    for depth in (a.depth, 0):
+        med = {k: 1e3 * statistics.median(v) for k, v in times[depth].items()}
         parts = ["forward", "logits"] + (["draft", "rule"] if depth else [])
         rest = med["step"] - sum(med[k] for k in parts)
         print(f"depth {depth}: step {med['step']:.2f} ms = " + " + ".join(f"{k} {med[k]:.2f}" for k in parts)
               + f" + rest {rest:.2f}", flush=True)
-
 
 if __name__ == "__main__":
     main()
