@@ -289,6 +289,8 @@ def _bench_online(s):
     b.add_argument("--max-new-tokens", type=int, default=64)
     b.add_argument("--temperature", type=float, default=1.0)
     b.add_argument("--lr", type=float, default=2e-5, help="policy learning rate")
+    b.add_argument("--probe", type=int, default=16, help="fixed prompts each head also drafts every step, with a "
+                   "fixed seed (probe_accept_length: no step-to-step prompt noise); 0 = off")
     b.add_argument("--level", type=int, default=1, help="arithmetic task difficulty")
     b.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"], help="rollout activations")
     b.add_argument("--seed", type=int, default=0)

@@ -446,7 +446,11 @@ def test_cli_bench_online_writes_both_curves(tmp_path, monkeypatch, capsys, desi
         assert r["accept_length"] >= 1.0 and r["rollout_s"] > 0 and r["rollout_cpu_s"] > 0
         assert r["tokens_generated"] > 0
         assert (r["draft_loss"] is not None) == (r["mode"] == "online")
+        assert r["probe_accept_length"] >= 1.0  # the fixed probe prompts, drafted by each head every step
+    if design == "paired":  # step 1: the same head, policy, prompts and seed draft the probe alike
+        assert rows[0]["probe_accept_length"] == rows[1]["probe_accept_length"]
     assert set(res["summary"]) == {"online", "frozen"}
+    assert res["summary"]["online"]["probe_accept_length_start"] == rows[0]["probe_accept_length"]
     png = out.parent / "online_accept_length_vs_step.png"
     assert res["figure"] == str(png) and png.read_bytes()[:4] == b"\x89PNG"
     assert (out.parent / "accept_length_vs_step.png").read_bytes() == png.read_bytes()
@@ -454,6 +458,31 @@ def test_cli_bench_online_writes_both_curves(tmp_path, monkeypatch, capsys, desi
     assert main(["bench", "online", "--model", "tiny-llama", "--draft", str(tmp_path / "none"), "--out",
                  str(out)]) == 2
     assert "no such directory" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("design", ["paired", "separate"])
+def test_bench_online_probe_only_measures(tmp_path, monkeypatch, design):
+    """The probe rollouts (``--probe``) must not change the training or the heads: with and without them the
+    rows' accept lengths, draft losses and rewards are the same."""
+    import json
+
+    from specroll.cli import main
+
+    monkeypatch.setenv("SPECROLL_HOME", str(tmp_path / "home"))
+    res = {}
+    for n in (0, 3):
+        out = tmp_path / f"p{n}.json"
+        assert main(["bench", "online", "--model", "tiny-llama", "--steps", "3", "--prompts", "4",
+                     "--prompts-per-step", "2", "-G", "2", "--max-new-tokens", "6", "--dtype", "float32",
+                     "--draft-lr", "1e-2", "--probe", str(n), "--design", design, "--out", str(out),
+                     "draft.plan=static", "draft.n_verify=4", "draft.k=2", "draft.depth=2",
+                     "train.micro_batch_size=4"]) == 0
+        res[n] = json.loads(out.read_text())["rows"]
+    keys = ("mode", "step", "accept_length", "draft_loss", "reward_mean", "tokens_generated")
+    assert [[r[k] for k in keys] for r in res[0]] == [[r[k] for k in keys] for r in res[3]]
+    assert all(r["probe_accept_length"] is None for r in res[0])
+    assert all(r["probe_accept_length"] >= 1.0 for r in res[3])
+    assert main(["bench", "online", "--probe", "-1", "--out", str(tmp_path / "x.json")]) == 2
 
 
 def test_online_lr_auto_is_lower_for_a_distilled_head(mid):

@@ -25,10 +25,17 @@ Writes ``{"rows": [{"mode", "step", "accept_length", "accept_rate", "rollout_s",
 ``accept_length_vs_step.png`` there (the latest run's; ``common.run_figure``). ``accept_length`` is tokens emitted
 per row per decode step (1.0 = no draft token accepted); ``_end`` is the mean of the last
 ``min(3, steps)`` steps.
+
+``--probe N`` (default 16) adds a second curve per head, ``probe_accept_length``: after each step's rollout, before
+any update, each head drafts one completion of the same N fixed prompts (the training set's first N) with the same
+sampling seed every step, by a measuring drafter over the head's weights (its pairs never reach the online
+learner). The step's own rollout covers other prompts every step, which moves its accept length by more than
+early online learning does; on fixed prompts what is left is the heads' learning and the policy's drift.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from pathlib import Path
 
@@ -60,7 +67,25 @@ def _row(mode: str, step: int, m: dict, cpu: float) -> dict:
             "accept_rate": m.get("spec/accept_rate"), "rollout_s": m["timing/rollout"], "rollout_cpu_s": cpu,
             "draft_update_s": m.get("timing/draft_update", 0.0), "draft_loss": m.get("draft/loss"),
             "draft_top1": m.get("draft/top1"), "reward_mean": m.get("reward/mean"),
-            "tokens_generated": m.get("rollout/tokens_generated")}
+            "tokens_generated": m.get("rollout/tokens_generated"), "probe_accept_length": m.get("probe/accept_length")}
+
+
+PROBE_SEED = 1234
+
+
+def probe(trainer, drafter, prompts, params) -> float:
+    """Accept length of ``drafter``'s head on the fixed probe prompts: one completion each, sampled with the step's
+    params but a fixed seed, by an ``EagleDrafter`` over the same head, plan and chain settings that reports to no
+    learner (a learning planner's state is not touched: its largest plan is used instead)."""
+    from ..drafters.build import eagle_of
+    from ..drafters.eagle import EagleDrafter
+
+    d = eagle_of(drafter)
+    learns = hasattr(d.plan_fn, "observe")
+    m = EagleDrafter(d.head, plan=d.max_plan, plan_fn=None if learns else d.plan_fn, max_plan=d.max_plan,
+                     sampled=d.sampled, chain_stop=d.chain_stop, bf16_head=d.bf16_head, fused=d.fused)
+    trainer.engine.generate(prompts, dataclasses.replace(params, seed=PROBE_SEED), n=1, drafter=m)
+    return m.summary()["accept_length"]
 
 
 def _warm(tr) -> None:
@@ -90,6 +115,7 @@ def run_paired(args, say=print) -> tuple[list[dict], dict]:
     _warm(tr)
     _time_generate(tr.engine)
     seen: dict = {}
+    probe_ids = tr.train_set.ids[: getattr(args, "probe", 0)]
 
     def measure(trainer, prompts, params):
         seen["online_cpu"] = trainer.engine.cpu_log[-1]
@@ -102,14 +128,19 @@ def run_paired(args, say=print) -> tuple[list[dict], dict]:
         seen["frozen"] = {**frozen.metrics(), "timing/rollout": wall, "reward/mean": float(rewards.mean()),
                           "rollout/tokens_generated": sum(len(o.completion_ids) for o in outs)}
         seen["frozen_cpu"] = trainer.engine.cpu_log[-1]
+        if probe_ids:
+            seen["probe"] = {mode: probe(trainer, d, probe_ids, params)
+                             for mode, d in (("online", trainer.drafter), ("frozen", frozen))}
 
     tr.rollout_hooks.append(measure)
     rows = []
     try:
         for _ in range(args.steps):
             m = tr.train_step()
-            for r in (_row("online", tr.step, m, seen["online_cpu"]),
-                      _row("frozen", tr.step, seen["frozen"], seen["frozen_cpu"])):
+            probes = seen.get("probe", {})
+            for r in (_row("online", tr.step, {**m, "probe/accept_length": probes.get("online")}, seen["online_cpu"]),
+                      _row("frozen", tr.step, {**seen["frozen"], "probe/accept_length": probes.get("frozen")},
+                           seen["frozen_cpu"])):
                 rows.append(r)
                 _say_row(say, r, args.steps)
     finally:
@@ -123,19 +154,26 @@ def run_separate(args, say=print) -> tuple[list[dict], dict]:
     from ..rl.run import build_trainer
     from .reuse import _time_generate
 
-    trainers, config = {}, {}
+    trainers, config, seen = {}, {}, {}
+    n_probe = getattr(args, "probe", 0)
+
+    def measure(t, prompts, params):
+        seen["cpu"] = t.engine.cpu_log[-1]  # the step's rollout (the probe's generate call comes next)
+        seen["probe"] = probe(t, t.drafter, t.train_set.ids[:n_probe], params) if n_probe else None
+
     for mode in MODES:
         cfg = bench_config(args, online=mode == "online")
-        trainers[mode] = build_trainer(cfg, None)
-        _warm(trainers[mode])
-        _time_generate(trainers[mode].engine)
+        trainers[mode] = tr = build_trainer(cfg, None)
+        _warm(tr)
+        _time_generate(tr.engine)
         config[mode] = cfg.to_dict()
+        tr.rollout_hooks.append(measure)
     rows = []
     try:
         for _ in range(args.steps):
             for mode, tr in trainers.items():
                 m = tr.train_step()
-                r = _row(mode, tr.step, m, tr.engine.cpu_log[-1])
+                r = _row(mode, tr.step, {**m, "probe/accept_length": seen["probe"]}, seen["cpu"])
                 rows.append(r)
                 _say_row(say, r, args.steps)
     finally:
@@ -158,6 +196,11 @@ def summarize(rows: list[dict]) -> dict:
                      "rollout_cpu_s_mean": sum(r["rollout_cpu_s"] for r in rs) / len(rs),
                      "draft_update_s_mean": sum(r["draft_update_s"] for r in rs) / len(rs),
                      "reward_mean": sum(r["reward_mean"] for r in rs) / len(rs)}
+        pr = [r["probe_accept_length"] for r in rs if r.get("probe_accept_length") is not None]
+        if pr:
+            tail = pr[-min(3, len(pr)):]
+            out[mode].update(probe_accept_length_start=pr[0], probe_accept_length_end=sum(tail) / len(tail),
+                             probe_accept_length_min=min(pr), probe_accept_length_max=max(pr))
     return out
 
 
@@ -174,6 +217,9 @@ def plot(rows: list[dict], png: str | Path, design: str = "paired", latest: str 
             continue
         steps = [r["step"] for r in rs]
         ax1.plot(steps, [r["accept_length"] for r in rs], style, label=f"{mode} head", markersize=4)
+        pr = [(r["step"], r["probe_accept_length"]) for r in rs if r.get("probe_accept_length") is not None]
+        if pr:
+            ax1.plot(*zip(*pr), style[0] + ":", label=f"{mode} head, fixed probe prompts", markersize=3, alpha=0.7)
         ax2.plot(steps, [r["rollout_s"] for r in rs], style, label=f"{mode} head", markersize=4)
     ax1.set_xlabel("GRPO step")
     ax1.set_ylabel("accept length (tokens per row per step)")
@@ -207,6 +253,8 @@ def cli(args) -> int:
 
     if args.design not in DESIGNS:
         raise CliError(f"--design must be one of {', '.join(DESIGNS)}, got {args.design!r}")
+    if getattr(args, "probe", 0) < 0:
+        raise CliError(f"--probe must be >= 0 (0 = off), got {args.probe}")
     if args.steps < 1:
         raise CliError(f"--steps must be >= 1, got {args.steps}")
     if args.draft != "random" and not Path(args.draft).is_dir():
@@ -220,6 +268,8 @@ def cli(args) -> int:
     for mode, s in res["summary"].items():
         print(f"{mode}: accept length {s['accept_length_start']:.2f} -> {s['accept_length_end']:.2f} "
               f"(min {s['accept_length_min']:.2f}), rollout {s['rollout_s_mean']:.1f}s/step, "
-              f"draft update {s['draft_update_s_mean']:.2f}s/step")
+              f"draft update {s['draft_update_s_mean']:.2f}s/step"
+              + (f"; on the probe prompts {s['probe_accept_length_start']:.2f} -> {s['probe_accept_length_end']:.2f} "
+                 f"(min {s['probe_accept_length_min']:.2f})" if "probe_accept_length_start" in s else ""))
     print(f"wrote {args.out}, {png} and {latest}")
     return 0

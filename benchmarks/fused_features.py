@@ -1,0 +1,195 @@
+"""Would an EAGLE-3-style multi-layer feature input raise the draft head's acceptance? A distillation-only
+experiment: no rollout path reads such features yet.
+
+The head reads ``fuse([rms(h_low), rms(h_mid), h_final])`` instead of the policy's final hidden state, where
+h_low / h_mid are the residual stream after two early / middle layers (parameter-free RMS-normalised) and
+``fuse`` is a (3D -> D) linear initialised to pass h_final through, so both arms start as the ``--init`` head.
+Chain depths 2.. read the head's own features as before. Arm ``final`` keeps ``fuse`` frozen at that pass-through
+(the control: the same head, data, loss and steps); arm ``fused`` trains it. Scored on the held-out prompts of
+``specroll draft train`` (``distill.held_out_by_key``), accept = mean sum_x min(p, q) at depths 1..3.
+
+    python benchmarks/fused_features.py --arm fused|final --init HEAD --data A.safetensors,B.safetensors \\
+        --layers 2,14 --steps 600 --out FILE.json
+"""
+import argparse
+import json
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from specroll.device import adamw
+from specroll.drafters import distill as Dl
+from specroll.drafters.eagle import DraftVocab, load_head_as
+from specroll.drafters.reuse import prompt_key
+from specroll.models import hub
+
+
+@torch.no_grad()
+def layer_states(policy, seqs, layers, dtype, tokens_per_pass=4096):
+    """Residual stream after each of ``layers`` (bf16, RMS-normalised), per sequence, (T, len(layers) * D)."""
+    got = {}
+    hooks = [policy.layers[i].register_forward_hook(lambda m, a, out, i=i: got.__setitem__(i, out))
+             for i in layers]
+    order = sorted(range(len(seqs)), key=lambda i: len(seqs[i]))
+    out = [None] * len(seqs)
+    i, t0 = 0, time.perf_counter()
+    try:
+        while i < len(order):
+            per = max(1, tokens_per_pass // len(seqs[order[i]]))
+            idx = order[i: i + per]
+            T = max(len(seqs[j]) for j in idx)
+            ids = torch.zeros(len(idx), T, dtype=torch.long)
+            for r, j in enumerate(idx):
+                ids[r, : len(seqs[j])] = seqs[j]
+            policy(ids, torch.arange(T).expand(len(idx), T), act_dtype=dtype)
+            h = torch.cat([F.rms_norm(got[k].float(), (got[k].shape[-1],)) for k in layers], -1).bfloat16()
+            for r, j in enumerate(idx):
+                out[j] = h[r, : len(seqs[j])].clone()
+            i += per
+            if i % 1024 < per:
+                print(f"layer states {i}/{len(seqs)} in {time.perf_counter() - t0:.0f}s", flush=True)
+    finally:
+        for h in hooks:
+            h.remove()
+    return out
+
+
+class Fuse(torch.nn.Module):
+    def __init__(self, D, n_extra):
+        super().__init__()
+        self.lin = torch.nn.Linear((n_extra + 1) * D, D, bias=False)
+        with torch.no_grad():
+            self.lin.weight.zero_()
+            self.lin.weight[:, :D] = torch.eye(D)  # h_final first: a pass-through at the start
+
+    def forward(self, h):
+        return self.lin(h)
+
+
+def loss_fn(head, fuse, lm, embed, ids, H, scored, cfg, D):
+    """``distill.head_loss`` with the fused input at depth 1 (H holds [h_final | extras])."""
+    x_h, x_t, target = fuse(H[:, :-1]), ids[:, 1:], H[:, 1:, :D]
+    m1 = scored[:, 1:]
+    T = x_t.shape[1]
+    pos = torch.arange(1, T + 1).expand(x_t.shape[0], T)
+    with torch.no_grad():
+        emb = embed(x_t).float()
+        teacher = torch.softmax(lm(target[m1]), dim=-1)
+    feats = Dl.unrolled_features(head, x_h, emb, pos, cfg.unroll, Dl.first_scored(m1))
+    loss, wsum = 0.0, 0.0
+    for j, feat in enumerate(feats, 1):
+        mj = Dl.chain_scored(m1, j)
+        p = teacher[mj[m1]]
+        den = max(int(mj.sum()), 1)
+        f = feat[mj]
+        l_feat = F.smooth_l1_loss(f, target[mj], reduction="none").mean(-1).sum() / den
+        logq = torch.log_softmax(lm(f), dim=-1)
+        l_j = cfg.w_feat * l_feat - cfg.w_ce * (p * logq).sum() / den
+        l_j = l_j + cfg.w_tv * (1 - torch.minimum(p, logq.exp()).sum(-1)).sum() / den
+        w = cfg.unroll_decay ** (j - 1)
+        loss, wsum = loss + w * l_j, wsum + w
+    return loss / wsum
+
+
+@torch.no_grad()
+def evaluate(head, fuse, lm, embed, batch, p, D, depth=3):
+    ids, H, valid = batch
+    T = ids.shape[1] - 1
+    pos = torch.arange(1, T + 1).expand(ids.shape[0], T)
+    m1 = valid[:, 1:]
+    out = {}
+    for j, feat in enumerate(Dl.unrolled_features(head, fuse(H[:, :-1]), embed(ids[:, 1:]).float(), pos, depth), 1):
+        keep = Dl.chain_scored(m1, j)[m1]
+        q = torch.softmax(lm(feat[m1][keep]), dim=-1)
+        out[f"d{j}"] = float(torch.minimum(p[keep], q).sum(-1).mean())
+    return out
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--arm", choices=["fused", "final", "states"], required=True,
+                    help="states: only compute and save --states")
+    ap.add_argument("--model", default="smollm2-135m")
+    ap.add_argument("--init", required=True)
+    ap.add_argument("--data", required=True, help="comma-separated distillation data caches")
+    ap.add_argument("--layers", default="2,14")
+    ap.add_argument("--states", help="cache file for the layer states (computed and saved when missing)")
+    ap.add_argument("--steps", type=int, default=600, help="AdamW steps (the lr decays linearly over them)")
+    ap.add_argument("--lr", type=float, default=2e-4)
+    ap.add_argument("--fuse-lr", type=float, default=1e-3)
+    ap.add_argument("--seed", type=int, default=10)
+    ap.add_argument("--out")
+    a = ap.parse_args()
+    torch.manual_seed(a.seed)
+    policy, _ = hub.load(a.model, torch.float32)
+    policy.requires_grad_(False)
+    layers = [int(x) for x in a.layers.split(",")]
+    seqs, hid, plen = [], [], []
+    for path in a.data.split(","):
+        s, h, p_, _ = Dl.load_extra(path, {"model": a.model, "dtype": "torch.bfloat16"})
+        seqs, hid, plen = seqs + s, hid + h, plen + p_
+    D = policy.cfg.hidden_size
+    if a.states and Path(a.states).exists():
+        from safetensors.torch import load_file
+        st = load_file(a.states)
+        extra = list(st.pop("states").split([len(s) for s in seqs]))
+    else:
+        extra = layer_states(policy, seqs, layers, torch.bfloat16)
+        if a.states:
+            from safetensors.torch import save_file
+            save_file({"states": torch.cat(extra)}, a.states)
+    if a.arm == "states":
+        return
+    hid3 = [torch.cat([h.bfloat16(), e], -1) for h, e in zip(hid, extra)]  # bf16 in memory (both arms alike)
+    del hid, extra
+    cfg = Dl.DistillConfig(lr=a.lr, batch=16, w_feat=2.0, w_ce=0.5, w_tv=1.0, unroll=3, seed=a.seed)
+    head = load_head_as("--init", a.init, policy)
+    lm = DraftVocab(policy, head.vocab_ids)
+    fuse = Fuse(D, len(layers))
+    fuse.requires_grad_(a.arm == "fused")
+    h_idx, t_idx = Dl.held_out_by_key([prompt_key(s[:p]) for s, p in zip(seqs, plen)], 0.05)
+    held = Dl._batch(seqs, hid3, h_idx, plen)
+    ids_h, H_h, v_h = held
+    target = H_h[:, 1:, :D][v_h[:, 1:]]
+    ps = []
+    for i in range(0, target.shape[0], 512):
+        full = policy.logits(target[i: i + 512]).float()
+        ps.append((full[:, lm.ids] - torch.logsumexp(full, -1, keepdim=True)).exp())
+    p_held = torch.cat(ps)
+    seqs_t, hid_t, starts = [seqs[i] for i in t_idx], [hid3[i] for i in t_idx], [plen[i] for i in t_idx]
+    groups = [{"params": list(head.parameters()), "lr": a.lr}]
+    if a.arm == "fused":
+        groups.append({"params": list(fuse.parameters()), "lr": a.fuse_lr})
+    opt = adamw(groups, lr=a.lr, weight_decay=0.0)
+    progress = [0.0]
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 20) * max(0.05, 1 - progress[0]))
+    gen = torch.Generator().manual_seed(a.seed)
+    hist = [{"step": 0, **evaluate(head, fuse, lm, policy.embed, held, p_held, D)}]
+    print(json.dumps(hist[-1]), flush=True)
+    t0, step = time.perf_counter(), 0
+    head.train()
+    while step < a.steps:
+        idx = torch.randint(len(seqs_t), (16,), generator=gen).tolist()
+        ids, H, valid = Dl._batch(seqs_t, hid_t, idx, starts)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = loss_fn(head, fuse, lm, policy.embed, ids, H, valid, cfg, D)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_([p for g in groups for p in g["params"]], 1.0)
+        opt.step()
+        step += 1
+        progress[0] = step / a.steps
+        sched.step()
+        if step % 200 == 0 or step == a.steps:
+            head.eval()
+            hist.append({"step": step, "elapsed": time.perf_counter() - t0, "loss": float(loss.detach()),
+                         **evaluate(head, fuse, lm, policy.embed, held, p_held, D)})
+            head.train()
+            print(json.dumps(hist[-1]), flush=True)
+    Path(a.out).write_text(json.dumps({"args": vars(a), "hist": hist}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
