@@ -211,16 +211,18 @@ def plot(rows: list[dict], png: str | Path, design: str = "paired", latest: str 
     import matplotlib.pyplot as plt
 
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4.2))
-    for mode, style in zip(MODES, ("o-", "s--")):
+    for mode, style, color in zip(MODES, ("o-", "s--"), ("C0", "C1")):
         rs = [r for r in rows if r["mode"] == mode]
         if not rs:
             continue
         steps = [r["step"] for r in rs]
-        ax1.plot(steps, [r["accept_length"] for r in rs], style, label=f"{mode} head", markersize=4)
+        ax1.plot(steps, [r["accept_length"] for r in rs], style, color=color, label=f"{mode} head, step's rollout",
+                 markersize=4)
         pr = [(r["step"], r["probe_accept_length"]) for r in rs if r.get("probe_accept_length") is not None]
         if pr:
-            ax1.plot(*zip(*pr), style[0] + ":", label=f"{mode} head, fixed probe prompts", markersize=3, alpha=0.7)
-        ax2.plot(steps, [r["rollout_s"] for r in rs], style, label=f"{mode} head", markersize=4)
+            ax1.plot(*zip(*pr), style[0] + ":", color=color, label=f"{mode} head, fixed probe prompts", markersize=3,
+                     alpha=0.6)
+        ax2.plot(steps, [r["rollout_s"] for r in rs], style, color=color, label=f"{mode} head", markersize=4)
     ax1.set_xlabel("GRPO step")
     ax1.set_ylabel("accept length (tokens per row per step)")
     ax1.set_title("draft acceptance over training" + (", same policy and prompts" if design == "paired" else
@@ -230,7 +232,7 @@ def plot(rows: list[dict], png: str | Path, design: str = "paired", latest: str 
     ax2.set_title("rollout time per step")
     for a in (ax1, ax2):
         a.grid(alpha=0.3)
-        a.legend()
+        a.legend(fontsize=8)
     return save_figure(fig, png, latest=latest)
 
 
