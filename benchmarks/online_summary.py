@@ -4,7 +4,8 @@
 
 Per file: the online and frozen heads' accept length at the start, minimum, end (mean of the last 3 steps;
 ``specroll.bench.online.summarize``), the mean paired difference online - frozen over steps 1-10, 11-20 and 21-30, and the mean rollout seconds
-over steps 2.. (step 1 carries first-use costs in files written before the bench's warm-up rollout)."""
+over steps 2.. (step 1 carries first-use costs in files written before the bench's warm-up rollout); with the
+fixed-prompt probe (``--probe``, files from session 32 on), its start, minimum and end per head too."""
 import json
 import statistics
 import sys
@@ -21,6 +22,9 @@ def summary(path: str) -> dict:
     for m, s in summarize(d["rows"]).items():
         out[m] = {"start": s["accept_length_start"], "min": s["accept_length_min"], "end": s["accept_length_end"],
                   "rollout_s": statistics.mean(r["rollout_s"] for r in cur[m][1:])}
+        if "probe_accept_length_start" in s:
+            out[m]["probe"] = (s["probe_accept_length_start"], s["probe_accept_length_min"],
+                               s["probe_accept_length_end"])
     diff = [a - b for a, b in zip(acc["online"], acc["frozen"])]
     out["diff"] = [statistics.mean(diff[i:i + 10]) for i in range(0, len(diff), 10)]
     return out
@@ -33,4 +37,7 @@ if __name__ == "__main__":
         print(f"{s['file']}: {s['design']}, seed {s['seed']}, draft lr {s['draft_lr']}, {s['steps']} steps")
         print(f"  online {o['start']:.2f} -> {o['end']:.2f} (min {o['min']:.2f}), rollout {o['rollout_s']:.2f} s")
         print(f"  frozen {fr['start']:.2f} -> {fr['end']:.2f} (min {fr['min']:.2f}), rollout {fr['rollout_s']:.2f} s")
+        for m, v in (("online", o), ("frozen", fr)):
+            if "probe" in v:
+                print(f"  {m} on the probe prompts {v['probe'][0]:.2f} -> {v['probe'][2]:.2f} (min {v['probe'][1]:.2f})")
         print("  online - frozen by 10 steps: " + " / ".join(f"{x:+.2f}" for x in s["diff"]))
