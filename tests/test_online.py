@@ -485,6 +485,26 @@ def test_bench_online_probe_only_measures(tmp_path, monkeypatch, design):
     assert main(["bench", "online", "--probe", "-1", "--out", str(tmp_path / "x.json")]) == 2
 
 
+def test_probe_measures_the_given_heads_drafts_and_feeds_no_learner(mid):
+    """``bench.online.probe``: the accept length of the drafter's own head (a distilled head beats a fresh one on
+    the same prompts and seed), the same on a repeat, with nothing reaching the drafter's learner or its totals."""
+    from types import SimpleNamespace
+
+    from specroll.bench.online import probe
+
+    model, head = mid
+    tr = SimpleNamespace(engine=Engine(model, eos_ids=EOS))
+    params = SamplingParams(temperature=1.0, max_new_tokens=16, min_new_tokens=16, seed=3)
+    plan = Plan(4, 1, 3)
+    trained = OnlineDrafter(clone_head(model, head), online_cfg(), policy=model, plan=plan, sampled=True)
+    fresh = OnlineDrafter(head_for(model, head.vocab_ids, seed=5), online_cfg(), policy=model, plan=plan, sampled=True)
+    a, b = probe(tr, trained, PROMPTS, params), probe(tr, fresh, PROMPTS, params)
+    assert a > b >= 1.0, (a, b)
+    assert probe(tr, trained, PROMPTS, params) == a  # fixed prompts and seed: a repeat measures the same
+    for d in (trained, fresh):
+        assert not d.learner._chunks and not d.learner._prompt and int(d.totals.sum()) == 0
+
+
 def test_online_lr_auto_is_lower_for_a_distilled_head(mid):
     model, head = mid
     assert DraftConfig().lr == "auto"
