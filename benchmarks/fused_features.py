@@ -1,14 +1,16 @@
 """Would an EAGLE-3-style multi-layer feature input raise the draft head's acceptance? A distillation-only
 experiment: no rollout path reads such features yet.
 
-The head reads ``fuse([rms(h_low), rms(h_mid), h_final])`` instead of the policy's final hidden state, where
+The head reads ``fuse([h_final, rms(h_low), rms(h_mid)])`` instead of the policy's final hidden state, where
 h_low / h_mid are the residual stream after two early / middle layers (parameter-free RMS-normalised) and
 ``fuse`` is a (3D -> D) linear initialised to pass h_final through, so both arms start as the ``--init`` head.
 Chain depths 2.. read the head's own features as before. Arm ``final`` keeps ``fuse`` frozen at that pass-through
 (the control: the same head, data, loss and steps); arm ``fused`` trains it. Scored on the held-out prompts of
-``specroll draft train`` (``distill.held_out_by_key``), accept = mean sum_x min(p, q) at depths 1..3.
+``specroll draft train`` (``distill.held_out_by_key``), accept = mean sum_x min(p, q) at depths 1..3. Every hidden state
+is held in bf16 in memory, both arms alike (the caches store h_final in fp32).
 
-    python benchmarks/fused_features.py --arm fused|final --init HEAD --data A.safetensors,B.safetensors \\
+    python benchmarks/fused_features.py --arm states --init HEAD --data A,B --states S.safetensors   # once
+    python benchmarks/fused_features.py --arm fused|final --init HEAD --states S.safetensors --data A.safetensors,B.safetensors \\
         --layers 2,14 --steps 600 --out FILE.json
 """
 import argparse
