@@ -70,45 +70,6 @@ class Fuse(torch.nn.Module):
         return self.lin(h)
 
 
-def loss_fn(head, fuse, lm, embed, ids, H, scored, cfg, D):
-    """``distill.head_loss`` with the fused input at depth 1 (H holds [h_final | extras])."""
-    x_h, x_t, target = fuse(H[:, :-1]), ids[:, 1:], H[:, 1:, :D]
-    m1 = scored[:, 1:]
-    T = x_t.shape[1]
-    pos = torch.arange(1, T + 1).expand(x_t.shape[0], T)
-    with torch.no_grad():
-        emb = embed(x_t).float()
-        teacher = torch.softmax(lm(target[m1]), dim=-1)
-    feats = Dl.unrolled_features(head, x_h, emb, pos, cfg.unroll, Dl.first_scored(m1))
-    loss, wsum = 0.0, 0.0
-    for j, feat in enumerate(feats, 1):
-        mj = Dl.chain_scored(m1, j)
-        p = teacher[mj[m1]]
-        den = max(int(mj.sum()), 1)
-        f = feat[mj]
-        l_feat = F.smooth_l1_loss(f, target[mj], reduction="none").mean(-1).sum() / den
-        logq = torch.log_softmax(lm(f), dim=-1)
-        l_j = cfg.w_feat * l_feat - cfg.w_ce * (p * logq).sum() / den
-        l_j = l_j + cfg.w_tv * (1 - torch.minimum(p, logq.exp()).sum(-1)).sum() / den
-        w = cfg.unroll_decay ** (j - 1)
-        loss, wsum = loss + w * l_j, wsum + w
-    return loss / wsum
-
-
-@torch.no_grad()
-def evaluate(head, fuse, lm, embed, batch, p, D, depth=3):
-    ids, H, valid = batch
-    T = ids.shape[1] - 1
-    pos = torch.arange(1, T + 1).expand(ids.shape[0], T)
-    m1 = valid[:, 1:]
-    out = {}
-    for j, feat in enumerate(Dl.unrolled_features(head, fuse(H[:, :-1]), embed(ids[:, 1:]).float(), pos, depth), 1):
-        keep = Dl.chain_scored(m1, j)[m1]
-        q = torch.softmax(lm(feat[m1][keep]), dim=-1)
-        out[f"d{j}"] = float(torch.minimum(p[keep], q).sum(-1).mean())
-    return out
-
-
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--arm", choices=["fused", "final", "states"], required=True,
@@ -152,14 +113,12 @@ def main():
     fuse = Fuse(D, len(layers))
     fuse.requires_grad_(a.arm == "fused")
     h_idx, t_idx = Dl.held_out_by_key([prompt_key(s[:p]) for s, p in zip(seqs, plen)], 0.05)
-    held = Dl._batch(seqs, hid3, h_idx, plen)
-    ids_h, H_h, v_h = held
-    target = H_h[:, 1:, :D][v_h[:, 1:]]
-    ps = []
-    for i in range(0, target.shape[0], 512):
-        full = policy.logits(target[i: i + 512]).float()
-        ps.append((full[:, lm.ids] - torch.logsumexp(full, -1, keepdim=True)).exp())
-    p_held = torch.cat(ps)
+    held = Dl.HeldOut(policy, lm, [seqs[i] for i in h_idx], [hid3[i] for i in h_idx], [plen[i] for i in h_idx])
+
+    def evaluate():
+        r = held.evaluate(head, lm, policy.embed, 3, fuse=fuse)
+        return {"d1": r["eval_accept"], "d2": r["eval_accept_d2"], "d3": r["eval_accept_d3"]}
+
     seqs_t, hid_t, starts = [seqs[i] for i in t_idx], [hid3[i] for i in t_idx], [plen[i] for i in t_idx]
     groups = [{"params": list(head.parameters()), "lr": a.lr}]
     if a.arm == "fused":
@@ -168,7 +127,7 @@ def main():
     progress = [0.0]
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 20) * max(0.05, 1 - progress[0]))
     gen = torch.Generator().manual_seed(a.seed)
-    hist = [{"step": 0, **evaluate(head, fuse, lm, policy.embed, held, p_held, D)}]
+    hist = [{"step": 0, **evaluate()}]
     print(json.dumps(hist[-1]), flush=True)
     t0, step = time.perf_counter(), 0
     head.train()
@@ -176,7 +135,7 @@ def main():
         idx = torch.randint(len(seqs_t), (16,), generator=gen).tolist()
         ids, H, valid = Dl._batch(seqs_t, hid_t, idx, starts)
         with torch.autocast("cpu", dtype=torch.bfloat16):
-            loss = loss_fn(head, fuse, lm, policy.embed, ids, H, valid, cfg, D)
+            loss, _ = Dl.head_loss(head, lm, policy.embed, ids, H, valid, cfg, gen, fuse=fuse)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_([p for g in groups for p in g["params"]], 1.0)
@@ -187,7 +146,7 @@ def main():
         if step % 200 == 0 or step == a.steps:
             head.eval()
             hist.append({"step": step, "elapsed": time.perf_counter() - t0, "loss": float(loss.detach()),
-                         **evaluate(head, fuse, lm, policy.embed, held, p_held, D)})
+                         **evaluate()})
             head.train()
             print(json.dumps(hist[-1]), flush=True)
     Path(a.out).write_text(json.dumps({"args": vars(a), "hist": hist}, indent=1))

@@ -1,8 +1,14 @@
 """Where a batch-1 speculative decode step's time goes: the policy's verification forward, its logits, the
 head's drafting, the verification rule and the rest (bookkeeping), against a plain step's forward, logits and
-rest. Rows forced to ``--max-new-tokens`` tokens, one process, sampled chains at T = 1, medians per call.
+rest. Rows forced to ``--max-new-tokens`` tokens, one process, sampled chains at T = 1, medians per call; the
+sides' rollouts alternate round by round (this host drifts within a minute), the first round is a warm-up.
 
-    python benchmarks/step_parts.py --draft DIR [--depth 6] [--repeats 4] [--max-new-tokens 96]
+``--replay`` adds a side that verifies the first step's drafted tree again at every later step: the same
+(depth + 1)-token forward with no head call before it, so the difference of its forward to the drafting side's is
+what the drafting between two forwards costs the next one (acceptance there is meaningless; only the forward is
+reported).
+
+    python benchmarks/step_parts.py --draft DIR [--depth 6] [--repeats 4] [--max-new-tokens 96] [--replay]
 """
 import argparse
 import collections
@@ -26,14 +32,15 @@ def main() -> None:
     ap.add_argument("--depth", type=int, default=6)
     ap.add_argument("--repeats", type=int, default=4)
     ap.add_argument("--max-new-tokens", type=int, default=96)
+    ap.add_argument("--replay", action="store_true", help="add the replayed-tree side (see above)")
     a = ap.parse_args()
     model, tok = hub.load(a.model, torch.float32)
     head = load_head_as(f"--draft {a.draft}", a.draft, model)
     engine = Engine(model, eos_ids=hub.eos_ids(tok, hub.resolve(a.model, quiet=True)), dtype=torch.bfloat16)
     prompts = bench_prompts(tok, a.repeats, 0)
-    # per depth, per part: call times; rollouts of the two depths alternate (this host drifts over a minute)
-    times = {d: collections.defaultdict(list) for d in (a.depth, 0)}
-    cur = {"d": 0}
+    sides = [f"depth {a.depth}"] + (["replay"] if a.replay else []) + ["depth 0"]
+    times = {s: collections.defaultdict(list) for s in sides}  # per side, per part: call times
+    cur: dict = {}
 
     def timed(obj, name, key):
         f = getattr(obj, name)
@@ -41,10 +48,19 @@ def main() -> None:
         def g(*args, **kw):
             t = time.perf_counter()
             out = f(*args, **kw)
-            times[cur["d"]][key].append(time.perf_counter() - t)
+            times[cur["side"]][key].append(time.perf_counter() - t)
             return out
         setattr(obj, name, g)
 
+    draft = EagleDrafter.draft
+
+    def replaying_draft(self, *args, **kw):  # the replay side: the first step's tree at every step
+        if cur["side"] == "replay" and "tree" in cur:
+            return cur["tree"]
+        cur["tree"] = draft(self, *args, **kw)
+        return cur["tree"]
+
+    EagleDrafter.draft = replaying_draft
     timed(engine, "forward", "forward")
     timed(engine, "logits", "logits")
     timed(EagleDrafter, "draft", "draft")
@@ -54,27 +70,33 @@ def main() -> None:
     def timed_rule(*args, **kw):
         t = time.perf_counter()
         out = rule(*args, **kw)
-        times[cur["d"]]["rule"].append(time.perf_counter() - t)
+        times[cur["side"]]["rule"].append(time.perf_counter() - t)
         return out
 
-    for r in range(a.repeats + 1):  # the first round warms up and is not counted
+    for r in range(a.repeats + 1):
         if r == 1:
             for v in times.values():
                 v.clear()
-        for depth in (a.depth, 0):
-            cur["d"] = depth
-            plan = Plan(depth + 1, 1, depth) if depth else Plan()
+        for side in sides:
+            cur.clear()
+            cur["side"] = side
+            plan = Plan() if side == "depth 0" else Plan(a.depth + 1, 1, a.depth)
             p = SamplingParams(temperature=1.0, max_new_tokens=a.max_new_tokens, min_new_tokens=a.max_new_tokens,
                                seed=r)
             drafter = EagleDrafter(head, plan=plan, sampled=True)
             drafter.chain_rule = timed_rule
             engine.generate([prompts[r % len(prompts)]], p, drafter=drafter)
-    for depth in (a.depth, 0):
-        med = {k: 1e3 * statistics.median(v) for k, v in times[depth].items()}
-        parts = ["forward", "logits"] + (["draft", "rule"] if depth else [])
+    for side in sides:
+        med = {k: 1e3 * statistics.median(v) for k, v in times[side].items()}
+        if side == "replay":
+            print(f"replay: forward {med['forward']:.2f} ms (the drafting side's forward without a head call before it)",
+                  flush=True)
+            continue
+        parts = ["forward", "logits"] + (["draft", "rule"] if side != "depth 0" else [])
         rest = med["step"] - sum(med[k] for k in parts)
-        print(f"depth {depth}: step {med['step']:.2f} ms = " + " + ".join(f"{k} {med[k]:.2f}" for k in parts)
+        print(f"{side}: step {med['step']:.2f} ms = " + " + ".join(f"{k} {med[k]:.2f}" for k in parts)
               + f" + rest {rest:.2f}", flush=True)
+
 
 if __name__ == "__main__":
     main()

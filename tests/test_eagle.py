@@ -672,6 +672,36 @@ def test_held_out_accept_is_the_overlap_of_policy_and_head(mid, with_prompts):
     assert 0.0 < got["eval_accept"] < 1.0
 
 
+def test_fused_input_reads_extra_features_and_keeps_final_state_targets(mid):
+    """``head_loss`` / ``HeldOut.evaluate`` with ``fuse``: H carries more features after the final hidden state; the
+    head's depth-1 input is fuse(H), the targets (feature loss, policy distribution) stay the final state. A fuse
+    that keeps the final state reproduces the plain loss and score; one that mixes in the extras changes them."""
+    from specroll.drafters.distill import HeldOut, _batch
+
+    model, head = mid
+    seqs = [torch.tensor(p + naive_greedy(model, p, 5)) for p in PROMPTS[:3]]
+    starts = [len(p) for p in PROMPTS[:3]]
+    hid = hidden_states(model, seqs)
+    D = hid[0].shape[1]
+    g = torch.Generator().manual_seed(0)
+    wide = [torch.cat([h, torch.randn(len(h), 2 * D, generator=g)], -1) for h in hid]
+    lm = DraftVocab(model, head.vocab_ids)
+    cfg = DistillConfig(w_feat=2.0, w_ce=0.3, w_tv=0.5, unroll=2)
+    keep, mix = (lambda h: h[..., :D]), (lambda h: h[..., :D] + 0.5 * h[..., D:2 * D])
+    with torch.no_grad():
+        plain, _ = head_loss(head, lm, model.embed, *_batch(seqs, hid, [0, 1, 2], starts), cfg)
+        kept, _ = head_loss(head, lm, model.embed, *_batch(seqs, wide, [0, 1, 2], starts), cfg, fuse=keep)
+        mixed, _ = head_loss(head, lm, model.embed, *_batch(seqs, wide, [0, 1, 2], starts), cfg, fuse=mix)
+        ref = HeldOut(model, lm, seqs, hid, starts).evaluate(head, lm, model.embed, depth=2)
+        held = HeldOut(model, lm, seqs, wide, starts)
+        got = held.evaluate(head, lm, model.embed, depth=2, fuse=keep)
+        other = held.evaluate(head, lm, model.embed, depth=2, fuse=mix)
+    assert float(kept) == pytest.approx(float(plain), rel=1e-6)
+    assert abs(float(mixed) - float(plain)) > 1e-3
+    assert got == pytest.approx(ref, rel=1e-6)
+    assert abs(other["eval_accept"] - ref["eval_accept"]) > 1e-4
+
+
 def test_loss_scores_only_completion_targets(mid):
     """``head_loss`` on a ragged batch from ``_batch(..., starts)`` equals the mean of per-position losses,
     computed one sequence at a time, over the targets at or after each prompt length."""

@@ -224,11 +224,14 @@ def chain_scored(m: torch.Tensor, j: int) -> torch.Tensor:
     return out
 
 
-def head_loss(head: DraftHead, lm: DraftVocab, embed, ids, H, scored, cfg: DistillConfig, gen=None):
+def head_loss(head: DraftHead, lm: DraftVocab, embed, ids, H, scored, cfg: DistillConfig, gen=None, fuse=None):
     """Loss on a padded batch: pairs (H[:, t], ids[:, t+1]) -> H[:, t+1], averaged over the targets
     ``scored`` marks (``_batch``). Teacher-forced with ``cfg.unroll`` 1; with more, depths 2..unroll of
-    ``unrolled_features`` add their losses weighted ``cfg.unroll_decay ** (j - 1)`` (normalised)."""
-    x_h, x_t, target = H[:, :-1], ids[:, 1:], H[:, 1:]
+    ``unrolled_features`` add their losses weighted ``cfg.unroll_decay ** (j - 1)`` (normalised).
+    ``fuse``: the head's depth-1 input is ``fuse(H[:, :-1])`` instead, where H's last axis holds the final hidden
+    state first and more features after it (``benchmarks/fused_features.py``); the targets stay the final state."""
+    D = head.cfg.hidden_size
+    x_h, x_t, target = H[:, :-1, :D] if fuse is None else fuse(H[:, :-1]), ids[:, 1:], H[:, 1:, :D]
     m1 = scored[:, 1:]
     if cfg.noise > 0:
         rms = x_h.pow(2).mean(-1, keepdim=True).sqrt()
@@ -276,7 +279,7 @@ class HeldOut:
     def __init__(self, policy: Decoder, lm: DraftVocab, seqs, hid, starts=None, chunk: int = 512):
         self.batch = _batch(seqs, hid, list(range(len(seqs))), starts)
         ids, H, valid = self.batch
-        target = H[:, 1:][valid[:, 1:]]  # (P, D) hidden state whose logits give p at each pair
+        target = H[:, 1:, :policy.cfg.hidden_size][valid[:, 1:]]  # (P, D) hidden state whose logits give p at each pair
         ps = []
         with torch.no_grad():
             for i in range(0, target.shape[0], chunk):
@@ -285,15 +288,16 @@ class HeldOut:
         self.p = torch.cat(ps) if ps else torch.zeros(0, lm.ids.numel())
 
     @torch.no_grad()
-    def evaluate(self, head: DraftHead, lm: DraftVocab, embed, depth: int = 1) -> dict:
+    def evaluate(self, head: DraftHead, lm: DraftVocab, embed, depth: int = 1, fuse=None) -> dict:
         """With ``depth`` > 1 also ``eval_accept_dj``: the same score at chain depth j
-        (``unrolled_features``, over the targets ``chain_scored`` keeps)."""
+        (``unrolled_features``, over the targets ``chain_scored`` keeps). ``fuse``: as ``head_loss``'s."""
         ids, H, valid = self.batch
         T = ids.shape[1] - 1
         pos = torch.arange(1, T + 1).expand(ids.shape[0], T)
         m1 = valid[:, 1:]
+        x = H[:, :-1, :head.cfg.hidden_size] if fuse is None else fuse(H[:, :-1])
         out = {}
-        for j, feat in enumerate(unrolled_features(head, H[:, :-1], embed(ids[:, 1:]).float(), pos, depth), 1):
+        for j, feat in enumerate(unrolled_features(head, x, embed(ids[:, 1:]).float(), pos, depth), 1):
             keep = chain_scored(m1, j)[m1]  # which of the scored pairs (rows of self.p) count at depth j
             q = torch.softmax(lm(feat[m1][keep]), dim=-1)
             acc = float(torch.minimum(self.p[keep], q).sum(-1).mean()) if keep.any() else float("nan")
