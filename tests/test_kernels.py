@@ -303,6 +303,29 @@ def test_skinny_prologues_match_the_eager_ops(M, isa):
         ext.linear(gu, wp, N, None, None, gain, 1e-5, True)
 
 
+@needs_kernel
+@pytest.mark.parametrize("M,K", [(1, 1536), (7, 1536), (3, 13), (40, 576), (2, 5)])
+def test_prologue_matches_silu_and_rms_norm_over_the_float_range(M, K, isa):
+    """The vectorised prologue (16 or 8 lanes, e^-|g| by ``exp16_nonpos`` / ``exp8_nonpos``, a lane-wise sum of squares) against the eager
+    ops in float64, with gates from -120 to 120 (e^120 overflows float: the kernel never forms it), exact zeros
+    and a tail of K % 8 elements that takes the scalar loop."""
+    from specroll.models.decoder import rms_norm
+
+    g = torch.Generator().manual_seed(M * 1000 + K)
+    gate = torch.randn(M, K, generator=g) * 8
+    gate.view(-1)[:: 7] = torch.linspace(-120, 120, gate.view(-1)[:: 7].numel())
+    gate.view(-1)[1:: 11] = 0.0
+    up = torch.randn(M, K, generator=g) * 3
+    out = ext.prologue(torch.cat([gate, up], 1), None, 1e-5, True)
+    ref = (F.silu(gate.double()) * up.double()).float()
+    assert out.isfinite().all()
+    torch.testing.assert_close(out, ref, atol=1e-6, rtol=2e-6)
+    x = torch.randn(M, K, generator=g) * torch.logspace(-3, 3, M)[:, None]
+    gain = torch.rand(K, generator=g) + 0.5
+    out = ext.prologue(x, gain, 1e-5, False)
+    torch.testing.assert_close(out, rms_norm(x.double(), gain.double(), 1e-5).float(), atol=1e-6, rtol=2e-6)
+
+
 def _sdpa64(q, k, v, mask):
     """Float64 reference attention (SDPA semantics); queries that see no key give zeros."""
     s = (q.double() @ k.double().transpose(-1, -2)) * q.shape[-1] ** -0.5

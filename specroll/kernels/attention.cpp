@@ -454,8 +454,10 @@ struct Mask {
 
 }  // namespace
 
-// e^x for x <= 0 in 8 lanes (``exp_nonpos``), for the other kernel files (draft.cpp).
+// e^x for x <= 0 in 8 lanes (``exp_nonpos``), for the other kernel files (draft.cpp, skinny.cpp).
 __m256 exp8_nonpos(__m256 x) { return exp_nonpos(x); }
+// The same in 16 lanes (``exp16_nonpos``), for skinny.cpp's prologue.
+SPECROLL_A512 __m512 exp16_nonpos_ext(__m512 x) { return exp16_nonpos(x); }
 
 // q: (B, H, Q, D); k, v: (B, H, S, D) with unit stride along D (cache views are fine); mask: None or bool,
 // broadcastable to (B, H, Q, S) with unit stride along S. Returns (B, H, Q, D) contiguous.
