@@ -211,24 +211,26 @@ def test_rejection_chain_kernel_gives_the_reference_verdict(temperature, V):
     assert n_seen == set(range(L + 1))  # every cut depth, full acceptance included, was exercised
 
 
-def test_bf16_head_chains_are_lossless(small):
-    """``bf16_head``: the head drafts with bf16 weight panels (few rows per call, so the skinny kernel runs);
-    its q changes but the chain stays exactly distributed. Small batches, many calls."""
-    if kernels.skinny() is None:
-        pytest.skip("the skinny kernel is not available here")
+@pytest.mark.parametrize("weights", ["bf16", "int8"])
+def test_bf16_and_int8_head_chains_are_lossless(small, weights):
+    """``bf16_head`` / ``int8_head``: the head drafts with bf16 or int8 weight panels (few rows per call, so the
+    skinny kernel runs); its q changes but the chain stays exactly distributed. Small batches, many calls."""
+    if kernels.skinny() is None or (weights == "int8" and not kernels.int8_ok()):
+        pytest.skip(f"the skinny kernel's {weights} panels do not run here")
     model, trained = small
     params = PARAMS["t1"]
-    drafter = EagleDrafter(trained, Plan(n_verify=4, k=1, depth=3), sampled=True, bf16_head=True)
+    drafter = EagleDrafter(trained, Plan(n_verify=4, k=1, depth=3), sampled=True, bf16_head=True,
+                           int8_head=weights == "int8")
     engine, V, counts = Engine(model), model.cfg.vocab_size, torch.zeros(V_SMALL**M_SMALL, dtype=torch.long)
     for i in range(S // 8):
         outs = engine.generate([PROMPT], SamplingParams(**{**params.__dict__, "seed": 100 + i}), n=8, drafter=drafter)
         idx = torch.stack([(o.completion_ids * V ** torch.arange(M_SMALL)).sum() for o in outs])
         counts += torch.bincount(idx, minlength=V**M_SMALL)
-    bf16 = "skinny_bf16_dot" if kernels.dot_bf16() else "skinny_bf16"  # panels for vdpbf16ps where it pays
-    assert bf16 in trained.fc._packed and bf16 in trained.block.qkv._packed
-    assert not any(str(k).startswith("skinny_bf16") for k in model.layers[0].qkv._packed)  # the policy keeps fp32
+    kind = "skinny_int8" if weights == "int8" else "skinny_bf16_dot" if kernels.dot_bf16() else "skinny_bf16"
+    assert kind in trained.fc._packed and kind in trained.block.qkv._packed and kind in trained.block.down._packed
+    assert not any(str(k).startswith(("skinny_bf16", "skinny_int8")) for k in model.layers[0].qkv._packed)
     p = chi2_gof(counts, exact_probs(model, PROMPT, params, M_SMALL))
-    assert p > 1e-3, f"bf16 head chains: chi-square p = {p:.2e}"
+    assert p > 1e-3, f"{weights} head chains: chi-square p = {p:.2e}"
     assert drafter.totals[3] > 0
 
 
@@ -568,7 +570,7 @@ def test_sampled_chain_drafts_match_a_cache_free_head_pass(mid, monkeypatch, fus
 def test_fused_chains_give_the_stepwise_completions(mid, monkeypatch, temperature, chain_stop, rollout):
     """The ``draft_chain`` kernel against its reference, the step-by-step PyTorch chain: with the same seed
     (both take their draws from the same uniforms) ragged rows produce the same completions, acceptances and
-    log-probs, in fp32 and with bf16 head weights; the kernel path is the one taken. ``amx-bf16``: a bf16
+    log-probs, in fp32 and with bf16 or int8 head weights; the kernel path is the one taken. ``amx-bf16``: a bf16
     engine built as on an AMX CPU (forced here on any host), whose few-token forwards take the kernel path
     and whose head therefore drafts in fp32 (``prepare``), from the engine's bf16 hidden states."""
     import specroll.engine.engine as engine_mod
@@ -586,13 +588,15 @@ def test_fused_chains_give_the_stepwise_completions(mid, monkeypatch, temperatur
     else:
         engine = Engine(model, eos_ids=[EOS])
     params = SamplingParams(temperature=temperature, max_new_tokens=20, seed=7)
-    for bf16 in (False, True):
+    for bf16, int8 in ((False, False), (True, False)) + (((True, True),) if kernels.int8_ok() else ()):
         runs = []
         for fused in (False, True):
             d = EagleDrafter(head, Plan(5, 1, 4), sampled=True, bf16_head=bf16, chain_stop=chain_stop, fused=fused,
-                             trace=True)
+                             trace=True, int8_head=int8)
             runs.append((engine.generate(PROMPTS, params, n=2, drafter=d), d))
             assert bool(calls) == fused
+            if int8:  # the head's linears and its draft vocabulary drafted with int8 panels
+                assert "skinny_int8" in head.fc._packed and "skinny_int8" in d._draft_vocab().lin._packed
         (ref, dr), (out, df) = runs
         for a, b in zip(ref, out):
             assert a.completion_ids.tolist() == b.completion_ids.tolist()
@@ -1056,11 +1060,12 @@ def test_cli_draft_train_then_bench_spec(tmp_path, monkeypatch, capsys):
     assert [(r["plan"], r["plan_max"]["k"]) for r in rows] == [("static", 2), ("chain", 1)]
     assert [len(r["accept_by_depth"]) for r in rows] == [r["plan_max"]["depth"] for r in rows]
     assert rows[1]["accept_length"] >= 1.0
-    assert main(common + ["--plan", "chain", "--batch-sizes", "1", "--head-weights", "fp32,bf16", "--out", str(out)]) == 0
+    assert main(common + ["--plan", "chain", "--batch-sizes", "1", "--head-weights", "fp32,bf16,int8",
+                          "--out", str(out)]) == 0
     rows = json.loads(out.read_text())["rows"]
-    assert [(r["plan"], r["head_weights"]) for r in rows] == [("chain", "fp32"), ("chain", "bf16")]
+    assert [(r["plan"], r["head_weights"]) for r in rows] == [("chain", "fp32"), ("chain", "bf16"), ("chain", "int8")]
     assert main(common + ["--head-weights", "fp16", "--out", str(out)]) == 2
-    assert "choose from auto, fp32, bf16" in capsys.readouterr().err
+    assert "choose from auto, fp32, bf16, int8" in capsys.readouterr().err
     assert main(common + ["--plan", "chain", "--batch-sizes", "1", "--chain-stop", "0,0.3", "--out", str(out)]) == 0
     assert [r["chain_stop"] for r in json.loads(out.read_text())["rows"]] == [0.0, 0.3]
     assert main(common + ["--chain-stop", "1.5", "--out", str(out)]) == 2

@@ -271,6 +271,48 @@ def test_fast_linear_dispatch(monkeypatch):
         torch.testing.assert_close(lin(x), F.linear(x, lin.weight, lin.bias), atol=1e-5, rtol=1e-5)
 
 
+def _int8_reference(w):
+    """Per-output-column symmetric int8 rounding (scale max|w| / 127, 1 for a zero column), dequantized."""
+    scale = w.abs().amax(1, keepdim=True) / 127
+    scale = torch.where(scale > 0, scale, torch.ones_like(scale))
+    return torch.round(w / scale).clamp(-127, 127) * scale
+
+
+@needs_kernel
+@pytest.mark.parametrize("K,N", [(576, 48), (37, 50), (1152, 576), (8, 1), (6, 33)])
+@pytest.mark.parametrize("M", [1, 2, 3, 4, 7, 16, 17, 40])
+def test_int8_panels_match_f_linear_of_the_rounded_weight(K, N, M):
+    """``pack_int8`` + ``linear`` against F.linear of the same per-column int8 rounding done in torch, with a
+    bias, a residual and both prologues; K % 4 != 0 takes the tail loop, N % 16 != 0 a partial panel, M > 16
+    two row blocks. The rounding itself stays within half a step of the weight."""
+    if ext.isa() != "avx512":
+        pytest.skip("int8 panels run on the AVX-512 kernels only")
+    from specroll.models.decoder import rms_norm
+
+    g = torch.Generator().manual_seed(M * 100 + K)
+    w = torch.randn(N, K, generator=g) * torch.logspace(-2, 1, N, )[:, None]
+    if N > 2:
+        w[1] = 0.0  # an all-zero column
+    wq = _int8_reference(w)
+    assert ((wq - w).abs() <= w.abs().amax(1, keepdim=True) / 254 + 1e-7).all()
+    wp = ext.pack_int8(w)
+    assert wp.dtype == torch.int8 and tuple(wp.shape) == (-(-N // 16), K + 4, 16)
+    def close(out, inp, ref):  # fp32 summation error, relative to the sum of the products' magnitudes
+        bound = inp.abs() @ wq.abs().T
+        assert ((out - ref).abs() <= 1e-5 * bound + 1e-5 * ref.abs() + 1e-6).all(), (out - ref).abs().max()
+
+    x, b, r = torch.randn(M, K, generator=g), torch.randn(N, generator=g), torch.randn(M, N, generator=g)
+    close(ext.linear(x, wp, N, b, r), x, F.linear(x, wq, b) + r)
+    gain = torch.rand(K, generator=g) + 0.5
+    xn = rms_norm(x, gain, 1e-5)
+    close(ext.linear(x, wp, N, None, None, gain, 1e-5, False), xn, F.linear(xn, wq))
+    gu = torch.randn(M, 2 * K, generator=g)
+    gate, up = gu.chunk(2, dim=-1)
+    xg = F.silu(gate) * up
+    close(ext.linear(gu, wp, N, gated=True), xg, F.linear(xg, wq))
+    assert not torch.allclose(ext.linear(x, wp, N), F.linear(x, w), atol=1e-6, rtol=1e-6)  # it is int8, not fp32
+
+
 def test_kernels_can_be_switched_off(monkeypatch):
     monkeypatch.setenv("SPECROLL_KERNELS", "0")
     kernels.skinny.cache_clear()

@@ -83,7 +83,8 @@ def probe(trainer, drafter, prompts, params) -> float:
     d = eagle_of(drafter)
     learns = hasattr(d.plan_fn, "observe")
     m = EagleDrafter(d.head, plan=d.max_plan, plan_fn=None if learns else d.plan_fn, max_plan=d.max_plan,
-                     sampled=d.sampled, chain_stop=d.chain_stop, bf16_head=d.bf16_head, fused=d.fused)
+                     sampled=d.sampled, chain_stop=d.chain_stop, bf16_head=d.bf16_head, fused=d.fused,
+                     int8_head=d.int8_head)
     trainer.engine.generate(prompts, dataclasses.replace(params, seed=PROBE_SEED), n=1, drafter=m)
     return m.summary()["accept_length"]
 

@@ -79,7 +79,9 @@ def _tuned_chain(args):
 PLANS = {"static": _static, "adaptive": _adaptive, "chain": _chain, "adaptive-chain": _adaptive_chain,
          "tuned": _tuned, "tuned-chain": _tuned_chain}
 SAMPLED = {"chain", "adaptive-chain", "tuned-chain"}  # plans whose drafter samples its chain (EagleDrafter(sampled=True))
-HEAD_WEIGHTS = {"auto": None, "fp32": False, "bf16": True}  # --head-weights: EagleDrafter(bf16_head=...)
+# --head-weights: EagleDrafter(bf16_head=..., int8_head=...); int8: int8 panels where bf16 ones would run (few rows)
+HEAD_WEIGHTS = {"auto": {"bf16_head": None}, "fp32": {"bf16_head": False}, "bf16": {"bf16_head": True},
+                "int8": {"bf16_head": None, "int8_head": True}}
 
 
 def bench_prompts(tokenizer, n: int, seed: int) -> list[list[int]]:
@@ -112,7 +114,7 @@ def bench_batch(engine: Engine, head, prompts, params: SamplingParams, plan_name
         dt, outs = _timed(engine.generate, prompts_r, p)
         van_t, van_n = van_t + dt, van_n + sum(len(o.completion_ids) for o in outs)
         drafter = EagleDrafter(head, plan_fn=plan_fn, max_plan=max_plan, sampled=plan_name in SAMPLED,
-                               bf16_head=HEAD_WEIGHTS[head_weights], chain_stop=chain_stop)
+                               chain_stop=chain_stop, **HEAD_WEIGHTS[head_weights])
         dt, outs = _timed(engine.generate, prompts_r, p, drafter=drafter)
         spec_t, spec_n = spec_t + dt, spec_n + sum(len(o.completion_ids) for o in outs)
         totals += drafter.totals

@@ -55,6 +55,7 @@ class DraftConfig:
     unroll: int = 1  # chain depths trained per position (1 = teacher-forced; see distill.unrolled_features)
     buffer: int = 4  # recent rollouts whose sequences the online updates sample from
     bf16: bool | str = "auto"  # bf16 autocast for the online updates (fp32 head weights and AdamW state); auto = if fast
+    int8_head: bool = False  # draft with int8 head weights where bf16 ones would run (few rows; AVX-512 CPUs): lossless
 
     def __post_init__(self):
         if not isinstance(self.head, str):
@@ -80,8 +81,9 @@ class DraftConfig:
             v = getattr(self, k)
             if not (isinstance(v, (int, float)) and math.isfinite(v) and v >= 0):
                 raise ValueError(f"draft.{k} must be a number >= 0, got {v!r}")
-        if not isinstance(self.chain, bool):
-            raise ValueError(f"draft.chain must be true or false, got {self.chain!r}")
+        for k in ("chain", "int8_head"):
+            if not isinstance(getattr(self, k), bool):
+                raise ValueError(f"draft.{k} must be true or false, got {getattr(self, k)!r}")
         if isinstance(self.chain_stop, bool) or not (isinstance(self.chain_stop, (int, float))
                                                      and 0 <= self.chain_stop < 1):
             raise ValueError(f"draft.chain_stop must be a number in [0, 1), got {self.chain_stop!r}")
@@ -208,7 +210,7 @@ def build_eagle(cfg, model, prompt_ids=None, eos_ids=(), log=print):
             log(note)
     plan, plan_fn, max_plan = make_plan(cfg, model, log)
     return OnlineDrafter(head, dc, policy=model, plan=plan, plan_fn=plan_fn, max_plan=max_plan, seed=cfg.train.seed,
-                         sampled=dc.chain, chain_stop=float(dc.chain_stop))
+                         sampled=dc.chain, chain_stop=float(dc.chain_stop), int8_head=dc.int8_head)
 
 
 def build_spec_drafter(cfg, model, prompt_ids=None, eos_ids=(), log=print):

@@ -62,11 +62,12 @@ from ..models.decoder import (
     RMSNorm,
     UnreadableWeights,
     bf16_weights,
-    bf16_weights_on,
     fold_mask,
+    int8_weights,
     read_safetensors,
     rope_inv_freq,
     rope_tables,
+    skinny_kind,
 )
 from .verify import rejection_chain, sampler_match
 
@@ -326,6 +327,12 @@ class EagleDrafter:
     from cache by every policy forward; in bf16 they take half the bytes (BENCHMARKS.md, session 9). With
     more rows the kernel is compute-bound and bf16 panels only add work.
 
+    ``int8_head``: where the head would draft with bf16 weights (above), it drafts with int8 ones instead
+    (``decoder.int8_weights``: per-column scales, fp32 arithmetic, a quarter of fp32's bytes) where the AVX-512
+    kernels run, else bf16. Lossless like bf16: the policy verifies against the q the head produced. SmolLM2's
+    head streams 6.6 MB per call instead of 13.1, and a call on one row from DRAM took 156 us against 377 (from
+    L3, 123 against 131: there the int8 widening bounds it; Zen 5, 2026-11-26).
+
     ``chain_stop``: a sampled chain stops growing once, in every row, the product of the head's
     probabilities of its drafted tokens falls below this (0 = always the full depth). Each further
     draft costs a head call, and one the head itself doubts is rarely kept. Lossless either way: the
@@ -340,7 +347,7 @@ class EagleDrafter:
 
     def __init__(self, head: DraftHead, plan: Plan = DEFAULT_PLAN, plan_fn=None, max_plan: Plan | None = None,
                  rule=sampler_match, on_pairs=None, trace: bool = False, sampled: bool = False,
-                 bf16_head: bool | None = None, chain_stop: float = 0.0, fused: bool = True):
+                 bf16_head: bool | None = None, chain_stop: float = 0.0, fused: bool = True, int8_head: bool = False):
         if not 0.0 <= chain_stop < 1.0:
             raise ValueError(f"chain_stop must be in [0, 1), got {chain_stop}")
         self.head = head.eval()
@@ -348,6 +355,7 @@ class EagleDrafter:
         self.fused = fused
         self.sampled = sampled
         self.bf16_head = bf16_head
+        self.int8_head = int8_head
         self.chain_rule = rejection_chain  # the rule for sampled chains
         self.plan_fn = plan_fn or (lambda b: plan)
         self.max_plan = max_plan or plan
@@ -537,11 +545,11 @@ class EagleDrafter:
         return self._chain_tree(root_tok, toks, q)
 
     def _kernel_weights(self):
-        """The head's weights as ``draft_chain`` takes them: skinny-kernel panels (bf16 inside ``bf16_weights()``),
+        """The head's weights as ``draft_chain`` takes them: skinny-kernel panels (``decoder.skinny_kind``),
         biases (empty when absent), norms, the draft vocabulary's lm_head panels and ids, the policy's embedding,
         the RoPE frequencies and the head cache's layer; then the sizes (heads, KV heads, head dim, gate_up
         width) and the norm eps."""
-        kind = "skinny_bf16" if bf16_weights_on() else "skinny"
+        kind = skinny_kind()
         none = torch.empty(0)
 
         def pk(lin):
@@ -630,8 +638,8 @@ class EagleDrafter:
             return out
         root_pos = cache.lens[:B].clone()
         bf16 = B <= BF16_HEAD_ROWS if self.bf16_head is None else self.bf16_head
-        with bf16_weights(True) if bf16 else nullcontext():  # else the rollout's own precision
-            tree = self.draft(root_pos, plan, st.params, st.gen)
+        with bf16_weights(True) if bf16 else nullcontext(), int8_weights(bf16 and self.int8_head):
+            tree = self.draft(root_pos, plan, st.params, st.gen)  # else in the rollout's own precision
         N = tree.tokens.shape[1]
         slots = cache.chain_slots(N)
         h = engine.forward(cache, tree.tokens, root_pos[:, None] + tree.depth, slots, cache.mask(N, tree.mask))

@@ -75,6 +75,12 @@ def max_rows() -> int:
     return MAX_ROWS_AVX512 if isa is not None and isa() == "avx512" else MAX_ROWS
 
 
+def int8_ok() -> bool:
+    """Whether int8 weight panels (``pack_int8``, ``decoder.int8_weights``) run here: the AVX-512 kernels."""
+    ext = skinny()
+    return ext is not None and ext.isa() == "avx512"
+
+
 @functools.cache
 def dot_bf16() -> bool:
     """Whether bf16 panels are packed for ``vdpbf16ps`` (``pack(..., pairs=True)``: bf16 x bf16 products, fp32

@@ -252,6 +252,77 @@ struct Acc512x2 {
       acc512x2<13, W>, acc512x2<14, W>, acc512x2<15, W>, acc512x2<16, W>};
 };
 
+// int8 panels (``pack_int8``): (P, K + 4, 16) int8, panel row k holding the 16 columns' weights rounded to
+// w / scale (|w| <= 127 scale, one scale per output column: its largest |w| / 127), then 4 rows (64 bytes) holding
+// the 16 columns' fp32 scales. A quarter of fp32's bytes, half of bf16's, for a weight that only drafts: a draft
+// head's (``eagle.EagleDrafter(int8_head=True)``), whose tokens the policy verifies exactly. The weights widen to
+// fp32 (vpmovsxbd + vcvtdq2ps) and the arithmetic is fp32 FMA, the sums scaled once at the end. A k step of 4
+// panel rows is one cache line per panel; at 1-3 rows the FMAs of successive rows go to 4 / 2 accumulator sets,
+// so enough chains are in flight to keep up with the stream. ``K`` here is the panel's row count, K_real + 4.
+SPECROLL_T512 inline __m512 load_i8(const int8_t* w) {
+  return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w))));
+}
+
+template <int MB>
+SPECROLL_T512 void acc512i8(const float* __restrict x, int64_t ldx, const int8_t* __restrict wa,
+                            const int8_t* __restrict wb, int64_t Kp, float* __restrict acc) {
+  constexpr int U = MB == 1 ? 4 : MB <= 3 ? 2 : 1;  // accumulator sets
+  const int64_t K = Kp - 4;
+  __m512 a[U][MB], b[U][MB];
+#pragma GCC unroll 16
+  for (int u = 0; u < U; u++)
+#pragma GCC unroll 16
+    for (int m = 0; m < MB; m++) a[u][m] = _mm512_setzero_ps(), b[u][m] = _mm512_setzero_ps();
+  int64_t k = 0;
+  for (; k + 4 <= K; k += 4) {
+    const int8_t* pa = wa + k * PW;
+    const int8_t* pb = wb + k * PW;
+    _mm_prefetch(reinterpret_cast<const char*>(pa + 4 * PREFETCH_K * PW), _MM_HINT_T0);
+    _mm_prefetch(reinterpret_cast<const char*>(pb + 4 * PREFETCH_K * PW), _MM_HINT_T0);
+    _mm_prefetch(reinterpret_cast<const char*>(pa + 4 * PREFETCH_FAR * PW), _MM_HINT_T1);
+    _mm_prefetch(reinterpret_cast<const char*>(pb + 4 * PREFETCH_FAR * PW), _MM_HINT_T1);
+#pragma GCC unroll 4
+    for (int j = 0; j < 4; j++) {
+      const __m512 w0 = load_i8(pa + j * PW), w1 = load_i8(pb + j * PW);
+      const int u = j % U;
+#pragma GCC unroll 16
+      for (int m = 0; m < MB; m++) {
+        const __m512 xb = _mm512_set1_ps(x[m * ldx + k + j]);
+        a[u][m] = _mm512_fmadd_ps(xb, w0, a[u][m]);
+        b[u][m] = _mm512_fmadd_ps(xb, w1, b[u][m]);
+      }
+    }
+  }
+  for (; k < K; k++) {
+    const __m512 w0 = load_i8(wa + k * PW), w1 = load_i8(wb + k * PW);
+#pragma GCC unroll 16
+    for (int m = 0; m < MB; m++) {
+      const __m512 xb = _mm512_set1_ps(x[m * ldx + k]);
+      a[0][m] = _mm512_fmadd_ps(xb, w0, a[0][m]);
+      b[0][m] = _mm512_fmadd_ps(xb, w1, b[0][m]);
+    }
+  }
+  const __m512 sa = _mm512_loadu_ps(reinterpret_cast<const float*>(wa + K * PW));
+  const __m512 sb = _mm512_loadu_ps(reinterpret_cast<const float*>(wb + K * PW));
+#pragma GCC unroll 16
+  for (int m = 0; m < MB; m++) {
+    __m512 ta = a[0][m], tb = b[0][m];
+#pragma GCC unroll 4
+    for (int u = 1; u < U; u++) ta = _mm512_add_ps(ta, a[u][m]), tb = _mm512_add_ps(tb, b[u][m]);
+    _mm512_storeu_ps(acc + m * PW, _mm512_mul_ps(ta, sa));
+    _mm512_storeu_ps(acc + (MB + m) * PW, _mm512_mul_ps(tb, sb));
+  }
+}
+
+struct Acc512i8 {
+  static int64_t row(int64_t m, int64_t ldx) { return m * ldx; }  // where row m starts in x (row-major)
+  using Fn = void (*)(const float*, int64_t, const int8_t*, const int8_t*, int64_t, float*);
+  static constexpr Fn table[MAX_MB512 + 1] = {
+      nullptr, acc512i8<1>, acc512i8<2>, acc512i8<3>, acc512i8<4>, acc512i8<5>, acc512i8<6>, acc512i8<7>,
+      acc512i8<8>, acc512i8<9>, acc512i8<10>, acc512i8<11>, acc512i8<12>, acc512i8<13>, acc512i8<14>,
+      acc512i8<15>, acc512i8<16>};
+};
+
 // bf16 x bf16 products with fp32 sums (``vdpbf16ps``), for CPUs where that is faster than fp32 FMA: on a Zen 5
 // EPYC (2 cores, 2026-11-26) a register-bound loop retired 500 GFLOP/s per core of vdpbf16ps against 268 of
 // 512-bit FMA, and torch's bf16 matmul ran ~4x its fp32 one; on the AVX-512 BF16 Xeon above, the same flops as
@@ -456,6 +527,38 @@ torch::Tensor pack(const torch::Tensor& w_in, bool bf16, const c10::optional<tor
   return out;
 }
 
+// (N, K) fp32 or bf16 -> the int8 panels of ``acc512i8``: (ceil(N/16), K + 4, 16) int8, each column rounded to
+// nearest at scale max|w| / 127 (1 for an all-zero column), the scales in the last 4 rows as 16 fp32.
+torch::Tensor pack_int8(const torch::Tensor& w_in) {
+  TORCH_CHECK(w_in.dim() == 2 && (w_in.scalar_type() == torch::kFloat32 || w_in.scalar_type() == torch::kBFloat16),
+              "pack_int8: expected an fp32 or bf16 (N, K) weight");
+  const auto w = w_in.to(torch::kFloat32).contiguous();
+  const int64_t N = w.size(0), K = w.size(1), P = (N + PW - 1) / PW;
+  auto out = torch::zeros({P, K + 4, PW}, w.options().dtype(torch::kChar));
+  const float* ws = w.data_ptr<float>();
+  int8_t* os = out.data_ptr<int8_t>();
+  at::parallel_for(0, P, 1, [&](int64_t p0, int64_t p1) {
+    for (int64_t p = p0; p < p1; p++) {
+      int8_t* o = os + p * (K + 4) * PW;
+      float scale[PW];
+      for (int j = 0; j < PW; j++) {
+        const int64_t c = p * PW + j;
+        float mx = 0.f;
+        if (c < N)
+          for (int64_t k = 0; k < K; k++) mx = std::max(mx, std::fabs(ws[c * K + k]));
+        scale[j] = mx > 0.f ? mx / 127.f : 1.f;
+        if (c < N)
+          for (int64_t k = 0; k < K; k++) {
+            const float q = std::nearbyint(ws[c * K + k] / scale[j]);
+            o[k * PW + j] = static_cast<int8_t>(std::min(127.f, std::max(-127.f, q)));
+          }
+      }
+      std::memcpy(o + K * PW, scale, sizeof(scale));
+    }
+  });
+  return out;
+}
+
 // The GEMM's input rows, from x2 (M, Kx): RMSNorm(x) * g when ``norm`` is given (HF's order: the mean
 // square in fp32, x * rsqrt(ms + eps), then the weight), or silu(gate) * up when ``gated`` (x2 = [gate | up]).
 // Both fuse the eager ops around a decode step's linears (6 for a norm, 2 for the gate) into one pass, in 8
@@ -540,15 +643,17 @@ torch::Tensor prologue(const torch::Tensor& x2, const c10::optional<torch::Tenso
 torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& wp, int64_t N, const c10::optional<torch::Tensor>& bias,
                      const c10::optional<torch::Tensor>& residual, const c10::optional<torch::Tensor>& norm,
                      double eps, bool gated) {
-  const bool bf16 = wp.scalar_type() == torch::kBFloat16;
-  TORCH_CHECK(x.scalar_type() == torch::kFloat32 && (bf16 || wp.scalar_type() == torch::kFloat32),
-              "linear: fp32 only (x fp32; weights fp32 or bf16)");
+  const bool bf16 = wp.scalar_type() == torch::kBFloat16, i8 = wp.scalar_type() == torch::kChar;
+  TORCH_CHECK(x.scalar_type() == torch::kFloat32 && (bf16 || i8 || wp.scalar_type() == torch::kFloat32),
+              "linear: fp32 only (x fp32; weights fp32, bf16 or int8 panels)");
+  TORCH_CHECK(!i8 || use512(), "linear: int8 panels need the AVX-512 kernels");
   TORCH_CHECK(!(norm && gated), "linear: a norm or a gate, not both");
   auto x2 = x.reshape({-1, x.size(-1)}).contiguous();
   if (norm || gated) x2 = prologue(x2, norm, eps, gated);
   const int64_t K = x2.size(1), P = wp.size(0);
   const bool pairs = bf16 && wp.dim() == 3 && wp.size(2) == 2 * PW;  // ``pack(..., pairs=true)``: vdpbf16ps
-  TORCH_CHECK(wp.dim() == 3 && wp.size(1) == (pairs ? (K + 1) / 2 : K) && P * PW >= N, "linear: packed weight does not match");
+  TORCH_CHECK(wp.dim() == 3 && wp.size(1) == (pairs ? (K + 1) / 2 : i8 ? K + 4 : K) && P * PW >= N,
+              "linear: packed weight does not match");
   TORCH_CHECK(!pairs || cpu_avx512bf16(), "linear: paired bf16 panels need a CPU with AVX-512 BF16");
   const bool v512 = use512();
   const int64_t M = x2.size(0);
@@ -562,8 +667,9 @@ torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& wp, int64_t N,
   if (bias) b = bias->contiguous();
   if (residual) r = residual->reshape({M, N}).contiguous();
   const float* xs = x2.data_ptr<float>();
-  const float* ws = bf16 ? nullptr : wp.data_ptr<float>();
+  const float* ws = bf16 || i8 ? nullptr : wp.data_ptr<float>();
   const uint16_t* wh = bf16 ? reinterpret_cast<const uint16_t*>(wp.data_ptr<at::BFloat16>()) : nullptr;
+  const int8_t* wi = i8 ? wp.data_ptr<int8_t>() : nullptr;
   const float* bs = bias ? b.data_ptr<float>() : nullptr;
   const float* rs = residual ? r.data_ptr<float>() : nullptr;
   float* ys = y.data_ptr<float>();
@@ -578,7 +684,9 @@ torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& wp, int64_t N,
           const int64_t q = std::min(p + 1, p1 - 1);
           const float* xp = xs + s0 * K;
           const float* rp = rs ? rs + s0 * N : nullptr;
-          if (pairs)
+          if (i8)
+            panels512x2<Acc512i8>(xp, K, Ms, K + 4, wi, ys + s0 * N, N, p, q, bs, rp, acc.data());
+          else if (pairs)
             panels512x2<Acc512dp>(xpairs.data() + s0, M, Ms, K2, reinterpret_cast<const uint32_t*>(wh), ys + s0 * N,
                                   N, p, q, bs, rp, acc.data());
           else if (bf16) panels512x2<Acc512x2<uint16_t>>(xp, K, Ms, K, wh, ys + s0 * N, N, p, q, bs, rp, acc.data());
@@ -634,6 +742,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "pack an (N, K) fp32 or bf16 weight into 16-column panels (bf16 ones when bf16 is set; bf16 panels of paired "
         "k for vdpbf16ps when pairs is set)",
         py::arg("w"), py::arg("bf16") = false, py::arg("into") = py::none(), py::arg("pairs") = false);
+  m.def("pack_int8", &pack_int8, "pack an (N, K) weight into int8 panels with per-column scales (acc512i8)",
+        py::arg("w"));
   m.def("has_dot_bf16", &cpu_avx512bf16, "whether this CPU runs vdpbf16ps (AVX-512 BF16), which paired panels need");
   m.def("isa", &isa, "the instruction set linear() runs: avx512 or avx2");
   m.def("set_isa", &set_isa, "auto (the best this CPU has) or avx2 (force the AVX2 paths, for tests and A/B runs)");

@@ -156,6 +156,30 @@ def bf16_weights_on() -> bool:
     return _BF16_WEIGHTS.get()
 
 
+_INT8_WEIGHTS = contextvars.ContextVar("specroll_int8_weights", default=False)
+
+
+@contextlib.contextmanager
+def int8_weights(on: bool = True):
+    """Within this block, the linears that ``bf16_weights`` would stream as bf16 panels stream int8 ones instead
+    (``kernels.skinny().pack_int8``: per-column scales, fp32 arithmetic; half bf16's bytes) where the AVX-512
+    kernels run (``kernels.int8_ok``), else bf16 ones. For weights that only propose tokens the policy verifies
+    exactly: a draft head's (``EagleDrafter(int8_head=True)``), never the policy's."""
+    tok = _INT8_WEIGHTS.set(bool(on))
+    try:
+        yield
+    finally:
+        _INT8_WEIGHTS.reset(tok)
+
+
+def skinny_kind() -> str:
+    """The skinny-kernel panels the current context asks for: "skinny_int8" inside ``int8_weights(True)`` where
+    int8 panels run, "skinny_bf16" inside ``bf16_weights(True)`` (or int8 where they do not run), else "skinny"."""
+    if _INT8_WEIGHTS.get() and kernels.int8_ok():
+        return "skinny_int8"
+    return "skinny_bf16" if _BF16_WEIGHTS.get() or _INT8_WEIGHTS.get() else "skinny"
+
+
 class FastLinear(nn.Linear):
     """``nn.Linear`` that runs a prepacked oneDNN weight when autograd is off.
 
@@ -174,10 +198,19 @@ class FastLinear(nn.Linear):
         self._packed: dict = {}
 
     def _pack(self, dtype: torch.dtype | str):
-        """(packed weight, bias) for ``dtype``, or the skinny kernel's fp32 / bf16 panels for "skinny" / "skinny_bf16"
-        (bf16 panels paired for vdpbf16ps where ``kernels.dot_bf16``, kept under their own key)."""
+        """(packed weight, bias) for ``dtype``, or the skinny kernel's fp32 / bf16 / int8 panels for "skinny" /
+        "skinny_bf16" / "skinny_int8" (bf16 panels paired for vdpbf16ps where ``kernels.dot_bf16``, kept under their
+        own key)."""
         w = self.weight
         key = (w._version, w.data_ptr(), None if self.bias is None else self.bias._version)
+        if dtype == "skinny_int8":
+            hit = self._packed.get(dtype)
+            if hit is None or hit[0] != key:
+                with torch.no_grad():
+                    b = None if self.bias is None else self.bias.detach().float().contiguous()
+                    hit = (key, kernels.skinny().pack_int8(w.detach()), b)
+                self._packed[dtype] = hit
+            return hit[1], hit[2]
         skinny = dtype in ("skinny", "skinny_bf16")
         bf16 = skinny and (dtype == "skinny_bf16" or w.dtype == torch.bfloat16)
         pairs = bf16 and kernels.dot_bf16()  # bf16 arithmetic (vdpbf16ps) where it is faster
@@ -213,7 +246,7 @@ class FastLinear(nn.Linear):
             y = F.linear(x, self.weight.to(x.dtype), None if self.bias is None else self.bias.to(x.dtype))
             return y if residual is None else residual + y
         if x.dtype == torch.float32 and x.numel() <= kernels.max_rows() * x.shape[-1]:
-            packed, b = self._pack("skinny_bf16" if bf16_weights_on() else "skinny")
+            packed, b = self._pack(skinny_kind())
             g = None if norm is None else norm.weight.float()
             return kernels.skinny().linear(x, packed, self.out_features, b, residual, g,
                                            1e-6 if norm is None else norm.eps, gated)
