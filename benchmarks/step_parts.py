@@ -3,12 +3,13 @@ head's drafting, the verification rule and the rest (bookkeeping), against a pla
 rest. Rows forced to ``--max-new-tokens`` tokens, one process, sampled chains at T = 1, medians per call; the
 sides' rollouts alternate round by round (this host drifts within a minute), the first round is a warm-up.
 
+``--int8`` adds a side whose head drafts with int8 weights (``EagleDrafter(int8_head=True)``).
 ``--replay`` adds a side that verifies the first step's drafted tree again at every later step: the same
 (depth + 1)-token forward with no head call before it, so the difference of its forward to the drafting side's is
 what the drafting between two forwards costs the next one (acceptance there is meaningless; only the forward is
 reported).
 
-    python benchmarks/step_parts.py --draft DIR [--depth 6] [--repeats 4] [--max-new-tokens 96] [--replay]
+    python benchmarks/step_parts.py --draft DIR [--depth 6] [--repeats 4] [--max-new-tokens 96] [--replay] [--int8]
 """
 import argparse
 import collections
@@ -33,12 +34,14 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=4)
     ap.add_argument("--max-new-tokens", type=int, default=96)
     ap.add_argument("--replay", action="store_true", help="add the replayed-tree side (see above)")
+    ap.add_argument("--int8", action="store_true", help="add a side drafting with int8 head weights (int8_head)")
     a = ap.parse_args()
     model, tok = hub.load(a.model, torch.float32)
     head = load_head_as(f"--draft {a.draft}", a.draft, model)
     engine = Engine(model, eos_ids=hub.eos_ids(tok, hub.resolve(a.model, quiet=True)), dtype=torch.bfloat16)
     prompts = bench_prompts(tok, a.repeats, 0)
-    sides = [f"depth {a.depth}"] + (["replay"] if a.replay else []) + ["depth 0"]
+    sides = [f"depth {a.depth}"] + ([f"depth {a.depth} int8"] if a.int8 else []) + (["replay"] if a.replay else []) \
+        + ["depth 0"]
     times = {s: collections.defaultdict(list) for s in sides}  # per side, per part: call times
     cur: dict = {}
 
@@ -83,7 +86,7 @@ def main() -> None:
             plan = Plan() if side == "depth 0" else Plan(a.depth + 1, 1, a.depth)
             p = SamplingParams(temperature=1.0, max_new_tokens=a.max_new_tokens, min_new_tokens=a.max_new_tokens,
                                seed=r)
-            drafter = EagleDrafter(head, plan=plan, sampled=True)
+            drafter = EagleDrafter(head, plan=plan, sampled=True, int8_head=side.endswith("int8"))
             drafter.chain_rule = timed_rule
             engine.generate([prompts[r % len(prompts)]], p, drafter=drafter)
     for side in sides:

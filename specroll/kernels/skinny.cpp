@@ -252,58 +252,69 @@ struct Acc512x2 {
       acc512x2<13, W>, acc512x2<14, W>, acc512x2<15, W>, acc512x2<16, W>};
 };
 
-// int8 panels (``pack_int8``): (P, K + 4, 16) int8, panel row k holding the 16 columns' weights rounded to
-// w / scale (|w| <= 127 scale, one scale per output column: its largest |w| / 127), then 4 rows (64 bytes) holding
-// the 16 columns' fp32 scales. A quarter of fp32's bytes, half of bf16's, for a weight that only drafts: a draft
-// head's (``eagle.EagleDrafter(int8_head=True)``), whose tokens the policy verifies exactly. The weights widen to
-// fp32 (vpmovsxbd + vcvtdq2ps) and the arithmetic is fp32 FMA, the sums scaled once at the end. A k step of 4
-// panel rows is one cache line per panel; at 1-3 rows the FMAs of successive rows go to 4 / 2 accumulator sets,
-// so enough chains are in flight to keep up with the stream. ``K`` here is the panel's row count, K_real + 4.
-SPECROLL_T512 inline __m512 load_i8(const int8_t* w) {
-  return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w))));
+// int8 panels (``pack_int8``): (P, Q + 1, 64) int8 with Q = ceil(K / 4): panel row r holds, as one 32-bit lane
+// per column c of the panel's 16, the four weights w[c][4r .. 4r + 3] (low byte first; past K, 0), each rounded to
+// w / scale (|w| <= 127 scale, one scale per output column: its largest |w| / 127); the last row holds the 16
+// columns' fp32 scales. A quarter of fp32's bytes, half of bf16's, for a weight that only drafts: a draft head's
+// (``eagle.EagleDrafter(int8_head=True)``), whose tokens the policy verifies exactly. A row's four k steps come
+// from one 64-byte load by in-lane shifts (byte j to the top, an arithmetic shift back sign-extends it) and
+// vcvtdq2ps; the arithmetic is fp32 FMA, the sums scaled once at the end. The first layout, a 16-byte row of
+// int8 per k widened by vpmovsxbd, took 123 us against bf16's 131 for SmolLM2's head linears at one row from L3:
+// bound by the widening, a cross-lane op (Zen 5, 2026-11-26). At 1-3 rows the FMAs of successive k go to 4 / 2
+// accumulator sets, so enough chains are in flight. ``Kp`` is 4 (Q + 1), so that ``panels512x2`` finds the
+// panels 64 (Q + 1) bytes apart; x's rows are ``ldx`` = K apart.
+template <int J>
+SPECROLL_T512 inline __m512 quad_k(__m512i v) {  // lane c: weight k = 4r + J of column c, as fp32
+  if constexpr (J == 3) return _mm512_cvtepi32_ps(_mm512_srai_epi32(v, 24));
+  else return _mm512_cvtepi32_ps(_mm512_srai_epi32(_mm512_slli_epi32(v, 24 - 8 * J), 24));
+}
+
+// one k step (k + J) of ``acc512i8``: the weights of both panels' row for k + J into the rows' accumulators
+template <int J, int MB, int U>
+SPECROLL_T512 inline void i8_step(const float* __restrict x, int64_t ldx, int64_t k, __m512i va, __m512i vb,
+                                  __m512 (&a)[U][MB], __m512 (&b)[U][MB]) {
+  const __m512 w0 = quad_k<J>(va), w1 = quad_k<J>(vb);
+#pragma GCC unroll 16
+  for (int m = 0; m < MB; m++) {
+    const __m512 xb = _mm512_set1_ps(x[m * ldx + k + J]);
+    a[J % U][m] = _mm512_fmadd_ps(xb, w0, a[J % U][m]);
+    b[J % U][m] = _mm512_fmadd_ps(xb, w1, b[J % U][m]);
+  }
 }
 
 template <int MB>
 SPECROLL_T512 void acc512i8(const float* __restrict x, int64_t ldx, const int8_t* __restrict wa,
                             const int8_t* __restrict wb, int64_t Kp, float* __restrict acc) {
   constexpr int U = MB == 1 ? 4 : MB <= 3 ? 2 : 1;  // accumulator sets
-  const int64_t K = Kp - 4;
+  constexpr int64_t RW = 4 * PW;                    // bytes per panel row
+  const int64_t K = ldx, Q = Kp / 4 - 1, Qf = K / 4;
   __m512 a[U][MB], b[U][MB];
 #pragma GCC unroll 16
   for (int u = 0; u < U; u++)
 #pragma GCC unroll 16
     for (int m = 0; m < MB; m++) a[u][m] = _mm512_setzero_ps(), b[u][m] = _mm512_setzero_ps();
-  int64_t k = 0;
-  for (; k + 4 <= K; k += 4) {
-    const int8_t* pa = wa + k * PW;
-    const int8_t* pb = wb + k * PW;
-    _mm_prefetch(reinterpret_cast<const char*>(pa + 4 * PREFETCH_K * PW), _MM_HINT_T0);
-    _mm_prefetch(reinterpret_cast<const char*>(pb + 4 * PREFETCH_K * PW), _MM_HINT_T0);
-    _mm_prefetch(reinterpret_cast<const char*>(pa + 4 * PREFETCH_FAR * PW), _MM_HINT_T1);
-    _mm_prefetch(reinterpret_cast<const char*>(pb + 4 * PREFETCH_FAR * PW), _MM_HINT_T1);
-#pragma GCC unroll 4
-    for (int j = 0; j < 4; j++) {
-      const __m512 w0 = load_i8(pa + j * PW), w1 = load_i8(pb + j * PW);
-      const int u = j % U;
-#pragma GCC unroll 16
-      for (int m = 0; m < MB; m++) {
-        const __m512 xb = _mm512_set1_ps(x[m * ldx + k + j]);
-        a[u][m] = _mm512_fmadd_ps(xb, w0, a[u][m]);
-        b[u][m] = _mm512_fmadd_ps(xb, w1, b[u][m]);
-      }
-    }
+  for (int64_t r = 0; r < Qf; r++) {
+    const int8_t* pa = wa + r * RW;
+    const int8_t* pb = wb + r * RW;
+    _mm_prefetch(reinterpret_cast<const char*>(pa + PREFETCH_K * RW), _MM_HINT_T0);
+    _mm_prefetch(reinterpret_cast<const char*>(pb + PREFETCH_K * RW), _MM_HINT_T0);
+    _mm_prefetch(reinterpret_cast<const char*>(pa + PREFETCH_FAR * RW), _MM_HINT_T1);
+    _mm_prefetch(reinterpret_cast<const char*>(pb + PREFETCH_FAR * RW), _MM_HINT_T1);
+    const __m512i va = _mm512_loadu_si512(pa), vb = _mm512_loadu_si512(pb);
+    i8_step<0, MB, U>(x, ldx, 4 * r, va, vb, a, b);
+    i8_step<1, MB, U>(x, ldx, 4 * r, va, vb, a, b);
+    i8_step<2, MB, U>(x, ldx, 4 * r, va, vb, a, b);
+    i8_step<3, MB, U>(x, ldx, 4 * r, va, vb, a, b);
   }
-  for (; k < K; k++) {
-    const __m512 w0 = load_i8(wa + k * PW), w1 = load_i8(wb + k * PW);
-#pragma GCC unroll 16
-    for (int m = 0; m < MB; m++) {
-      const __m512 xb = _mm512_set1_ps(x[m * ldx + k]);
-      a[0][m] = _mm512_fmadd_ps(xb, w0, a[0][m]);
-      b[0][m] = _mm512_fmadd_ps(xb, w1, b[0][m]);
-    }
+  if (Qf < Q) {  // K % 4 weights in the last row (the rest of it is 0)
+    const __m512i va = _mm512_loadu_si512(wa + Qf * RW), vb = _mm512_loadu_si512(wb + Qf * RW);
+    const int64_t k = 4 * Qf, n = K - k;
+    i8_step<0, MB, U>(x, ldx, k, va, vb, a, b);
+    if (n > 1) i8_step<1, MB, U>(x, ldx, k, va, vb, a, b);
+    if (n > 2) i8_step<2, MB, U>(x, ldx, k, va, vb, a, b);
   }
-  const __m512 sa = _mm512_loadu_ps(reinterpret_cast<const float*>(wa + K * PW));
-  const __m512 sb = _mm512_loadu_ps(reinterpret_cast<const float*>(wb + K * PW));
+  const __m512 sa = _mm512_loadu_ps(reinterpret_cast<const float*>(wa + Q * RW));
+  const __m512 sb = _mm512_loadu_ps(reinterpret_cast<const float*>(wb + Q * RW));
 #pragma GCC unroll 16
   for (int m = 0; m < MB; m++) {
     __m512 ta = a[0][m], tb = b[0][m];
@@ -527,33 +538,33 @@ torch::Tensor pack(const torch::Tensor& w_in, bool bf16, const c10::optional<tor
   return out;
 }
 
-// (N, K) fp32 or bf16 -> the int8 panels of ``acc512i8``: (ceil(N/16), K + 4, 16) int8, each column rounded to
-// nearest at scale max|w| / 127 (1 for an all-zero column), the scales in the last 4 rows as 16 fp32.
+// (N, K) fp32 or bf16 -> the int8 panels of ``acc512i8``: (ceil(N/16), ceil(K/4) + 1, 64) int8, each column
+// rounded to nearest at scale max|w| / 127 (1 for an all-zero column), the scales in the last row as 16 fp32.
 torch::Tensor pack_int8(const torch::Tensor& w_in) {
   TORCH_CHECK(w_in.dim() == 2 && (w_in.scalar_type() == torch::kFloat32 || w_in.scalar_type() == torch::kBFloat16),
               "pack_int8: expected an fp32 or bf16 (N, K) weight");
   const auto w = w_in.to(torch::kFloat32).contiguous();
-  const int64_t N = w.size(0), K = w.size(1), P = (N + PW - 1) / PW;
-  auto out = torch::zeros({P, K + 4, PW}, w.options().dtype(torch::kChar));
+  const int64_t N = w.size(0), K = w.size(1), P = (N + PW - 1) / PW, Q = (K + 3) / 4;
+  auto out = torch::zeros({P, Q + 1, 4 * PW}, w.options().dtype(torch::kChar));
   const float* ws = w.data_ptr<float>();
   int8_t* os = out.data_ptr<int8_t>();
   at::parallel_for(0, P, 1, [&](int64_t p0, int64_t p1) {
     for (int64_t p = p0; p < p1; p++) {
-      int8_t* o = os + p * (K + 4) * PW;
+      int8_t* o = os + p * (Q + 1) * 4 * PW;
       float scale[PW];
-      for (int j = 0; j < PW; j++) {
-        const int64_t c = p * PW + j;
+      for (int c = 0; c < PW; c++) {
+        const int64_t n = p * PW + c;
         float mx = 0.f;
-        if (c < N)
-          for (int64_t k = 0; k < K; k++) mx = std::max(mx, std::fabs(ws[c * K + k]));
-        scale[j] = mx > 0.f ? mx / 127.f : 1.f;
-        if (c < N)
+        if (n < N)
+          for (int64_t k = 0; k < K; k++) mx = std::max(mx, std::fabs(ws[n * K + k]));
+        scale[c] = mx > 0.f ? mx / 127.f : 1.f;
+        if (n < N)
           for (int64_t k = 0; k < K; k++) {
-            const float q = std::nearbyint(ws[c * K + k] / scale[j]);
-            o[k * PW + j] = static_cast<int8_t>(std::min(127.f, std::max(-127.f, q)));
+            const float q = std::nearbyint(ws[n * K + k] / scale[c]);
+            o[(k / 4) * 4 * PW + 4 * c + k % 4] = static_cast<int8_t>(std::min(127.f, std::max(-127.f, q)));
           }
       }
-      std::memcpy(o + K * PW, scale, sizeof(scale));
+      std::memcpy(o + Q * 4 * PW, scale, sizeof(scale));
     }
   });
   return out;
@@ -652,7 +663,8 @@ torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& wp, int64_t N,
   if (norm || gated) x2 = prologue(x2, norm, eps, gated);
   const int64_t K = x2.size(1), P = wp.size(0);
   const bool pairs = bf16 && wp.dim() == 3 && wp.size(2) == 2 * PW;  // ``pack(..., pairs=true)``: vdpbf16ps
-  TORCH_CHECK(wp.dim() == 3 && wp.size(1) == (pairs ? (K + 1) / 2 : i8 ? K + 4 : K) && P * PW >= N,
+  TORCH_CHECK(wp.dim() == 3 && wp.size(1) == (pairs ? (K + 1) / 2 : i8 ? (K + 3) / 4 + 1 : K) &&
+                  wp.size(2) == (pairs || i8 ? (i8 ? 4 : 2) * PW : PW) && P * PW >= N,
               "linear: packed weight does not match");
   TORCH_CHECK(!pairs || cpu_avx512bf16(), "linear: paired bf16 panels need a CPU with AVX-512 BF16");
   const bool v512 = use512();
@@ -685,7 +697,7 @@ torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& wp, int64_t N,
           const float* xp = xs + s0 * K;
           const float* rp = rs ? rs + s0 * N : nullptr;
           if (i8)
-            panels512x2<Acc512i8>(xp, K, Ms, K + 4, wi, ys + s0 * N, N, p, q, bs, rp, acc.data());
+            panels512x2<Acc512i8>(xp, K, Ms, 4 * ((K + 3) / 4 + 1), wi, ys + s0 * N, N, p, q, bs, rp, acc.data());
           else if (pairs)
             panels512x2<Acc512dp>(xpairs.data() + s0, M, Ms, K2, reinterpret_cast<const uint32_t*>(wh), ys + s0 * N,
                                   N, p, q, bs, rp, acc.data());
