@@ -219,6 +219,16 @@ SPECROLL_A512 inline __m512 exp16_nonpos(__m512 x) {
   return _mm512_maskz_mul_ps(static_cast<__mmask16>(~tiny), y, _mm512_castsi512_ps(e));
 }
 
+// Keys / values this many slots ahead are prefetched into L1 as a task streams its cache rows. A row's slots
+// span several 4 KB pages (SmolLM2: 128 B a slot in bf16), where the hardware prefetcher stops and restarts.
+#ifndef KV_AHEAD
+#define KV_AHEAD 32
+#endif
+template <typename KT>
+inline void prefetch_row(const KT* r, int64_t D) {  // the cache lines of one slot's D elements
+  for (int64_t b = 0; b < D * (int64_t)sizeof(KT); b += 64) _mm_prefetch(reinterpret_cast<const char*>(r) + b, _MM_HINT_T0);
+}
+
 // Raw scores p[i * S + s] = q_i . k_s for QB <= 4 queries (rows of q, D apart) against every key.
 template <int QB, typename KT>
 SPECROLL_A512 void scores16(const float* __restrict q, int64_t D, const KT* kb, int64_t kst, int64_t S, float* __restrict p) {
@@ -226,6 +236,7 @@ SPECROLL_A512 void scores16(const float* __restrict q, int64_t D, const KT* kb, 
   for (; s + 4 <= S; s += 4) {
     __m512 a[16];
     for (int j = 0; j < 16; j++) a[j] = _mm512_setzero_ps();
+    for (int j = 0; j < 4; j++) prefetch_row(kb + (s + KV_AHEAD + j) * kst, D);
     for (int64_t d = 0; d < D; d += 16) {
       __m512 k[4];
       for (int j = 0; j < 4; j++) k[j] = load16(kb + (s + j) * kst + d);
@@ -258,6 +269,7 @@ SPECROLL_A512 void pv16(const float* __restrict p, int64_t S, const KT* vb, int6
       for (int c = 0; c < 4; c++) a[i][c] = _mm512_setzero_ps();
     for (int64_t s = 0; s < S; s++) {
       const KT* v = vb + s * vst + d;
+      prefetch_row(v + KV_AHEAD * vst, 64);
       const __m512 v0 = load16(v), v1 = load16(v + 16), v2 = load16(v + 32), v3 = load16(v + 48);
       for (int i = 0; i < QB; i++) {
         const __m512 w = _mm512_set1_ps(p[i * S + s]);
