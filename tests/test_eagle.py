@@ -1010,7 +1010,9 @@ def test_draft_vocab_training_path_keeps_the_policy_frozen(reduced):
 
 def test_bench_batch_takes_fresh_prompts_every_repeat(small):
     """Every repeat measures vanilla and speculation on the same prompts and seed, and repeat r takes the
-    batch of prompts after repeat r - 1's (cycling), so a batch-1 row is not one prompt's figure."""
+    batch of prompts after repeat r - 1's (cycling), so a batch-1 row is not one prompt's figure. With several
+    variants, each repeat runs vanilla once and then every variant, in an order that rotates, and each row
+    shares the vanilla figures and counts only its own runs."""
     from specroll.bench.spec import bench_batch
 
     model, head = small
@@ -1018,17 +1020,25 @@ def test_bench_batch_takes_fresh_prompts_every_repeat(small):
     orig = engine.generate
 
     def spy(prompts, params, n=1, drafter=None):
-        seen.append(([list(p) for p in prompts], params.seed, drafter is not None))
+        seen.append(([list(p) for p in prompts], params.seed, None if drafter is None else drafter.chain_stop))
         return orig(prompts, params, n=n, drafter=drafter)
 
     engine.generate = spy
     pool = [[1, 5, 2], [3, 3, 7], [2, 6], [4]]
     plan = Plan(n_verify=3, k=1, depth=2)
-    row = bench_batch(engine, head, pool, SamplingParams(max_new_tokens=2, seed=3), "chain", lambda b: plan, plan,
-                      repeats=3, batch=2)
+    (row,) = bench_batch(engine, head, pool, SamplingParams(max_new_tokens=2, seed=3), "chain", lambda b: plan, plan,
+                         repeats=3, batch=2)
     assert row["batch"] == 2
     assert [s[:2] for s in seen[::2]] == [(pool[0:2], 3), (pool[2:4], 4), (pool[0:2], 5)]
-    assert [s[:2] for s in seen[1::2]] == [s[:2] for s in seen[::2]] and [s[2] for s in seen] == [False, True] * 3
+    assert [s[:2] for s in seen[1::2]] == [s[:2] for s in seen[::2]] and [s[2] for s in seen] == [None, 0.0] * 3
+    seen.clear()
+    rows = bench_batch(engine, head, pool, SamplingParams(max_new_tokens=2, seed=3), "chain", lambda b: plan, plan,
+                       repeats=2, variants=[("fp32", 0.0), ("bf16", 0.5)], batch=1)
+    assert [s[2] for s in seen] == [None, 0.0, 0.5, None, 0.5, 0.0]  # vanilla, then the variants, rotating
+    assert [s[:2] for s in seen] == [([pool[0]], 3)] * 3 + [([pool[1]], 4)] * 3
+    assert [(r["head_weights"], r["chain_stop"]) for r in rows] == [("fp32", 0.0), ("bf16", 0.5)]
+    assert rows[0]["vanilla_s"] == rows[1]["vanilla_s"] and rows[0]["spec_s"] != rows[1]["spec_s"]
+    assert all(r["spec_tokens"] == 2 * 2 for r in rows)  # two runs of one row of 2 tokens each
 
 
 # --- CLI ---------------------------------------------------------------------------------------------

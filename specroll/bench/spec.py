@@ -99,35 +99,44 @@ def _timed(fn, *args, **kw):
 
 
 def bench_batch(engine: Engine, head, prompts, params: SamplingParams, plan_name: str, plan_fn, max_plan,
-                repeats: int, head_weights: str = "auto", chain_stop: float = 0.0, batch: int | None = None) -> dict:
-    """Vanilla and speculative generation interleaved, ``repeats`` times with seeds seed..seed+repeats-1.
-    Repeat r takes the ``batch`` prompts from r * batch on (cycling through ``prompts``; ``batch`` None =
-    all of them every time), so small batches are not measured on one prompt only."""
+                repeats: int, variants=(("auto", 0.0),), batch: int | None = None) -> list[dict]:
+    """Vanilla and speculative generation interleaved, ``repeats`` times with seeds seed..seed+repeats-1; one
+    speculative run per variant, a (head weights, chain stop) pair, in every repeat, their order rotating from
+    repeat to repeat, so the variants are compared side by side on the same prompts and seeds against the same
+    vanilla runs. Repeat r takes the ``batch`` prompts from r * batch on (cycling through ``prompts``; ``batch``
+    None = all of them every time), so small batches are not measured on one prompt only. One row per variant."""
     B = batch or len(prompts)
-    van_t = spec_t = 0.0
-    van_n = spec_n = 0
-    totals = torch.zeros(4, dtype=torch.long)
-    by_depth = torch.zeros(2, max_plan.depth, dtype=torch.long)
+    van_t = 0.0
+    van_n = 0
+    acc = [{"t": 0.0, "n": 0, "totals": torch.zeros(4, dtype=torch.long),
+            "by_depth": torch.zeros(2, max_plan.depth, dtype=torch.long)} for _ in variants]
     for r in range(repeats):
         prompts_r = [prompts[(r * B + i) % len(prompts)] for i in range(B)]
         p = SamplingParams(**{**params.__dict__, "seed": (params.seed or 0) + r})
         dt, outs = _timed(engine.generate, prompts_r, p)
         van_t, van_n = van_t + dt, van_n + sum(len(o.completion_ids) for o in outs)
-        drafter = EagleDrafter(head, plan_fn=plan_fn, max_plan=max_plan, sampled=plan_name in SAMPLED,
-                               chain_stop=chain_stop, **HEAD_WEIGHTS[head_weights])
-        dt, outs = _timed(engine.generate, prompts_r, p, drafter=drafter)
-        spec_t, spec_n = spec_t + dt, spec_n + sum(len(o.completion_ids) for o in outs)
-        totals += drafter.totals
-        by_depth += drafter.by_depth
-    steps, emitted, drafted, accepted = (int(x) for x in totals)
-    reached, acc = by_depth.tolist()
-    v, s = van_n / van_t, spec_n / spec_t
-    return {"batch": B, "plan": plan_name, "vanilla_tok_s": v, "spec_tok_s": s, "speedup": s / v,
-            "accept_length": emitted / max(steps, 1), "accept_rate": accepted / max(drafted, 1),
-            "accept_by_depth": [round(a / r, 4) if r else None for a, r in zip(acc, reached)],
-            "vanilla_tokens": van_n, "spec_tokens": spec_n, "vanilla_s": van_t, "spec_s": spec_t,
-            "head_weights": head_weights, "chain_stop": chain_stop, "plan_max": max_plan.__dict__,
-            **({"tuned": plan_fn.choices()} if hasattr(plan_fn, "choices") else {})}
+        for j in range(len(variants)):
+            v = (j + r) % len(variants)
+            hw, cs = variants[v]
+            drafter = EagleDrafter(head, plan_fn=plan_fn, max_plan=max_plan, sampled=plan_name in SAMPLED,
+                                   chain_stop=cs, **HEAD_WEIGHTS[hw])
+            dt, outs = _timed(engine.generate, prompts_r, p, drafter=drafter)
+            a = acc[v]
+            a["t"], a["n"] = a["t"] + dt, a["n"] + sum(len(o.completion_ids) for o in outs)
+            a["totals"] += drafter.totals
+            a["by_depth"] += drafter.by_depth
+    rows = []
+    for (hw, cs), a in zip(variants, acc):
+        steps, emitted, drafted, accepted = (int(x) for x in a["totals"])
+        reached, hit = a["by_depth"].tolist()
+        v, s = van_n / van_t, a["n"] / a["t"]
+        rows.append({"batch": B, "plan": plan_name, "vanilla_tok_s": v, "spec_tok_s": s, "speedup": s / v,
+                     "accept_length": emitted / max(steps, 1), "accept_rate": accepted / max(drafted, 1),
+                     "accept_by_depth": [round(h / n, 4) if n else None for h, n in zip(hit, reached)],
+                     "vanilla_tokens": van_n, "spec_tokens": a["n"], "vanilla_s": van_t, "spec_s": a["t"],
+                     "head_weights": hw, "chain_stop": cs, "plan_max": max_plan.__dict__,
+                     **({"tuned": plan_fn.choices()} if hasattr(plan_fn, "choices") else {})})
+    return rows
 
 
 def run_bench(args) -> dict:
@@ -158,13 +167,17 @@ def run_bench(args) -> dict:
     rows = []
     for name in plans:
         plan_fn, max_plan = PLANS[name](args)
-        for B, hw, cs in ((B, hw, cs) for B in batches for hw in head_weights for cs in stops):
-            row = bench_batch(engine, head, prompts, params, name, plan_fn, max_plan, args.repeats, hw, cs, batch=B)
-            tag = (f" head {hw}" if len(head_weights) > 1 else "") + (f" stop {cs:g}" if len(stops) > 1 else "")
-            print(f"batch {B:3d} {name:8s}{tag} vanilla {row['vanilla_tok_s']:7.1f} tok/s  spec {row['spec_tok_s']:7.1f} "
-                  f"tok/s  x{row['speedup']:.2f}  accept_length {row['accept_length']:.2f}  by depth "
-                  + "/".join("-" if a is None else f"{a:.2f}" for a in row["accept_by_depth"]), flush=True)
-            rows.append(row)
+        variants = [(hw, cs) for hw in head_weights for cs in stops]  # side by side in every repeat
+        for B in batches:
+            for row in bench_batch(engine, head, prompts, params, name, plan_fn, max_plan, args.repeats, variants,
+                                   batch=B):
+                hw, cs = row["head_weights"], row["chain_stop"]
+                tag = (f" head {hw}" if len(head_weights) > 1 else "") + (f" stop {cs:g}" if len(stops) > 1 else "")
+                print(f"batch {B:3d} {name:8s}{tag} vanilla {row['vanilla_tok_s']:7.1f} tok/s  spec "
+                      f"{row['spec_tok_s']:7.1f} tok/s  x{row['speedup']:.2f}  accept_length {row['accept_length']:.2f}"
+                      "  by depth " + "/".join("-" if a is None else f"{a:.2f}" for a in row["accept_by_depth"]),
+                      flush=True)
+                rows.append(row)
     return {"rows": rows, "model": args.model, "draft": str(args.draft), "dtype": args.dtype,
             "max_new_tokens": args.max_new_tokens, "force_length": args.force_length, "temperature": args.temperature, "top_p": args.top_p,
             "repeats": args.repeats, "distinct_prompts": len(prompts), "machine": machine_info()}
