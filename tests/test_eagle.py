@@ -487,8 +487,9 @@ def test_cached_head_matches_cache_free_pass(mid):
 
 def test_head_drafts_in_the_rollouts_precision_unless_bf16_head(mid, monkeypatch):
     """``bf16_head=False`` leaves the head's drafting in the rollout's precision: fp32 panels under an fp32
-    engine, bf16 panels under the bf16-weight engine (CPUs without native bf16); True forces bf16; None
-    (the default) is bf16 while at most ``BF16_HEAD_ROWS`` rows are live."""
+    engine, bf16 panels under the bf16-weight engine (CPUs without native bf16); True forces low-precision
+    panels; None (the default) takes them while at most ``BF16_HEAD_ROWS`` rows are live. Those are int8 ones
+    (``int8_head``, the default) where they run, else, or with ``int8_head=False``, bf16 ones."""
     import specroll.drafters.eagle as eagle_mod
     from specroll.models import decoder
 
@@ -497,28 +498,29 @@ def test_head_drafts_in_the_rollouts_precision_unless_bf16_head(mid, monkeypatch
     orig = EagleDrafter.draft
 
     def spy(self, *a, **k):
-        seen.append(decoder._BF16_WEIGHTS.get())
+        seen.append(decoder.skinny_kind())
         return orig(self, *a, **k)
 
     monkeypatch.setattr(EagleDrafter, "draft", spy)
     params = SamplingParams(temperature=1.0, max_new_tokens=6, seed=0)
 
-    def drafts_bf16(engine, bf16_head):
+    def kind(engine, bf16_head, int8_head=True):
         seen.clear()
         engine.generate([PROMPTS[0]], params, drafter=EagleDrafter(head, Plan(3, 1, 2), sampled=True,
-                                                                   bf16_head=bf16_head))
+                                                                   bf16_head=bf16_head, int8_head=int8_head))
         assert seen and len(set(seen)) == 1
         return seen[0]
 
+    low = "skinny_int8" if kernels.int8_ok() else "skinny_bf16"
     fp32 = Engine(model, eos_ids=[])
-    assert drafts_bf16(fp32, False) is False and drafts_bf16(fp32, True) is True
-    assert drafts_bf16(fp32, None) is True  # auto: bf16 at a few live rows ...
+    assert kind(fp32, False) == "skinny" and kind(fp32, True) == low and kind(fp32, True, False) == "skinny_bf16"
+    assert kind(fp32, None) == low  # auto: low precision at a few live rows ...
     monkeypatch.setattr(eagle_mod, "BF16_HEAD_ROWS", 0)
-    assert drafts_bf16(fp32, None) is False  # ... the rollout's precision above BF16_HEAD_ROWS
+    assert kind(fp32, None) == "skinny"  # ... the rollout's precision above BF16_HEAD_ROWS
     bf16 = Engine(model, eos_ids=[], dtype=torch.bfloat16)
     if not bf16.bf16_weights:
         pytest.skip("this machine runs bf16 rollouts natively (or has no skinny kernel)")
-    assert drafts_bf16(bf16, False) is True
+    assert kind(bf16, False) == "skinny_bf16"
 
 
 @torch.no_grad()

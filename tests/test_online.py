@@ -287,9 +287,9 @@ def test_trainer_with_a_sampled_chain_drafter():
     for bad in ("1", "-0.1", "true"):
         with pytest.raises(ValueError, match="draft.chain_stop"):
             make_cfg(f"draft.chain_stop={bad}")
-    assert d.int8_head is False  # the default
-    assert build_spec_drafter(make_cfg("draft.head=random", "draft.vocab=0", "draft.int8_head=true"), model, ps.ids,
-                              log=None).int8_head is True
+    assert d.int8_head is True  # the default
+    assert build_spec_drafter(make_cfg("draft.head=random", "draft.vocab=0", "draft.int8_head=false"), model, ps.ids,
+                              log=None).int8_head is False
     with pytest.raises(ValueError, match="draft.int8_head"):
         make_cfg("draft.int8_head=2")
 

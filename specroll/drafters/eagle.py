@@ -327,11 +327,12 @@ class EagleDrafter:
     from cache by every policy forward; in bf16 they take half the bytes (BENCHMARKS.md, session 9). With
     more rows the kernel is compute-bound and bf16 panels only add work.
 
-    ``int8_head``: where the head would draft with bf16 weights (above), it drafts with int8 ones instead
+    ``int8_head`` (default True): where the head would draft with bf16 weights (above), it drafts with int8 ones
     (``decoder.int8_weights``: per-column scales, fp32 arithmetic, a quarter of fp32's bytes) where the AVX-512
     kernels run, else bf16. Lossless like bf16: the policy verifies against the q the head produced. SmolLM2's
-    head streams 6.6 MB per call instead of 13.1, and a call on one row from DRAM took 156 us against 377 (from
-    L3, 123 against 131: there the int8 widening bounds it; Zen 5, 2026-11-26).
+    head streams 6.6 MB per call instead of 13.1; batch-1 chains of z3 ran 1.86-1.87x plain decoding against
+    bf16's 1.73-1.77x, side by side, at the same acceptance, and 4 / 8 rows 1.72x / 1.32x against 1.69x / 1.23x
+    (Zen 5, 2026-11-26, BENCHMARKS.md session 33). False keeps bf16.
 
     ``chain_stop``: a sampled chain stops growing once, in every row, the product of the head's
     probabilities of its drafted tokens falls below this (0 = always the full depth). Each further
@@ -347,7 +348,7 @@ class EagleDrafter:
 
     def __init__(self, head: DraftHead, plan: Plan = DEFAULT_PLAN, plan_fn=None, max_plan: Plan | None = None,
                  rule=sampler_match, on_pairs=None, trace: bool = False, sampled: bool = False,
-                 bf16_head: bool | None = None, chain_stop: float = 0.0, fused: bool = True, int8_head: bool = False):
+                 bf16_head: bool | None = None, chain_stop: float = 0.0, fused: bool = True, int8_head: bool = True):
         if not 0.0 <= chain_stop < 1.0:
             raise ValueError(f"chain_stop must be in [0, 1), got {chain_stop}")
         self.head = head.eval()
