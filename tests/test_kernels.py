@@ -100,14 +100,15 @@ needs_dot = pytest.mark.skipif(ext is None or not ext.has_dot_bf16(), reason="no
 
 
 def _pairs_reference(w: torch.Tensor) -> torch.Tensor:
-    """The paired panel layout (``pack(..., pairs=True)``) in torch ops: w rounded to bf16, N padded to 16 and
-    K to even with zeros; panel p's row j holds w[16p + c][2j] and w[16p + c][2j + 1] at 2c and 2c + 1."""
+    """The paired panel layout (``pack(..., pairs=True)``) in torch ops: w rounded to bf16, N padded to 32 and
+    K to even with zeros; row j of pair q holds w[32q + c][2j] and w[32q + c][2j + 1] at 2c and 2c + 1 for its 32
+    columns c (the two 16-column panels one after the other)."""
     w = w.to(torch.bfloat16)
     N, K = w.shape
-    P, K2 = -(-N // 16), -(-K // 2)
-    wp = torch.zeros(P * 16, 2 * K2, dtype=torch.bfloat16)
+    P2, K2 = -(-N // 32), -(-K // 2)
+    wp = torch.zeros(P2 * 32, 2 * K2, dtype=torch.bfloat16)
     wp[:N, :K] = w
-    return wp.view(P, 16, K2, 2).transpose(1, 2).reshape(P, K2, 32).contiguous()
+    return wp.view(P2, 32, K2, 2).transpose(1, 2).reshape(P2, K2, 64).contiguous()
 
 
 @needs_dot
@@ -121,7 +122,7 @@ def test_pack_pairs_lays_out_panels_as_the_torch_reference(N, K, src):
     flat[: min(flat.numel(), ties.numel())] = ties[: flat.numel()]
     w = w if src == "fp32" else w.to(torch.bfloat16)
     got, want = ext.pack(w, pairs=True), _pairs_reference(w)
-    assert got.dtype == torch.bfloat16 and got.shape == want.shape == (-(-N // 16), -(-K // 2), 32)
+    assert got.dtype == torch.bfloat16 and got.shape == want.shape == (-(-N // 32), -(-K // 2), 64)
     assert torch.equal(got.view(torch.int16), want.view(torch.int16))  # bit for bit, ties to even
     again = ext.pack(w * 2 if src == "fp32" else (w.float() * 2).bfloat16(), pairs=True, into=got)
     assert again.data_ptr() == got.data_ptr() and torch.equal(again, _pairs_reference(w.float() * 2))

@@ -370,22 +370,22 @@ SPECROLL_TBF16 void to_pairs(const float* x, int64_t M, int64_t K, uint32_t* out
 }
 
 // ``acc512x2`` with vdpbf16ps: x holds K2 bf16 pairs of MB rows, pair-major (``to_pairs``; rows ldx apart),
-// wa / wb two paired panels of K2 rows.
+// w the two interleaved paired panels of one pair (``pack_pairs``): K2 rows of 128 B, the first panel's 64 B
+// then the second's, so the pair is one stream.
 template <int MB>
-SPECROLL_TBF16 void acc512dp(const uint32_t* __restrict x, int64_t ldx, const uint32_t* __restrict wa,
-                             const uint32_t* __restrict wb, int64_t K2, float* __restrict acc) {
+SPECROLL_TBF16 void acc512dp(const uint32_t* __restrict x, int64_t ldx, const uint32_t* __restrict w, int64_t K2,
+                             float* __restrict acc) {
   __m512 a[MB], b[MB];
 #pragma GCC unroll 16
   for (int m = 0; m < MB; m++) a[m] = _mm512_setzero_ps(), b[m] = _mm512_setzero_ps();
   for (int64_t k = 0; k < K2; k++) {
-    const uint32_t* pa = wa + k * PW;
-    const uint32_t* pb = wb + k * PW;
+    const uint32_t* pa = w + k * 2 * PW;
     _mm_prefetch(reinterpret_cast<const char*>(pa + PREFETCH_K * PW), _MM_HINT_T0);
-    _mm_prefetch(reinterpret_cast<const char*>(pb + PREFETCH_K * PW), _MM_HINT_T0);
+    _mm_prefetch(reinterpret_cast<const char*>(pa + PREFETCH_K * PW + PW), _MM_HINT_T0);
     _mm_prefetch(reinterpret_cast<const char*>(pa + PREFETCH_FAR * PW), _MM_HINT_T1);
-    _mm_prefetch(reinterpret_cast<const char*>(pb + PREFETCH_FAR * PW), _MM_HINT_T1);
+    _mm_prefetch(reinterpret_cast<const char*>(pa + PREFETCH_FAR * PW + PW), _MM_HINT_T1);
     const __m512bh w0 = reinterpret_cast<__m512bh>(_mm512_loadu_si512(pa));
-    const __m512bh w1 = reinterpret_cast<__m512bh>(_mm512_loadu_si512(pb));
+    const __m512bh w1 = reinterpret_cast<__m512bh>(_mm512_loadu_si512(pa + PW));
 #pragma GCC unroll 16
     for (int m = 0; m < MB; m++) {
       const __m512bh xb = reinterpret_cast<__m512bh>(_mm512_set1_epi32(static_cast<int>(x[k * ldx + m])));
@@ -397,14 +397,29 @@ SPECROLL_TBF16 void acc512dp(const uint32_t* __restrict x, int64_t ldx, const ui
   for (int m = 0; m < MB; m++) _mm512_storeu_ps(acc + m * PW, a[m]), _mm512_storeu_ps(acc + (MB + m) * PW, b[m]);
 }
 
-struct Acc512dp {
-  static int64_t row(int64_t m, int64_t) { return m; }  // where row m starts in x (pair-major)
-  using Fn = void (*)(const uint32_t*, int64_t, const uint32_t*, const uint32_t*, int64_t, float*);
-  static constexpr Fn table[MAX_MB512 + 1] = {
-      nullptr, acc512dp<1>, acc512dp<2>, acc512dp<3>, acc512dp<4>, acc512dp<5>, acc512dp<6>, acc512dp<7>,
-      acc512dp<8>, acc512dp<9>, acc512dp<10>, acc512dp<11>, acc512dp<12>, acc512dp<13>, acc512dp<14>,
-      acc512dp<15>, acc512dp<16>};
-};
+using Acc512dpFn = void (*)(const uint32_t*, int64_t, const uint32_t*, int64_t, float*);
+constexpr Acc512dpFn ACC512DP[MAX_MB512 + 1] = {
+    nullptr, acc512dp<1>, acc512dp<2>, acc512dp<3>, acc512dp<4>, acc512dp<5>, acc512dp<6>, acc512dp<7>,
+    acc512dp<8>, acc512dp<9>, acc512dp<10>, acc512dp<11>, acc512dp<12>, acc512dp<13>, acc512dp<14>,
+    acc512dp<15>, acc512dp<16>};
+
+// Pair q of interleaved paired panels (output columns 32q .. 32q + 31, the second panel possibly all padding)
+// for M rows of x pairs (pair-major, ldx = the call's row count), in row blocks as ``panels512x2``.
+void pair512dp(const uint32_t* x, int64_t ldx, int64_t M, int64_t K2, const uint32_t* wp, float* y, int64_t N,
+               int64_t q, const float* bias, const float* res, float* acc) {
+  const int64_t nb = (M + MAX_MB512 - 1) / MAX_MB512;
+  for (int64_t b = 0, m0 = 0; b < nb; b++) {
+    const int64_t m1 = M * (b + 1) / nb, Mb = m1 - m0;
+    ACC512DP[Mb](x + m0, ldx, wp + q * K2 * 2 * PW, K2, acc);
+    for (int64_t i = 0; i < 2; i++) {
+      const int64_t c0 = (2 * q + i) * PW;
+      if (c0 < N)
+        epilogue(acc + i * Mb * PW, Mb, y + m0 * N + c0, N, (int)std::min<int64_t>(PW, N - c0),
+                 bias ? bias + c0 : nullptr, res ? res + m0 * N + c0 : nullptr);
+    }
+    m0 = m1;
+  }
+}
 
 // Panels p and q (q = p + 1, or q = p for a thread's odd last panel, computed twice and written once) for M
 // rows (``acc512x2``), in row blocks of near-equal size up to MAX_MB512: the first block streams the panels
@@ -412,8 +427,7 @@ struct Acc512dp {
 // forward from DRAM at 20 / 32 / 48 rows: 32.7-34.5 / 46.1-49.0 / 61.0-64.1 ms with the earlier one-panel loop's
 // blocks of 12 over L1 chunks of a panel, 28.2-29.8 / 37.1-44.9 / 52.0-54.7 this way (2026-11-24, Xeon, one
 // process, alternating). One loop for every panel also sums every output column in the same order.
-// ``Table`` is ``Acc512x2<W>`` (x fp32 rows ldx apart, K panel rows) or ``Acc512dp`` (x and W bf16 pairs, x
-// pair-major with ldx rows per pair, K = pair rows). acc holds 2 x 16 x 16 floats.
+// ``Table`` is ``Acc512x2<W>`` (x fp32 rows ldx apart, K panel rows) or ``Acc512i8``. acc holds 2 x 16 x 16 floats.
 template <typename Table, typename X, typename W>
 void panels512x2(const X* x, int64_t ldx, int64_t M, int64_t K, const W* wp, float* y, int64_t N, int64_t p,
                  int64_t q, const float* bias, const float* res, float* acc) {
@@ -477,21 +491,25 @@ void pack_panels(const In* w, Out* out, int64_t N, int64_t K, int64_t P, const i
   });
 }
 
-// pairs: bf16 panels of paired k for ``vdpbf16ps`` (see ``acc512dp``), (P, ceil(K / 2), 32): panel row j holds
-// w[c][2j] and w[c][2j + 1] at 2c and 2c + 1 (an odd K's last row padded with 0).
+// pairs: bf16 panels of paired k for ``vdpbf16ps`` (see ``acc512dp``), two panels interleaved row by row so that
+// a pair of panels is one stream: (ceil(N / 32), ceil(K / 2), 64), row j of pair q holding, for k = 2j and 2j + 1,
+// columns 32q .. 32q + 15 at 2c + (k & 1) and columns 32q + 16 .. 32q + 31 at 32 + 2c + (k & 1) (c the column
+// within its 16; an odd K's last row and the columns past N padded with 0). Read as two panels 18 KB apart (one
+// SmolLM2 panel), all linears of a forward streamed from DRAM at 1 row at ~0.92x the rate of one stream of the
+// same bytes (scratch timing, Zen 5, 2026-11-26: 44 against 48 GB/s, torch's sum 47).
 template <typename In, typename Cvt>
-void pack_pairs(const In* w, uint16_t* out, int64_t N, int64_t K, int64_t P, Cvt cvt) {
+void pack_pairs(const In* w, uint16_t* out, int64_t N, int64_t K, int64_t P2, Cvt cvt) {
   const int64_t K2 = (K + 1) / 2;
-  at::parallel_for(0, P, 1, [&](int64_t p0, int64_t p1) {
-    for (int64_t p = p0; p < p1; p++) {
-      uint16_t* o = out + p * K2 * 2 * PW;
-      const int64_t rows = std::min<int64_t>(PW, N - p * PW);
+  at::parallel_for(0, P2, 1, [&](int64_t q0, int64_t q1) {
+    for (int64_t q = q0; q < q1; q++) {
+      uint16_t* o = out + q * K2 * 4 * PW;
+      const int64_t cols = std::min<int64_t>(2 * PW, N - q * 2 * PW);
       for (int64_t k = 0; k < 2 * K2; k++) {
-        uint16_t* orow = o + (k / 2) * 2 * PW + (k & 1);
+        uint16_t* orow = o + (k / 2) * 4 * PW + (k & 1);
         int j = 0;
         if (k < K)
-          for (; j < rows; j++) orow[2 * j] = cvt(w[(p * PW + j) * K + k]);
-        for (; j < PW; j++) orow[2 * j] = 0;
+          for (; j < cols; j++) orow[2 * j] = cvt(w[(q * 2 * PW + j) * K + k]);
+        for (; j < 2 * PW; j++) orow[2 * j] = 0;
       }
     }
   });
@@ -503,8 +521,8 @@ torch::Tensor pack(const torch::Tensor& w_in, bool bf16, const c10::optional<tor
               "pack: expected an fp32 or bf16 (N, K) weight");
   const auto w = w_in.contiguous();
   const bool out_bf16 = bf16 || pairs || w.scalar_type() == torch::kBFloat16;
-  const int64_t N = w.size(0), K = w.size(1), P = (N + PW - 1) / PW;
-  const int64_t rows = pairs ? (K + 1) / 2 : K, width = pairs ? 2 * PW : PW;
+  const int64_t N = w.size(0), K = w.size(1), P = pairs ? (N + 2 * PW - 1) / (2 * PW) : (N + PW - 1) / PW;
+  const int64_t rows = pairs ? (K + 1) / 2 : K, width = pairs ? 4 * PW : PW;
   const auto dt = out_bf16 ? torch::kBFloat16 : torch::kFloat32;
   torch::Tensor out;
   if (into.has_value()) {  // repack in place (the same weight after an optimizer step)
@@ -662,9 +680,9 @@ torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& wp, int64_t N,
   auto x2 = x.reshape({-1, x.size(-1)}).contiguous();
   if (norm || gated) x2 = prologue(x2, norm, eps, gated);
   const int64_t K = x2.size(1), P = wp.size(0);
-  const bool pairs = bf16 && wp.dim() == 3 && wp.size(2) == 2 * PW;  // ``pack(..., pairs=true)``: vdpbf16ps
+  const bool pairs = bf16 && wp.dim() == 3 && wp.size(2) == 4 * PW;  // ``pack(..., pairs=true)``: vdpbf16ps
   TORCH_CHECK(wp.dim() == 3 && wp.size(1) == (pairs ? (K + 1) / 2 : i8 ? (K + 3) / 4 + 1 : K) &&
-                  wp.size(2) == (pairs || i8 ? (i8 ? 4 : 2) * PW : PW) && P * PW >= N,
+                  wp.size(2) == (pairs || i8 ? 4 * PW : PW) && (pairs ? 2 : 1) * P * PW >= N,
               "linear: packed weight does not match");
   TORCH_CHECK(!pairs || cpu_avx512bf16(), "linear: paired bf16 panels need a CPU with AVX-512 BF16");
   const bool v512 = use512();
@@ -692,15 +710,17 @@ torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& wp, int64_t N,
     at::parallel_for(0, P, 8, [&](int64_t p0, int64_t p1) {
       std::vector<float> acc(std::max<int64_t>(Ms, 2 * MAX_MB512) * PW);
       for (int64_t p = p0; p < p1; p++) {
-        if (v512 || pairs) {  // two panels in one pass
+        if (pairs) {  // p: a pair of interleaved panels
+          pair512dp(xpairs.data() + s0, M, Ms, K2, reinterpret_cast<const uint32_t*>(wh), ys + s0 * N, N, p, bs,
+                    rs ? rs + s0 * N : nullptr, acc.data());
+          continue;
+        }
+        if (v512) {  // two panels in one pass
           const int64_t q = std::min(p + 1, p1 - 1);
           const float* xp = xs + s0 * K;
           const float* rp = rs ? rs + s0 * N : nullptr;
           if (i8)
             panels512x2<Acc512i8>(xp, K, Ms, 4 * ((K + 3) / 4 + 1), wi, ys + s0 * N, N, p, q, bs, rp, acc.data());
-          else if (pairs)
-            panels512x2<Acc512dp>(xpairs.data() + s0, M, Ms, K2, reinterpret_cast<const uint32_t*>(wh), ys + s0 * N,
-                                  N, p, q, bs, rp, acc.data());
           else if (bf16) panels512x2<Acc512x2<uint16_t>>(xp, K, Ms, K, wh, ys + s0 * N, N, p, q, bs, rp, acc.data());
           else panels512x2<Acc512x2<float>>(xp, K, Ms, K, ws, ys + s0 * N, N, p, q, bs, rp, acc.data());
           p = q;

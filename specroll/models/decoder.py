@@ -223,7 +223,7 @@ class FastLinear(nn.Linear):
                 # converts as it packs, into the panels of the weights' last version when there are any
                 # (no fresh 270-540 MB to fault in after every optimizer step)
                 n, k = w.shape
-                shape = (-(-n // 16), (k + 1) // 2, 32) if pairs else (-(-n // 16), k, 16)
+                shape = (-(-n // 32), (k + 1) // 2, 64) if pairs else (-(-n // 16), k, 16)
                 old = hit[1] if hit is not None and hit[1].shape == shape else None  # same dtype: same key
                 packed = kernels.skinny().pack(w.detach(), bf16, old, pairs)
                 b = None if self.bias is None else self.bias.detach().float().contiguous()
