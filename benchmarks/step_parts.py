@@ -3,7 +3,8 @@ head's drafting, the verification rule and the rest (bookkeeping), against a pla
 rest. Rows forced to ``--max-new-tokens`` tokens, one process, sampled chains at T = 1, medians per call; the
 sides' rollouts alternate round by round (this host drifts within a minute), the first round is a warm-up.
 
-``--int8`` adds a side whose head drafts with int8 weights (``EagleDrafter(int8_head=True)``).
+The depth side's head drafts with bf16 weights (``int8_head=False``, the default before session 33); ``--int8``
+adds a side whose head drafts with int8 weights (``EagleDrafter(int8_head=True)``, the default since).
 ``--replay`` adds a side that verifies the first step's drafted tree again at every later step: the same
 (depth + 1)-token forward with no head call before it, so the difference of its forward to the drafting side's is
 what the drafting between two forwards costs the next one (acceptance there is meaningless; only the forward is
