@@ -42,6 +42,17 @@ constexpr int MAX_MB_SPLIT = 6;  // rows per block when there are several (the p
 #define PREFETCH_FAR 512
 #endif
 
+// A k step's prefetches of the two weight streams a loop reads (``row`` bytes a k step each): PREFETCH_K steps
+// ahead into L1, PREFETCH_FAR into L2.
+inline void prefetch_streams(const void* a, const void* b, int64_t row) {
+  const char* pa = static_cast<const char*>(a);
+  const char* pb = static_cast<const char*>(b);
+  _mm_prefetch(pa + PREFETCH_K * row, _MM_HINT_T0);
+  _mm_prefetch(pb + PREFETCH_K * row, _MM_HINT_T0);
+  _mm_prefetch(pa + PREFETCH_FAR * row, _MM_HINT_T1);
+  _mm_prefetch(pb + PREFETCH_FAR * row, _MM_HINT_T1);
+}
+
 // A weight panel row of 16 columns as two fp32 vectors (columns 0-7, 8-15): fp32 panels load directly. bf16
 // panels (the bf16 weight mode: half the bytes to stream) are packed with their columns interleaved
 // (0, 8, 1, 9, ..., 7, 15; see ``pack``), so one shift moves columns 0-7 into the top halves of eight fp32
@@ -226,10 +237,7 @@ SPECROLL_T512 void acc512x2(const float* __restrict x, int64_t ldx, const W* __r
   for (int64_t k = 0; k < K; k++) {
     const W* pa = wa + k * PW;
     const W* pb = wb + k * PW;
-    _mm_prefetch(reinterpret_cast<const char*>(pa + PREFETCH_K * PW), _MM_HINT_T0);
-    _mm_prefetch(reinterpret_cast<const char*>(pb + PREFETCH_K * PW), _MM_HINT_T0);
-    _mm_prefetch(reinterpret_cast<const char*>(pa + PREFETCH_FAR * PW), _MM_HINT_T1);
-    _mm_prefetch(reinterpret_cast<const char*>(pb + PREFETCH_FAR * PW), _MM_HINT_T1);
+    prefetch_streams(pa, pb, PW * sizeof(W));
     const __m512 w0 = load512(pa), w1 = load512(pb);
 #pragma GCC unroll 16
     for (int m = 0; m < MB; m++) {
@@ -296,10 +304,7 @@ SPECROLL_T512 void acc512i8(const float* __restrict x, int64_t ldx, const int8_t
   for (int64_t r = 0; r < Qf; r++) {
     const int8_t* pa = wa + r * RW;
     const int8_t* pb = wb + r * RW;
-    _mm_prefetch(reinterpret_cast<const char*>(pa + PREFETCH_K * RW), _MM_HINT_T0);
-    _mm_prefetch(reinterpret_cast<const char*>(pb + PREFETCH_K * RW), _MM_HINT_T0);
-    _mm_prefetch(reinterpret_cast<const char*>(pa + PREFETCH_FAR * RW), _MM_HINT_T1);
-    _mm_prefetch(reinterpret_cast<const char*>(pb + PREFETCH_FAR * RW), _MM_HINT_T1);
+    prefetch_streams(pa, pb, RW);
     const __m512i va = _mm512_loadu_si512(pa), vb = _mm512_loadu_si512(pb);
     i8_step<0, MB, U>(x, ldx, 4 * r, va, vb, a, b);
     i8_step<1, MB, U>(x, ldx, 4 * r, va, vb, a, b);
@@ -380,10 +385,7 @@ SPECROLL_TBF16 void acc512dp(const uint32_t* __restrict x, int64_t ldx, const ui
   for (int m = 0; m < MB; m++) a[m] = _mm512_setzero_ps(), b[m] = _mm512_setzero_ps();
   for (int64_t k = 0; k < K2; k++) {
     const uint32_t* pa = w + k * 2 * PW;
-    _mm_prefetch(reinterpret_cast<const char*>(pa + PREFETCH_K * PW), _MM_HINT_T0);
-    _mm_prefetch(reinterpret_cast<const char*>(pa + PREFETCH_K * PW + PW), _MM_HINT_T0);
-    _mm_prefetch(reinterpret_cast<const char*>(pa + PREFETCH_FAR * PW), _MM_HINT_T1);
-    _mm_prefetch(reinterpret_cast<const char*>(pa + PREFETCH_FAR * PW + PW), _MM_HINT_T1);
+    prefetch_streams(pa, pa + PW, PW * sizeof(uint32_t));  // both panels' 64 B, as far ahead in bytes as one panel's loops
     const __m512bh w0 = reinterpret_cast<__m512bh>(_mm512_loadu_si512(pa));
     const __m512bh w1 = reinterpret_cast<__m512bh>(_mm512_loadu_si512(pa + PW));
 #pragma GCC unroll 16

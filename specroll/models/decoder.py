@@ -137,6 +137,16 @@ _BF16_WEIGHTS = contextvars.ContextVar("specroll_bf16_weights", default=False)
 
 
 @contextlib.contextmanager
+def _switched(var: contextvars.ContextVar, on: bool):
+    """``var`` set to ``bool(on)`` within the block."""
+    tok = var.set(bool(on))
+    try:
+        yield
+    finally:
+        var.reset(tok)
+
+
+@contextlib.contextmanager
 def bf16_weights(on: bool = True):
     """Within this block, fp32 no-grad linears of up to ``kernels.max_rows()`` rows (decode and verification
     steps) stream bf16 copies of their weights through the skinny kernel (half the bytes; fp32 arithmetic, or
@@ -144,11 +154,8 @@ def bf16_weights(on: bool = True):
     bf16, and a native-bf16 engine's few-token forwards (``Engine.kernel_tokens``). Larger inputs (prefills)
     are compute-bound, where bf16 bytes buy nothing, and keep the fp32 weights on oneDNN. No effect where the
     kernel is unavailable, under autograd, or for bf16 activations."""
-    tok = _BF16_WEIGHTS.set(bool(on))
-    try:
+    with _switched(_BF16_WEIGHTS, on):
         yield
-    finally:
-        _BF16_WEIGHTS.reset(tok)
 
 
 def bf16_weights_on() -> bool:
@@ -165,11 +172,8 @@ def int8_weights(on: bool = True):
     (``kernels.skinny().pack_int8``: per-column scales, fp32 arithmetic; half bf16's bytes) where the AVX-512
     kernels run (``kernels.int8_ok``), else bf16 ones. For weights that only propose tokens the policy verifies
     exactly: a draft head's (``EagleDrafter(int8_head=True)``), never the policy's."""
-    tok = _INT8_WEIGHTS.set(bool(on))
-    try:
+    with _switched(_INT8_WEIGHTS, on):
         yield
-    finally:
-        _INT8_WEIGHTS.reset(tok)
 
 
 def skinny_kind() -> str:
