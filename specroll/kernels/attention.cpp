@@ -221,6 +221,7 @@ SPECROLL_A512 inline __m512 exp16_nonpos(__m512 x) {
 
 // Keys / values this many slots ahead are prefetched into L1 as a task streams its cache rows. A row's slots
 // span several 4 KB pages (SmolLM2: 128 B a slot in bf16), where the hardware prefetcher stops and restarts.
+// A prefetch past the last slot reads nothing it should not: prefetches do not fault.
 #ifndef KV_AHEAD
 #define KV_AHEAD 32
 #endif

@@ -23,6 +23,7 @@
 
 #include <algorithm>
 #include <cstring>
+#include <utility>
 #include <cmath>
 #include <vector>
 
@@ -253,6 +254,9 @@ SPECROLL_T512 void acc512x2(const float* __restrict x, int64_t ldx, const W* __r
 template <typename W>
 struct Acc512x2 {
   static int64_t row(int64_t m, int64_t ldx) { return m * ldx; }  // where row m starts in x (row-major)
+  static std::pair<const W*, const W*> panels(const W* wp, int64_t p, int64_t q, int64_t K) {  // K rows apiece
+    return {wp + p * K * PW, wp + q * K * PW};
+  }
   using Fn = void (*)(const float*, int64_t, const W*, const W*, int64_t, float*);
   static constexpr Fn table[MAX_MB512 + 1] = {
       nullptr, acc512x2<1, W>, acc512x2<2, W>, acc512x2<3, W>, acc512x2<4, W>, acc512x2<5, W>, acc512x2<6, W>,
@@ -332,6 +336,9 @@ SPECROLL_T512 void acc512i8(const float* __restrict x, int64_t ldx, const int8_t
 
 struct Acc512i8 {
   static int64_t row(int64_t m, int64_t ldx) { return m * ldx; }  // where row m starts in x (row-major)
+  static std::pair<const int8_t*, const int8_t*> panels(const int8_t* wp, int64_t p, int64_t q, int64_t Kp) {
+    return {wp + p * Kp * PW, wp + q * Kp * PW};
+  }
   using Fn = void (*)(const float*, int64_t, const int8_t*, const int8_t*, int64_t, float*);
   static constexpr Fn table[MAX_MB512 + 1] = {
       nullptr, acc512i8<1>, acc512i8<2>, acc512i8<3>, acc512i8<4>, acc512i8<5>, acc512i8<6>, acc512i8<7>,
@@ -378,16 +385,17 @@ SPECROLL_TBF16 void to_pairs(const float* x, int64_t M, int64_t K, uint32_t* out
 // w the two interleaved paired panels of one pair (``pack_pairs``): K2 rows of 128 B, the first panel's 64 B
 // then the second's, so the pair is one stream.
 template <int MB>
-SPECROLL_TBF16 void acc512dp(const uint32_t* __restrict x, int64_t ldx, const uint32_t* __restrict w, int64_t K2,
-                             float* __restrict acc) {
+SPECROLL_TBF16 void acc512dp(const uint32_t* __restrict x, int64_t ldx, const uint32_t* __restrict wa,
+                             const uint32_t* __restrict wb, int64_t K2, float* __restrict acc) {
   __m512 a[MB], b[MB];
 #pragma GCC unroll 16
   for (int m = 0; m < MB; m++) a[m] = _mm512_setzero_ps(), b[m] = _mm512_setzero_ps();
   for (int64_t k = 0; k < K2; k++) {
-    const uint32_t* pa = w + k * 2 * PW;
-    prefetch_streams(pa, pa + PW, PW * sizeof(uint32_t));  // both panels' 64 B, as far ahead in bytes as one panel's loops
+    const uint32_t* pa = wa + k * 2 * PW;
+    const uint32_t* pb = wb + k * 2 * PW;
+    prefetch_streams(pa, pb, PW * sizeof(uint32_t));  // both panels' 64 B, as far ahead in bytes as one panel's loops
     const __m512bh w0 = reinterpret_cast<__m512bh>(_mm512_loadu_si512(pa));
-    const __m512bh w1 = reinterpret_cast<__m512bh>(_mm512_loadu_si512(pa + PW));
+    const __m512bh w1 = reinterpret_cast<__m512bh>(_mm512_loadu_si512(pb));
 #pragma GCC unroll 16
     for (int m = 0; m < MB; m++) {
       const __m512bh xb = reinterpret_cast<__m512bh>(_mm512_set1_epi32(static_cast<int>(x[k * ldx + m])));
@@ -399,29 +407,18 @@ SPECROLL_TBF16 void acc512dp(const uint32_t* __restrict x, int64_t ldx, const ui
   for (int m = 0; m < MB; m++) _mm512_storeu_ps(acc + m * PW, a[m]), _mm512_storeu_ps(acc + (MB + m) * PW, b[m]);
 }
 
-using Acc512dpFn = void (*)(const uint32_t*, int64_t, const uint32_t*, int64_t, float*);
-constexpr Acc512dpFn ACC512DP[MAX_MB512 + 1] = {
-    nullptr, acc512dp<1>, acc512dp<2>, acc512dp<3>, acc512dp<4>, acc512dp<5>, acc512dp<6>, acc512dp<7>,
-    acc512dp<8>, acc512dp<9>, acc512dp<10>, acc512dp<11>, acc512dp<12>, acc512dp<13>, acc512dp<14>,
-    acc512dp<15>, acc512dp<16>};
-
-// Pair q of interleaved paired panels (output columns 32q .. 32q + 31, the second panel possibly all padding)
-// for M rows of x pairs (pair-major, ldx = the call's row count), in row blocks as ``panels512x2``.
-void pair512dp(const uint32_t* x, int64_t ldx, int64_t M, int64_t K2, const uint32_t* wp, float* y, int64_t N,
-               int64_t q, const float* bias, const float* res, float* acc) {
-  const int64_t nb = (M + MAX_MB512 - 1) / MAX_MB512;
-  for (int64_t b = 0, m0 = 0; b < nb; b++) {
-    const int64_t m1 = M * (b + 1) / nb, Mb = m1 - m0;
-    ACC512DP[Mb](x + m0, ldx, wp + q * K2 * 2 * PW, K2, acc);
-    for (int64_t i = 0; i < 2; i++) {
-      const int64_t c0 = (2 * q + i) * PW;
-      if (c0 < N)
-        epilogue(acc + i * Mb * PW, Mb, y + m0 * N + c0, N, (int)std::min<int64_t>(PW, N - c0),
-                 bias ? bias + c0 : nullptr, res ? res + m0 * N + c0 : nullptr);
-    }
-    m0 = m1;
+struct Acc512dp {
+  static int64_t row(int64_t m, int64_t) { return m; }  // where row m starts in x (pair-major)
+  // panels p (even) and p + 1 of interleaved pairs: one stream, the second panel's 64 B after the first's
+  static std::pair<const uint32_t*, const uint32_t*> panels(const uint32_t* wp, int64_t p, int64_t, int64_t K2) {
+    return {wp + p * K2 * PW, wp + p * K2 * PW + PW};
   }
-}
+  using Fn = void (*)(const uint32_t*, int64_t, const uint32_t*, const uint32_t*, int64_t, float*);
+  static constexpr Fn table[MAX_MB512 + 1] = {
+      nullptr, acc512dp<1>, acc512dp<2>, acc512dp<3>, acc512dp<4>, acc512dp<5>, acc512dp<6>, acc512dp<7>,
+      acc512dp<8>, acc512dp<9>, acc512dp<10>, acc512dp<11>, acc512dp<12>, acc512dp<13>, acc512dp<14>,
+      acc512dp<15>, acc512dp<16>};
+};
 
 // Panels p and q (q = p + 1, or q = p for a thread's odd last panel, computed twice and written once) for M
 // rows (``acc512x2``), in row blocks of near-equal size up to MAX_MB512: the first block streams the panels
@@ -429,7 +426,9 @@ void pair512dp(const uint32_t* x, int64_t ldx, int64_t M, int64_t K2, const uint
 // forward from DRAM at 20 / 32 / 48 rows: 32.7-34.5 / 46.1-49.0 / 61.0-64.1 ms with the earlier one-panel loop's
 // blocks of 12 over L1 chunks of a panel, 28.2-29.8 / 37.1-44.9 / 52.0-54.7 this way (2026-11-24, Xeon, one
 // process, alternating). One loop for every panel also sums every output column in the same order.
-// ``Table`` is ``Acc512x2<W>`` (x fp32 rows ldx apart, K panel rows) or ``Acc512i8``. acc holds 2 x 16 x 16 floats.
+// ``Table`` is ``Acc512x2<W>`` (x fp32 rows ldx apart, K panel rows), ``Acc512i8`` or ``Acc512dp`` (x and W bf16
+// pairs, x pair-major with ldx rows per pair, K = pair rows, p even: one interleaved pair); ``Table::panels`` says
+// where panels p and q start. Columns past N (a pair's padding panel) are not written. acc holds 2 x 16 x 16 floats.
 template <typename Table, typename X, typename W>
 void panels512x2(const X* x, int64_t ldx, int64_t M, int64_t K, const W* wp, float* y, int64_t N, int64_t p,
                  int64_t q, const float* bias, const float* res, float* acc) {
@@ -443,8 +442,9 @@ void panels512x2(const X* x, int64_t ldx, int64_t M, int64_t K, const W* wp, flo
     }
     return;
   }
-  Table::table[M](x, ldx, wp + p * K * PW, wp + q * K * PW, K, acc);
-  for (int64_t i = 0; i < (q == p ? 1 : 2); i++) {
+  const auto w = Table::panels(wp, p, q, K);
+  Table::table[M](x, ldx, w.first, w.second, K, acc);
+  for (int64_t i = 0; i < (q == p ? 1 : 2) && (p + i) * PW < N; i++) {
     const int64_t c0 = (p + i) * PW;
     epilogue(acc + i * M * PW, M, y + c0, N, (int)std::min<int64_t>(PW, N - c0), bias ? bias + c0 : nullptr,
              res ? res + c0 : nullptr);
@@ -712,9 +712,9 @@ torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& wp, int64_t N,
     at::parallel_for(0, P, 8, [&](int64_t p0, int64_t p1) {
       std::vector<float> acc(std::max<int64_t>(Ms, 2 * MAX_MB512) * PW);
       for (int64_t p = p0; p < p1; p++) {
-        if (pairs) {  // p: a pair of interleaved panels
-          pair512dp(xpairs.data() + s0, M, Ms, K2, reinterpret_cast<const uint32_t*>(wh), ys + s0 * N, N, p, bs,
-                    rs ? rs + s0 * N : nullptr, acc.data());
+        if (pairs) {  // p: a pair of interleaved panels, 2p and 2p + 1
+          panels512x2<Acc512dp>(xpairs.data() + s0, M, Ms, K2, reinterpret_cast<const uint32_t*>(wh), ys + s0 * N, N,
+                                2 * p, 2 * p + 1, bs, rs ? rs + s0 * N : nullptr, acc.data());
           continue;
         }
         if (v512) {  // two panels in one pass
