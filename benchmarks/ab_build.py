@@ -35,6 +35,10 @@ def build(rev: str, root: Path):
         text = subprocess.run(["git", "show", f"{rev}:specroll/kernels/{name}"], check=True, capture_output=True,
                               text=True).stdout
         (src / name).write_text(text)
+    for h in kernels.HEADERS:  # revisions before kernels.h have no headers
+        r = subprocess.run(["git", "show", f"{rev}:specroll/kernels/{h.name}"], capture_output=True, text=True)
+        if r.returncode == 0:
+            (src / h.name).write_text(r.stdout)
     (root / "build").mkdir()
     return load(f"ab_{rev.replace('/', '_').replace('~', '_').replace('^', '_')}", [str(src / n) for n in SOURCES],
                 build_directory=str(root / "build"), extra_cflags=kernels.CFLAGS,

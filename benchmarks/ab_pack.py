@@ -27,6 +27,11 @@ for p in kernels.SRCS:
     (src / p.name).write_text(subprocess.run(["git", "-C", str(Path(__file__).resolve().parents[1]), "show",
                                               f"{rev}:specroll/kernels/{p.name}"],
                                              capture_output=True, text=True, check=True).stdout)
+for h in kernels.HEADERS:  # revisions before kernels.h have no headers
+    r = subprocess.run(["git", "-C", str(Path(__file__).resolve().parents[1]), "show", f"{rev}:specroll/kernels/{h.name}"],
+                       capture_output=True, text=True)
+    if r.returncode == 0:
+        (src / h.name).write_text(r.stdout)
 bd = tmp / "build"
 bd.mkdir()
 old = load(f"ab_pack_{rev.replace('/', '_').replace('~', '_').replace('^', '_')}", [str(src / p.name) for p in kernels.SRCS], build_directory=str(bd),

@@ -580,6 +580,32 @@ def test_decoder_layers_in_one_call_equal_the_python_layer_loop(monkeypatch, arc
 
 
 @needs_kernel
+@pytest.mark.parametrize("bf16w", [False, True])
+@pytest.mark.parametrize("T,tree,B", [(1, False, 1), (7, True, 1), (3, False, 4)])
+def test_decoder_layers_give_the_same_bits_at_any_thread_count(T, tree, B, bf16w):
+    """``decoder_layers`` runs the stack in one parallel region whose threads split each linear's panels, the
+    attention's tasks or query chunks and (past ``REDUNDANT_ROWS`` rows, here the prompts' prefill of 12 or 48)
+    the input rows: 1, 2 and 3 threads must give the same hidden states and cache, bit for bit."""
+    from specroll.models import decoder
+    from specroll.models.tiny import tiny_hf_config
+
+    torch.manual_seed(3)
+    model = decoder.Decoder(decoder.DecoderConfig.from_hf(tiny_hf_config("qwen2"))).eval()
+    n = torch.get_num_threads()
+    outs = []
+    try:
+        for threads in (1, 2, 3):
+            torch.set_num_threads(threads)
+            with torch.no_grad(), decoder.bf16_weights(bf16w):
+                outs.append(_step_outputs(model, 40, T, tree, seed=T, B=B))
+    finally:
+        torch.set_num_threads(n)
+    for other in outs[1:]:
+        for a, b in zip(outs[0][:3], other[:3]):
+            assert torch.equal(a, b)
+
+
+@needs_kernel
 def test_decoder_layers_weights_follow_in_place_updates_and_replaced_parameters(monkeypatch):
     """The packed weight list ``decoder_layers`` gets is cached between steps; an optimizer-style in-place update
     and a replaced parameter must both show in the next step (equal to the Python layer loop's)."""

@@ -14,6 +14,7 @@ is reused by later processes; a changed source or compiler flag triggers a rebui
 from __future__ import annotations
 
 import functools
+import hashlib
 import os
 import platform
 import sys
@@ -24,7 +25,11 @@ import torch
 
 SRCS = [Path(__file__).with_name(n)
         for n in ("skinny.cpp", "attention.cpp", "draft.cpp", "layers.cpp", "logprobs.cpp")]
-CFLAGS = ["-O3", "-mavx2", "-mfma", "-fopenmp"]  # the build flags (benchmarks/ab_build.py builds other revisions alike)
+HEADERS = [Path(__file__).with_name("kernels.h")]  # included by the sources; their hash is in CFLAGS (below)
+# the build flags (benchmarks/ab_build.py builds other revisions alike). torch's extension loader rebuilds when a
+# source or a flag changes, not a header: the headers' hash goes in as a define, so a header edit rebuilds too.
+CFLAGS = ["-O3", "-mavx2", "-mfma", "-fopenmp",
+          "-DSPECROLL_HEADERS=0x" + hashlib.sha256(b"".join(h.read_bytes() for h in HEADERS)).hexdigest()[:16]]
 LDFLAGS = ["-fopenmp"]
 MAX_ROWS = 32  # AVX2: up to here the kernel beat oneDNN on every SmolLM2 shape (1.0-2.2x); at 64 not always (BENCHMARKS.md)
 # AVX-512 (two panels at a time): all linears of a SmolLM2 forward from DRAM, kernel vs oneDNN's prepacked

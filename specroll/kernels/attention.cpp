@@ -15,6 +15,8 @@
 #include <ATen/Parallel.h>
 #include <immintrin.h>
 
+#include "kernels.h"
+
 #include <algorithm>
 #include <cmath>
 #include <limits>
@@ -509,112 +511,169 @@ torch::Tensor attention(const torch::Tensor& q_in, const torch::Tensor& k, const
 //   k_cache, v_cache: (B, KV, S_max, D) with unit stride along D; slots: (B, T) long;
 //   mask: None or bool broadcastable to (B, 1, G T, span), folded as ``decoder.fold_mask`` (row g T + t).
 // Returns (B, T, NH D), the heads in HF order, ready for the output projection.
+// ``attn_op`` checks the inputs once; ``attn_task`` / ``attn_chunk`` do the work of one task or chunk over raw
+// buffers (kernels.h), so that ``decoder_layers`` can run them inside its own parallel region.
+AttnOp attn_op(int64_t B, int64_t T, const torch::Tensor& cos, const torch::Tensor& sin, const torch::Tensor& k_cache,
+               const torch::Tensor& v_cache, const torch::Tensor& slots, const c10::optional<torch::Tensor>& mask,
+               int64_t NH, int64_t KV, int64_t span, double scale) {
+  const auto kt = k_cache.scalar_type();
+  TORCH_CHECK((kt == torch::kFloat32 || kt == torch::kBFloat16) && v_cache.scalar_type() == kt &&
+                  cos.scalar_type() == torch::kFloat32 && sin.scalar_type() == torch::kFloat32,
+              "rope_attention: fp32 activations, an fp32 or bf16 cache");
+  TORCH_CHECK((k_cache.dim() == 4 || k_cache.dim() == 5) && v_cache.sizes() == k_cache.sizes(),
+              "rope_attention: bad shapes");
+  const int64_t o = k_cache.dim() - 4, D = k_cache.size(o + 3);
+  TORCH_CHECK(KV > 0 && NH % KV == 0 && k_cache.size(o) >= B && k_cache.size(o + 1) == KV &&
+                  span <= k_cache.size(o + 2) && D % 2 == 0, "rope_attention: shapes do not match the heads");
+  TORCH_CHECK(k_cache.stride(o + 3) == 1 && v_cache.stride(o + 3) == 1,
+              "rope_attention: the cache needs unit stride along D");
+  TORCH_CHECK(kt == torch::kFloat32 || D % 8 == 0, "rope_attention: a bf16 cache needs head_dim % 8 == 0");
+  AttnOp a;
+  a.B = B, a.T = T, a.NH = NH, a.KV = KV, a.D = D, a.span = span, a.Q = NH / KV * T, a.scale = (float)scale;
+  a.bf16 = kt == torch::kBFloat16;
+  a.c = cos.reshape({B, T, D}), a.sn = sin.reshape({B, T, D});
+  if (a.c.stride(2) != 1) a.c = a.c.contiguous();
+  if (a.sn.stride(2) != 1) a.sn = a.sn.contiguous();
+  a.cos = a.c.data_ptr<float>(), a.sin = a.sn.data_ptr<float>();
+  a.cs0 = a.c.stride(0), a.cs1 = a.c.stride(1), a.ss0 = a.sn.stride(0), a.ss1 = a.sn.stride(1);
+  a.sl = slots.to(torch::kLong).contiguous();
+  TORCH_CHECK(a.sl.dim() == 2 && a.sl.size(0) == B && a.sl.size(1) == T, "rope_attention: slots must be (B, T)");
+  a.slots = a.sl.data_ptr<int64_t>();
+  for (int64_t i = 0; i < B * T; i++)
+    TORCH_CHECK(a.slots[i] >= 0 && a.slots[i] < span, "rope_attention: slot outside [0, span)");
+  const Mask m(mask, B, 1, a.Q, span);
+  a.mask = m.t, a.mptr = m.ptr, a.msb = m.sb, a.msq = m.sq;
+  a.k = static_cast<char*>(k_cache.data_ptr()), a.v = static_cast<char*>(v_cache.data_ptr());
+  a.layer_stride = o ? k_cache.stride(0) : 0;
+  TORCH_CHECK(!o || v_cache.stride(0) == a.layer_stride, "rope_attention: k and v caches must share a layout");
+  for (int i = 0; i < 3; i++) a.kst[i] = k_cache.stride(o + i), a.vst[i] = v_cache.stride(o + i);
+  return a;
+}
+
+namespace {
+
 template <typename KT>
-torch::Tensor rope_attention_impl(const torch::Tensor& qkv_in, const torch::Tensor& cos, const torch::Tensor& sin,
-                                  const torch::Tensor& k_cache, const torch::Tensor& v_cache, const torch::Tensor& slots,
-                                  const c10::optional<torch::Tensor>& mask, int64_t NH, int64_t KV, int64_t span,
-                                  double scale) {
-  TORCH_CHECK(qkv_in.dim() == 3 && k_cache.dim() == 4 && v_cache.sizes() == k_cache.sizes(), "rope_attention: bad shapes");
-  const int64_t B = qkv_in.size(0), T = qkv_in.size(1), D = k_cache.size(3), G = NH / KV, Q = G * T;
-  TORCH_CHECK(qkv_in.size(2) == (NH + 2 * KV) * D && k_cache.size(0) >= B && k_cache.size(1) == KV &&
-                  span <= k_cache.size(2) && D % 2 == 0, "rope_attention: shapes do not match the heads");
-  TORCH_CHECK(k_cache.stride(3) == 1 && v_cache.stride(3) == 1, "rope_attention: the cache needs unit stride along D");
-  auto qkv = qkv_in.contiguous();
-  auto c = cos.reshape({B, T, D}), sn = sin.reshape({B, T, D});
-  if (c.stride(2) != 1) c = c.contiguous();
-  if (sn.stride(2) != 1) sn = sn.contiguous();
-  auto sl = slots.to(torch::kLong).contiguous();
-  TORCH_CHECK(sl.size(0) == B && sl.size(1) == T, "rope_attention: slots must be (B, T)");
-  const int64_t* sp = sl.data_ptr<int64_t>();
-  for (int64_t i = 0; i < B * T; i++) TORCH_CHECK(sp[i] >= 0 && sp[i] < span, "rope_attention: slot outside [0, span)");
-  auto out = torch::empty({B, T, NH * D}, qkv.options());
-  const Mask m(mask, B, 1, Q, span);
-  const float* xs = qkv.data_ptr<float>();
-  const float* cs = c.data_ptr<float>();
-  const float* ss = sn.data_ptr<float>();
-  KT* kc = reinterpret_cast<KT*>(k_cache.data_ptr());
-  KT* vc = reinterpret_cast<KT*>(v_cache.data_ptr());
-  float* os = out.data_ptr<float>();
-  const int64_t W = (NH + 2 * KV) * D, h2 = D / 2;
-  auto rope = [&](const float* x, const float* cr, const float* sr, float* y) {
+struct RopeAttn {
+  const AttnOp& a;
+  KT* kc;
+  KT* vc;
+  RopeAttn(const AttnOp& op, int64_t layer)
+      : a(op),
+        kc(reinterpret_cast<KT*>(op.k) + layer * op.layer_stride),
+        vc(reinterpret_cast<KT*>(op.v) + layer * op.layer_stride) {}
+
+  static void rope(const float* x, const float* cr, const float* sr, float* y, int64_t D) {
+    const int64_t h2 = D / 2;
     for (int64_t d = 0; d < h2; d++) y[d] = x[d] * cr[d] + x[d + h2] * sr[d];
     for (int64_t d = h2; d < D; d++) y[d] = x[d] * cr[d] + x[d - h2] * sr[d];
-  };
-  auto store = [&](const float* x, KT* y) {  // into the cache: as is, or rounded to bf16 (nearest even)
+  }
+  static void store(const float* x, KT* y, int64_t D) {  // into the cache: as is, or rounded to bf16 (nearest even)
     if constexpr (std::is_same<KT, float>::value) {
       std::copy(x, x + D, y);
     } else {
       for (int64_t d = 0; d < D; d++) y[d] = c10::BFloat16(x[d]).x;
     }
-  };
-  // task (b, h): RoPE of its q and k heads into ``qb`` (Q, D), the k / v writes into the cache
-  auto prepare = [&](int64_t b, int64_t h, float* qb) {
-    KT* kb = kc + b * k_cache.stride(0) + h * k_cache.stride(1);
-    KT* vb = vc + b * v_cache.stride(0) + h * v_cache.stride(1);
-    std::vector<float> kr(D);
+  }
+  // task (b, h): RoPE of its q and k heads into ``qb`` (Q, D), the k / v writes into the cache (kr: D floats)
+  void prepare(const float* xs, int64_t b, int64_t h, float* qb, float* kr) const {
+    const int64_t D = a.D, T = a.T, NH = a.NH, KV = a.KV, G = NH / KV, W = (NH + 2 * KV) * D;
+    KT* kb = kc + b * a.kst[0] + h * a.kst[1];
+    KT* vb = vc + b * a.vst[0] + h * a.vst[1];
     for (int64_t t = 0; t < T; t++) {
       const float* x = xs + (b * T + t) * W;
-      const float* cr = cs + b * c.stride(0) + t * c.stride(1);
-      const float* sr = ss + b * sn.stride(0) + t * sn.stride(1);
-      const int64_t slot = sp[b * T + t];
-      rope(x + (NH + h) * D, cr, sr, kr.data());
-      store(kr.data(), kb + slot * k_cache.stride(2));
-      store(x + (NH + KV + h) * D, vb + slot * v_cache.stride(2));
-      for (int64_t g = 0; g < G; g++) rope(x + (h * G + g) * D, cr, sr, qb + (g * T + t) * D);
+      const float* cr = a.cos + b * a.cs0 + t * a.cs1;
+      const float* sr = a.sin + b * a.ss0 + t * a.ss1;
+      const int64_t slot = a.slots[b * T + t];
+      rope(x + (NH + h) * D, cr, sr, kr, D);
+      store(kr, kb + slot * a.kst[2], D);
+      store(x + (NH + KV + h) * D, vb + slot * a.vst[2], D);
+      for (int64_t g = 0; g < G; g++) rope(x + (h * G + g) * D, cr, sr, qb + (g * T + t) * D, D);
     }
-  };
-  // attention of (b, h)'s folded query rows [i0, i1) (in ``qb``, row i0 first), written in HF head order
-  auto attend = [&](int64_t b, int64_t h, int64_t i0, int64_t i1, const float* qb, std::vector<float>& o,
-                    std::vector<float>& p, std::vector<float>& mx, std::vector<float>& sum) {
-    const int64_t n = i1 - i0;
-    std::fill(o.begin(), o.begin() + n * D, 0.f);
-    const bool* mr = m.row(b, 0);
-    attend_one(qb, n, D, kc + b * k_cache.stride(0) + h * k_cache.stride(1), k_cache.stride(2),
-               vc + b * v_cache.stride(0) + h * v_cache.stride(1), v_cache.stride(2), span,
-               mr ? mr + i0 * m.sq : nullptr, m.sq, (float)scale, o.data(), p.data(), mx.data(), sum.data());
+  }
+  // attention of (b, h)'s folded query rows [i0, i1) (in ``qb``, row i0 first), written in HF head order;
+  // scratch: o (n D), p (n span), mx (n), sum (n) for n = i1 - i0
+  void attend(int64_t b, int64_t h, int64_t i0, int64_t i1, const float* qb, float* os, float* scratch) const {
+    const int64_t n = i1 - i0, D = a.D, T = a.T, NH = a.NH, G = NH / a.KV;
+    float* o = scratch;
+    float* p = o + n * D;
+    float* mx = p + n * a.span;
+    float* sum = mx + n;
+    std::fill(o, o + n * D, 0.f);
+    const bool* mr = a.mptr ? a.mptr + b * a.msb : nullptr;
+    attend_one(qb, n, D, kc + b * a.kst[0] + h * a.kst[1], a.kst[2], vc + b * a.vst[0] + h * a.vst[1], a.vst[2],
+               a.span, mr ? mr + i0 * a.msq : nullptr, a.msq, a.scale, o, p, mx, sum);
     for (int64_t i = i0; i < i1; i++) {
       const int64_t g = i / T, t = i % T;
-      std::copy(o.data() + (i - i0) * D, o.data() + (i - i0 + 1) * D, os + ((b * T + t) * NH + h * G + g) * D);
+      std::copy(o + (i - i0) * D, o + (i - i0 + 1) * D, os + ((b * T + t) * NH + h * G + g) * D);
     }
-  };
-  // Few (row, head) tasks for the threads (batch 1: 3 KV heads on 2 threads) and many queries per task (a
-  // verification step): split each task's queries into chunks, after a first pass that writes every k / v.
-  const int64_t nt = at::get_num_threads();
-  const int64_t C = (B * KV < 2 * nt && Q >= 8) ? std::min<int64_t>((2 * nt + B * KV - 1) / (B * KV), Q / 4) : 1;
-  if (C == 1) {
-    at::parallel_for(0, B * KV, 1, [&](int64_t t0, int64_t t1) {
-      std::vector<float> q(Q * D), o(Q * D), p(Q * span), mx(Q), sum(Q);
-      for (int64_t task = t0; task < t1; task++) {
-        prepare(task / KV, task % KV, q.data());
-        attend(task / KV, task % KV, 0, Q, q.data(), o, p, mx, sum);
-      }
-    });
-  } else {
-    std::vector<float> qall(B * KV * Q * D);
-    for (int64_t task = 0; task < B * KV; task++) prepare(task / KV, task % KV, qall.data() + task * Q * D);
-    const int64_t per = (Q + C - 1) / C;
-    at::parallel_for(0, B * KV * C, 1, [&](int64_t t0, int64_t t1) {
-      std::vector<float> o(per * D), p(per * span), mx(per), sum(per);
-      for (int64_t task = t0; task < t1; task++) {
-        const int64_t bh = task / C, i0 = (task % C) * per, i1 = std::min(Q, i0 + per);
-        if (i0 < i1) attend(bh / KV, bh % KV, i0, i1, qall.data() + (bh * Q + i0) * D, o, p, mx, sum);
-      }
-    });
   }
-  return out;
+};
+
+}  // namespace
+
+// Few (row, head) tasks for the threads (batch 1: 3 KV heads on 2 threads) and many queries per task (a
+// verification step): split each task's queries into chunks, after a first pass that writes every k / v.
+int64_t attn_chunks(const AttnOp& a, int64_t nt) {
+  const int64_t BK = a.B * a.KV;
+  return (BK < 2 * nt && a.Q >= 8) ? std::min<int64_t>((2 * nt + BK - 1) / BK, a.Q / 4) : 1;
+}
+
+int64_t attn_scratch_floats(const AttnOp& a, int64_t C) {
+  const int64_t n = (a.Q + C - 1) / C;
+  return a.D + n * (a.D + a.span + 2);
+}
+
+void attn_task(const AttnOp& a, int64_t layer, const float* qkv, int64_t task, float* qb, float* out, float* scratch) {
+  const int64_t b = task / a.KV, h = task % a.KV;
+  if (a.bf16) {
+    const RopeAttn<uint16_t> r(a, layer);
+    r.prepare(qkv, b, h, qb, scratch);
+    if (out) r.attend(b, h, 0, a.Q, qb, out, scratch);
+  } else {
+    const RopeAttn<float> r(a, layer);
+    r.prepare(qkv, b, h, qb, scratch);
+    if (out) r.attend(b, h, 0, a.Q, qb, out, scratch);
+  }
+}
+
+void attn_chunk(const AttnOp& a, int64_t layer, int64_t task, int64_t c, int64_t C, const float* qb, float* out,
+                float* scratch) {
+  const int64_t per = (a.Q + C - 1) / C, i0 = c * per, i1 = std::min(a.Q, i0 + per);
+  if (i0 >= i1) return;
+  const int64_t b = task / a.KV, h = task % a.KV;
+  if (a.bf16) RopeAttn<uint16_t>(a, layer).attend(b, h, i0, i1, qb + i0 * a.D, out, scratch);
+  else RopeAttn<float>(a, layer).attend(b, h, i0, i1, qb + i0 * a.D, out, scratch);
 }
 
 torch::Tensor rope_attention(const torch::Tensor& qkv_in, const torch::Tensor& cos, const torch::Tensor& sin,
                              const torch::Tensor& k_cache, const torch::Tensor& v_cache, const torch::Tensor& slots,
                              const c10::optional<torch::Tensor>& mask, int64_t NH, int64_t KV, int64_t span,
                              double scale) {
-  const auto kt = k_cache.scalar_type();
-  TORCH_CHECK(qkv_in.scalar_type() == torch::kFloat32 && (kt == torch::kFloat32 || kt == torch::kBFloat16) &&
-                  v_cache.scalar_type() == kt && cos.scalar_type() == torch::kFloat32 &&
-                  sin.scalar_type() == torch::kFloat32, "rope_attention: fp32 activations, an fp32 or bf16 cache");
-  if (kt == torch::kFloat32) return rope_attention_impl<float>(qkv_in, cos, sin, k_cache, v_cache, slots, mask, NH, KV, span, scale);
-  TORCH_CHECK(k_cache.size(3) % 8 == 0, "rope_attention: a bf16 cache needs head_dim % 8 == 0");
-  return rope_attention_impl<uint16_t>(qkv_in, cos, sin, k_cache, v_cache, slots, mask, NH, KV, span, scale);
+  TORCH_CHECK(qkv_in.scalar_type() == torch::kFloat32, "rope_attention: fp32 activations, an fp32 or bf16 cache");
+  TORCH_CHECK(qkv_in.dim() == 3 && k_cache.dim() == 4, "rope_attention: bad shapes");
+  const int64_t B = qkv_in.size(0), T = qkv_in.size(1);
+  const AttnOp a = attn_op(B, T, cos, sin, k_cache, v_cache, slots, mask, NH, KV, span, scale);
+  TORCH_CHECK(qkv_in.size(2) == (NH + 2 * KV) * a.D, "rope_attention: shapes do not match the heads");
+  auto qkv = qkv_in.contiguous();
+  auto out = torch::empty({B, T, NH * a.D}, qkv.options());
+  const float* xs = qkv.data_ptr<float>();
+  float* os = out.data_ptr<float>();
+  const int64_t BK = B * KV, Q = a.Q, D = a.D;
+  const int64_t C = attn_chunks(a, at::get_num_threads());
+  if (C == 1) {
+    at::parallel_for(0, BK, 1, [&](int64_t t0, int64_t t1) {
+      std::vector<float> q(Q * D), scratch(attn_scratch_floats(a, 1));
+      for (int64_t task = t0; task < t1; task++) attn_task(a, 0, xs, task, q.data(), os, scratch.data());
+    });
+  } else {
+    std::vector<float> qall(BK * Q * D), kr(attn_scratch_floats(a, 1));
+    for (int64_t task = 0; task < BK; task++) attn_task(a, 0, xs, task, qall.data() + task * Q * D, nullptr, kr.data());
+    at::parallel_for(0, BK * C, 1, [&](int64_t t0, int64_t t1) {
+      std::vector<float> scratch(attn_scratch_floats(a, C));
+      for (int64_t t = t0; t < t1; t++) attn_chunk(a, 0, t / C, t % C, C, qall.data() + (t / C) * Q * D, os, scratch.data());
+    });
+  }
+  return out;
 }
 
 }  // namespace specroll

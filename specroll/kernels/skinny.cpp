@@ -21,6 +21,8 @@
 #include <ATen/Parallel.h>
 #include <immintrin.h>
 
+#include "kernels.h"
+
 #include <algorithm>
 #include <cstring>
 #include <utility>
@@ -361,13 +363,13 @@ bool cpu_avx512bf16() {
   return v;
 }
 
-// x (M, K) fp32 -> (ceil(K / 2), M) bf16 pairs, pair-major: the M rows' pair j side by side, so a k step of
+// rows [m0, m1) of x (M, K) fp32 -> (ceil(K / 2), M) bf16 pairs, pair-major: the M rows' pair j side by side, so a k step of
 // ``acc512dp`` broadcasts from one pointer at constant offsets (row-major, each row would need its own pointer:
 // 16 of them spill). Rounded to nearest even; an odd K's last pair is padded with 0.
-SPECROLL_TBF16 void to_pairs(const float* x, int64_t M, int64_t K, uint32_t* out) {
+SPECROLL_TBF16 void to_pairs(const float* x, int64_t M, int64_t K, int64_t m0, int64_t m1, uint32_t* out) {
   const int64_t K2 = (K + 1) / 2;
   alignas(64) uint32_t row[16];
-  for (int64_t m = 0; m < M; m++) {
+  for (int64_t m = m0; m < m1; m++) {
     const float* xr = x + m * K;
     for (int64_t k = 0; k < 2 * K2; k += 32) {  // 32 floats -> 16 pairs
       const int64_t n = std::min<int64_t>(32, K - k);
@@ -658,89 +660,129 @@ static void prologue_row(const float* xr, int64_t K, float* orow, const float* g
 torch::Tensor prologue(const torch::Tensor& x2, const c10::optional<torch::Tensor>& norm, double eps, bool gated) {
   const int64_t M = x2.size(0), Kx = x2.size(1), K = gated ? Kx / 2 : Kx;
   auto out = torch::empty({M, K}, x2.options());
-  const float* xs = x2.data_ptr<float>();
-  float* os = out.data_ptr<float>();
   torch::Tensor g;
   if (norm) g = norm->contiguous();
   const float* gs = norm ? g.data_ptr<float>() : nullptr;
   // one thread up to ~16 rows of SmolLM2's widths: a fork costs more than the work
   const int64_t grain = std::max<int64_t>(1, 16384 / std::max<int64_t>(K, 1));
   at::parallel_for(0, M, grain, [&](int64_t m0, int64_t m1) {
-    for (int64_t m = m0; m < m1; m++) prologue_row(xs + m * Kx, K, os + m * K, gs, (float)eps, gated);
+    specroll::prologue_rows(x2.data_ptr<float>(), Kx, K, m0, m1, out.data_ptr<float>(), gs, (float)eps, gated);
   });
   return out;
 }
 
+namespace specroll {
+
+void prologue_rows(const float* x, int64_t Kx, int64_t K, int64_t m0, int64_t m1, float* out, const float* g,
+                   float eps, bool gated) {
+  for (int64_t m = m0; m < m1; m++) {
+    if (g || gated) prologue_row(x + m * Kx, K, out + m * K, g, eps, gated);
+    else std::copy(x + m * Kx, x + m * Kx + K, out + m * K);
+  }
+}
+
+void pairs_rows(const float* x, int64_t M, int64_t K, int64_t m0, int64_t m1, uint32_t* out) {
+  to_pairs(x, M, K, m0, m1, out);
+}
+
+void split_range(int64_t tasks, int64_t grain, int64_t nth, int64_t tid, int64_t& t0, int64_t& t1) {
+  const int64_t n = std::max<int64_t>(1, std::min(nth, (tasks + grain - 1) / grain));
+  const int64_t chunk = (tasks + n - 1) / n;
+  t0 = std::min(tasks, tid * chunk);
+  t1 = tid < n ? std::min(tasks, t0 + chunk) : t0;
+}
+
+LinearOp linear_op(const torch::Tensor& wp, int64_t N, int64_t K, const c10::optional<torch::Tensor>& bias) {
+  const bool bf16 = wp.scalar_type() == torch::kBFloat16, i8 = wp.scalar_type() == torch::kChar;
+  TORCH_CHECK(bf16 || i8 || wp.scalar_type() == torch::kFloat32,
+              "linear: fp32 only (x fp32; weights fp32, bf16 or int8 panels)");
+  TORCH_CHECK(!i8 || use512(), "linear: int8 panels need the AVX-512 kernels");
+  const bool pairs = bf16 && wp.dim() == 3 && wp.size(2) == 4 * PW;  // ``pack(..., pairs=true)``: vdpbf16ps
+  TORCH_CHECK(wp.dim() == 3 && wp.is_contiguous() && wp.size(1) == (pairs ? (K + 1) / 2 : i8 ? (K + 3) / 4 + 1 : K) &&
+                  wp.size(2) == (pairs || i8 ? 4 * PW : PW) && (pairs ? 2 : 1) * wp.size(0) * PW >= N,
+              "linear: packed weight does not match");
+  TORCH_CHECK(!pairs || cpu_avx512bf16(), "linear: paired bf16 panels need a CPU with AVX-512 BF16");
+  TORCH_CHECK(!bias || (bias->scalar_type() == torch::kFloat32 && bias->is_contiguous() && bias->numel() >= N),
+              "linear: the bias must be a contiguous fp32 vector of N");
+  LinearOp op;
+  op.kind = pairs ? 3 : i8 ? 2 : bf16 ? 1 : 0;
+  op.w = wp.data_ptr();
+  op.K = K, op.N = N, op.tasks = wp.size(0);
+  op.bias = bias ? bias->data_ptr<float>() : nullptr;
+  return op;
+}
+
+// rows in slabs of up to MSLAB (x then stays in L2 while every panel passes over it); one slab at decode sizes
+constexpr int64_t MSLAB = 96;
+
+int64_t linear_acc_floats(int64_t M) { return std::max<int64_t>(std::min(M, MSLAB), 2 * MAX_MB512) * PW; }
+
+void linear_run(const LinearOp& op, const float* xs, const uint32_t* xp, int64_t M, const float* rs, float* ys,
+                int64_t t0, int64_t t1, float* acc) {
+  const int64_t K = op.K, N = op.N;
+  const float* bs = op.bias;
+  const bool v512 = use512();
+  for (int64_t s0 = 0; s0 < M; s0 += MSLAB) {
+    const int64_t Ms = std::min(MSLAB, M - s0);
+    for (int64_t p = t0; p < t1; p++) {
+      if (op.kind == 3) {  // p: a pair of interleaved panels, 2p and 2p + 1
+        panels512x2<Acc512dp>(xp + s0, M, Ms, (K + 1) / 2, static_cast<const uint32_t*>(op.w), ys + s0 * N, N,
+                              2 * p, 2 * p + 1, bs, rs ? rs + s0 * N : nullptr, acc);
+        continue;
+      }
+      const float* xr = xs + s0 * K;
+      if (v512) {  // two panels in one pass
+        const int64_t q = std::min(p + 1, t1 - 1);
+        const float* rp = rs ? rs + s0 * N : nullptr;
+        if (op.kind == 2)
+          panels512x2<Acc512i8>(xr, K, Ms, 4 * ((K + 3) / 4 + 1), static_cast<const int8_t*>(op.w), ys + s0 * N, N,
+                                p, q, bs, rp, acc);
+        else if (op.kind == 1)
+          panels512x2<Acc512x2<uint16_t>>(xr, K, Ms, K, static_cast<const uint16_t*>(op.w), ys + s0 * N, N, p, q,
+                                          bs, rp, acc);
+        else
+          panels512x2<Acc512x2<float>>(xr, K, Ms, K, static_cast<const float*>(op.w), ys + s0 * N, N, p, q, bs, rp,
+                                       acc);
+        p = q;
+        continue;
+      }
+      const int nc = (int)std::min<int64_t>(PW, N - p * PW);
+      float* yp = ys + s0 * N + p * PW;
+      const float* bp = bs ? bs + p * PW : nullptr;
+      const float* rp = rs ? rs + s0 * N + p * PW : nullptr;
+      if (op.kind == 1) panel(xr, Ms, K, static_cast<const uint16_t*>(op.w) + p * K * PW, yp, N, nc, bp, rp, acc);
+      else panel(xr, Ms, K, static_cast<const float*>(op.w) + p * K * PW, yp, N, nc, bp, rp, acc);
+    }
+  }
+}
+
+}  // namespace specroll
+
 torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& wp, int64_t N, const c10::optional<torch::Tensor>& bias,
                      const c10::optional<torch::Tensor>& residual, const c10::optional<torch::Tensor>& norm,
                      double eps, bool gated) {
-  const bool bf16 = wp.scalar_type() == torch::kBFloat16, i8 = wp.scalar_type() == torch::kChar;
-  TORCH_CHECK(x.scalar_type() == torch::kFloat32 && (bf16 || i8 || wp.scalar_type() == torch::kFloat32),
-              "linear: fp32 only (x fp32; weights fp32, bf16 or int8 panels)");
-  TORCH_CHECK(!i8 || use512(), "linear: int8 panels need the AVX-512 kernels");
+  TORCH_CHECK(x.scalar_type() == torch::kFloat32, "linear: fp32 only (x fp32; weights fp32, bf16 or int8 panels)");
   TORCH_CHECK(!(norm && gated), "linear: a norm or a gate, not both");
   auto x2 = x.reshape({-1, x.size(-1)}).contiguous();
   if (norm || gated) x2 = prologue(x2, norm, eps, gated);
-  const int64_t K = x2.size(1), P = wp.size(0);
-  const bool pairs = bf16 && wp.dim() == 3 && wp.size(2) == 4 * PW;  // ``pack(..., pairs=true)``: vdpbf16ps
-  TORCH_CHECK(wp.dim() == 3 && wp.size(1) == (pairs ? (K + 1) / 2 : i8 ? (K + 3) / 4 + 1 : K) &&
-                  wp.size(2) == (pairs || i8 ? 4 * PW : PW) && (pairs ? 2 : 1) * P * PW >= N,
-              "linear: packed weight does not match");
-  TORCH_CHECK(!pairs || cpu_avx512bf16(), "linear: paired bf16 panels need a CPU with AVX-512 BF16");
-  const bool v512 = use512();
-  const int64_t M = x2.size(0);
-  const int64_t K2 = (K + 1) / 2;
-  std::vector<uint32_t> xpairs(pairs ? M * K2 : 0);  // the input rows as bf16 pairs (``to_pairs``)
-  if (pairs) to_pairs(x2.data_ptr<float>(), M, K, xpairs.data());
+  const int64_t K = x2.size(1), M = x2.size(0);
+  torch::Tensor b;
+  if (bias) b = bias->contiguous();
+  const auto op = specroll::linear_op(wp, N, K, bias ? c10::optional<torch::Tensor>(b) : c10::nullopt);
+  std::vector<uint32_t> xpairs(op.kind == 3 ? M * ((K + 1) / 2) : 0);  // the input rows as bf16 pairs (``to_pairs``)
+  if (op.kind == 3) to_pairs(x2.data_ptr<float>(), M, K, 0, M, xpairs.data());
   auto out_shape = x.sizes().vec();
   out_shape.back() = N;
   auto y = torch::empty({M, N}, x.options());
-  torch::Tensor b, r;
-  if (bias) b = bias->contiguous();
+  torch::Tensor r;
   if (residual) r = residual->reshape({M, N}).contiguous();
   const float* xs = x2.data_ptr<float>();
-  const float* ws = bf16 || i8 ? nullptr : wp.data_ptr<float>();
-  const uint16_t* wh = bf16 ? reinterpret_cast<const uint16_t*>(wp.data_ptr<at::BFloat16>()) : nullptr;
-  const int8_t* wi = i8 ? wp.data_ptr<int8_t>() : nullptr;
-  const float* bs = bias ? b.data_ptr<float>() : nullptr;
   const float* rs = residual ? r.data_ptr<float>() : nullptr;
   float* ys = y.data_ptr<float>();
-  // rows in slabs of up to MSLAB (x then stays in L2 while every panel passes over it); one slab at decode sizes
-  constexpr int64_t MSLAB = 96;
-  for (int64_t s0 = 0; s0 < M; s0 += MSLAB) {
-    const int64_t Ms = std::min(MSLAB, M - s0);
-    at::parallel_for(0, P, 8, [&](int64_t p0, int64_t p1) {
-      std::vector<float> acc(std::max<int64_t>(Ms, 2 * MAX_MB512) * PW);
-      for (int64_t p = p0; p < p1; p++) {
-        if (pairs) {  // p: a pair of interleaved panels, 2p and 2p + 1
-          panels512x2<Acc512dp>(xpairs.data() + s0, M, Ms, K2, reinterpret_cast<const uint32_t*>(wh), ys + s0 * N, N,
-                                2 * p, 2 * p + 1, bs, rs ? rs + s0 * N : nullptr, acc.data());
-          continue;
-        }
-        if (v512) {  // two panels in one pass
-          const int64_t q = std::min(p + 1, p1 - 1);
-          const float* xp = xs + s0 * K;
-          const float* rp = rs ? rs + s0 * N : nullptr;
-          if (i8)
-            panels512x2<Acc512i8>(xp, K, Ms, 4 * ((K + 3) / 4 + 1), wi, ys + s0 * N, N, p, q, bs, rp, acc.data());
-          else if (bf16) panels512x2<Acc512x2<uint16_t>>(xp, K, Ms, K, wh, ys + s0 * N, N, p, q, bs, rp, acc.data());
-          else panels512x2<Acc512x2<float>>(xp, K, Ms, K, ws, ys + s0 * N, N, p, q, bs, rp, acc.data());
-          p = q;
-          continue;
-        }
-        const int nc = (int)std::min<int64_t>(PW, N - p * PW);
-        float* yp = ys + s0 * N + p * PW;
-        const float* bp = bs ? bs + p * PW : nullptr;
-        const float* rp = rs ? rs + s0 * N + p * PW : nullptr;
-        const float* xp = xs + s0 * K;
-        if (bf16) {
-          panel(xp, Ms, K, wh + p * K * PW, yp, N, nc, bp, rp, acc.data());
-        } else {
-          panel(xp, Ms, K, ws + p * K * PW, yp, N, nc, bp, rp, acc.data());
-        }
-      }
-    });
-  }
+  at::parallel_for(0, op.tasks, specroll::LINEAR_GRAIN, [&](int64_t p0, int64_t p1) {
+    std::vector<float> acc(specroll::linear_acc_floats(M));
+    specroll::linear_run(op, xs, xpairs.data(), M, rs, ys, p0, p1, acc.data());
+  });
   return y.view(out_shape);
 }
 

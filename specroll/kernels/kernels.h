@@ -1,0 +1,77 @@
+// The raw-buffer halves of the skinny linear (skinny.cpp) and of the fused RoPE / KV-cache write / attention
+// (attention.cpp), for callers that run their own parallel region: ``decoder_layers`` (layers.cpp) takes a
+// step's whole layer stack through one OpenMP region, its threads meeting at a barrier between phases, instead
+// of forking and joining a region per linear and attention (5 per layer) with tensor allocations and views
+// around each. The tensor entry points (``linear``, ``rope_attention``) run the same functions over
+// ``at::parallel_for``, so both ways compute every output element alike.
+//
+// A change here changes every file that includes it: ``kernels/__init__.py`` folds this file's hash into the
+// build flags, so an edit rebuilds the extension like an edit of a .cpp file does.
+#pragma once
+
+#include <torch/extension.h>
+
+#include <cstdint>
+
+namespace specroll {
+
+// A linear's packed weight, checked against K and N: kind 0 fp32 panels, 1 bf16 panels, 2 int8 panels,
+// 3 paired bf16 panels (vdpbf16ps; the input rows then go as bf16 pairs, ``pairs_rows``). ``tasks``: the units
+// threads divide (panels, or pairs of interleaved panels).
+struct LinearOp {
+  int kind = 0;
+  const void* w = nullptr;
+  int64_t K = 0, N = 0, tasks = 0;
+  const float* bias = nullptr;
+};
+LinearOp linear_op(const torch::Tensor& wp, int64_t N, int64_t K, const c10::optional<torch::Tensor>& bias);
+// Floats of scratch ``linear_run`` needs for M rows.
+int64_t linear_acc_floats(int64_t M);
+// Tasks [t0, t1) of y (M, N) = x (M, K) W^T (+ bias) (+ res (M, N)): x as fp32 rows (kinds 0-2) or as bf16 pairs
+// (kind 3: ``xp``, pair-major with M rows per pair).
+void linear_run(const LinearOp& op, const float* x, const uint32_t* xp, int64_t M, const float* res, float* y,
+                int64_t t0, int64_t t1, float* acc);
+// How ``at::parallel_for(0, tasks, grain)`` splits tasks over nth threads: thread tid's [t0, t1) (maybe empty).
+void split_range(int64_t tasks, int64_t grain, int64_t nth, int64_t tid, int64_t& t0, int64_t& t1);
+constexpr int64_t LINEAR_GRAIN = 8;
+// Rows [m0, m1) of a linear's input: RMSNorm(x) * g (``g`` given) or silu(gate) * up (``gated``; x rows are
+// [gate | up], 2K wide), else a copy; x rows Kx apart, out rows K apart.
+void prologue_rows(const float* x, int64_t Kx, int64_t K, int64_t m0, int64_t m1, float* out, const float* g,
+                   float eps, bool gated);
+// Rows [m0, m1) of x (M, K) fp32 as bf16 pairs, pair-major: out[j * M + m] (kind 3's input).
+void pairs_rows(const float* x, int64_t M, int64_t K, int64_t m0, int64_t m1, uint32_t* out);
+
+// A decode / verification step's RoPE + KV-cache write + attention (``rope_attention``) over raw buffers. The
+// tensors it holds keep its inputs' contiguous copies alive. Layer i's cache is k / v + i * layer_stride.
+struct AttnOp {
+  int64_t B = 0, T = 0, NH = 0, KV = 0, D = 0, span = 0, Q = 0;
+  float scale = 1.f;
+  bool bf16 = false;  // the cache's dtype: bf16 or fp32
+  torch::Tensor c, sn, sl, mask;
+  const float* cos = nullptr;
+  const float* sin = nullptr;
+  int64_t cs0 = 0, cs1 = 0, ss0 = 0, ss1 = 0;
+  const int64_t* slots = nullptr;
+  const bool* mptr = nullptr;
+  int64_t msb = 0, msq = 0;
+  char* k = nullptr;
+  char* v = nullptr;
+  int64_t layer_stride = 0, kst[3] = {0, 0, 0}, vst[3] = {0, 0, 0};  // elements
+};
+// qkv's rows (B, T, (NH + 2 KV) D); k_cache / v_cache (B_max, KV, S_max, D) of one layer, or with a leading
+// layer axis (then ``layer_stride`` is set).
+AttnOp attn_op(int64_t B, int64_t T, const torch::Tensor& cos, const torch::Tensor& sin, const torch::Tensor& k_cache,
+               const torch::Tensor& v_cache, const torch::Tensor& slots, const c10::optional<torch::Tensor>& mask,
+               int64_t NH, int64_t KV, int64_t span, double scale);
+// How many chunks each (row, KV head) task's queries split into for nt threads (1: prepare and attend together).
+int64_t attn_chunks(const AttnOp& a, int64_t nt);
+// Floats of scratch ``attn_task`` / ``attn_chunk`` need (queries of one task, or of one chunk of C).
+int64_t attn_scratch_floats(const AttnOp& a, int64_t C);
+// Task (b, h) of layer ``layer``: RoPE of its q and k heads, the k / v writes into the cache, its rotated queries
+// into qb (Q, D); with ``out``, then its attention into out (B, T, NH D) (the C = 1 way).
+void attn_task(const AttnOp& a, int64_t layer, const float* qkv, int64_t task, float* qb, float* out, float* scratch);
+// Chunk c of C of task (b, h)'s queries, from qb (its Q rotated queries), into out (after every task's prepare).
+void attn_chunk(const AttnOp& a, int64_t layer, int64_t task, int64_t c, int64_t C, const float* qb, float* out,
+                float* scratch);
+
+}  // namespace specroll
