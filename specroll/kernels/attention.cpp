@@ -645,6 +645,22 @@ void attn_chunk(const AttnOp& a, int64_t layer, int64_t task, int64_t c, int64_t
   else RopeAttn<float>(a, layer).attend(b, h, i0, i1, qb + i0 * a.D, out, scratch);
 }
 
+void region_attention(const AttnOp& a, int64_t layer, const float* qkv, float* out, int64_t C, float* qall, float* q,
+                      float* scratch, int64_t tid, int64_t nth) {
+  const int64_t BK = a.B * a.KV, QD = a.Q * a.D;
+  int64_t t0, t1;
+  split_range(BK, 1, nth, tid, t0, t1);
+  if (C == 1) {
+    for (int64_t task = t0; task < t1; task++) attn_task(a, layer, qkv, task, q, out, scratch);
+  } else {  // every task's k / v written before any chunk of its queries attends
+    for (int64_t task = t0; task < t1; task++) attn_task(a, layer, qkv, task, qall + task * QD, nullptr, scratch);
+#pragma omp barrier
+    split_range(BK * C, 1, nth, tid, t0, t1);
+    for (int64_t t = t0; t < t1; t++) attn_chunk(a, layer, t / C, t % C, C, qall + (t / C) * QD, out, scratch);
+  }
+#pragma omp barrier
+}
+
 torch::Tensor rope_attention(const torch::Tensor& qkv_in, const torch::Tensor& cos, const torch::Tensor& sin,
                              const torch::Tensor& k_cache, const torch::Tensor& v_cache, const torch::Tensor& slots,
                              const c10::optional<torch::Tensor>& mask, int64_t NH, int64_t KV, int64_t span,

@@ -17,23 +17,15 @@
 #include <ATen/Parallel.h>
 #include <immintrin.h>
 
+#include "kernels.h"
+
 #include <algorithm>
 #include <cmath>
 #include <limits>
 #include <vector>
 
-torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& wp, int64_t N, const c10::optional<torch::Tensor>& bias,
-                     const c10::optional<torch::Tensor>& residual, const c10::optional<torch::Tensor>& norm,
-                     double eps, bool gated);  // skinny.cpp
-torch::Tensor prologue(const torch::Tensor& x2, const c10::optional<torch::Tensor>& norm, double eps,
-                       bool gated);  // skinny.cpp: RMSNorm(x) * g over (M, K) rows
-
 namespace specroll {
-torch::Tensor rope_attention(const torch::Tensor& qkv, const torch::Tensor& cos, const torch::Tensor& sin,
-                             const torch::Tensor& k_cache, const torch::Tensor& v_cache, const torch::Tensor& slots,
-                             const c10::optional<torch::Tensor>& mask, int64_t nh, int64_t kv, int64_t span,
-                             double scale);  // attention.cpp
-__m256 exp8_nonpos(__m256 x);                    // attention.cpp
+__m256 exp8_nonpos(__m256 x);  // attention.cpp
 
 namespace {
 
@@ -138,62 +130,6 @@ int64_t inverse_cdf(const float* w, int64_t n, double target) {
   return 0;
 }
 
-// One head forward over (B, T) pairs: hidden h (B, T, D), tokens (B, T) embedded by the policy's table,
-// positions pos and cache slots sl (B, T) long; a query sees every cache slot up to its own. Returns the
-// features (B, T, D): the head's final RMSNorm output.
-torch::Tensor head_forward(const Head& w, const torch::Tensor& h, const torch::Tensor& tok, const torch::Tensor& pos,
-                           const torch::Tensor& sl) {
-  const int64_t B = h.size(0), T = h.size(1), D = w.D, HD = w.HD, G = w.NH / w.KV;
-  auto xin = torch::empty({B, T, 2 * D}, h.options());
-  const float* hs = h.data_ptr<float>();
-  const int64_t* ts = tok.data_ptr<int64_t>();
-  const float* es = w.embed.data_ptr<float>();
-  float* xs = xin.data_ptr<float>();
-  for (int64_t r = 0; r < B * T; r++) {
-    TORCH_CHECK(ts[r] >= 0 && ts[r] < w.embed.size(0), "draft_chain: token id ", ts[r], " outside the vocabulary");
-    std::copy(hs + r * D, hs + (r + 1) * D, xs + r * 2 * D);
-    std::copy(es + ts[r] * D, es + (ts[r] + 1) * D, xs + r * 2 * D + D);
-  }
-  const c10::optional<torch::Tensor> none;
-  auto x = linear(xin, w.fc, D, Head::opt(w.fc_b), none, none, w.eps, false);
-  auto qkv = linear(x, w.qkv, w.n_qkv, Head::opt(w.qkv_b), none, w.attn_norm, w.eps, false);
-  // RoPE tables as ``decoder.rope_tables``: cos over both halves, sin signed (-sin on the first half)
-  auto cs = torch::empty({B, T, HD}, h.options()), sn = torch::empty({B, T, HD}, h.options());
-  const float* inv = w.inv_freq.data_ptr<float>();
-  const int64_t* ps = pos.data_ptr<int64_t>();
-  const int64_t* ss = sl.data_ptr<int64_t>();
-  float* cp = cs.data_ptr<float>();
-  float* sp = sn.data_ptr<float>();
-  int64_t span = 0;
-  for (int64_t r = 0; r < B * T; r++) {
-    for (int64_t j = 0; j < HD / 2; j++) {
-      const float f = (float)ps[r] * inv[j];
-      const float c = std::cos(f), s = std::sin(f);
-      cp[r * HD + j] = cp[r * HD + HD / 2 + j] = c;
-      sp[r * HD + j] = -s;
-      sp[r * HD + HD / 2 + j] = s;
-    }
-    span = std::max(span, ss[r] + 1);
-  }
-  TORCH_CHECK(span <= w.k.size(2), "draft_chain: the head's KV cache is full (slot ", span - 1, ")");
-  // folded mask (B, 1, G T, span): query row g T + t sees slots <= its own
-  auto mask = torch::empty({B, 1, G * T, span}, torch::kBool);
-  bool* ms = mask.data_ptr<bool>();
-  for (int64_t b = 0; b < B; b++)
-    for (int64_t g = 0; g < G; g++)
-      for (int64_t t = 0; t < T; t++) {
-        bool* row = ms + ((b * G + g) * T + t) * span;
-        const int64_t own = ss[b * T + t];
-        for (int64_t s = 0; s < span; s++) row[s] = s <= own;
-      }
-  auto a = rope_attention(qkv, cs, sn, w.k, w.v, sl, mask, w.NH, w.KV, span, std::pow((double)HD, -0.5));
-  x = linear(a, w.o, D, none, x, none, w.eps, false);
-  auto gu = linear(x, w.gate_up, w.n_gu, none, none, w.mlp_norm, w.eps, false);
-  x = linear(gu, w.down, D, none, x, none, w.eps, true);
-  auto f = prologue(x.reshape({B * T, D}), w.norm, w.eps, false).view({B, T, D});  // the head's final RMSNorm
-  return f;
-}
-
 }  // namespace
 
 // The drafting step of a sampled chain.
@@ -206,6 +142,12 @@ torch::Tensor head_forward(const Head& w, const torch::Tensor& h, const torch::T
 // drawn from exp(q_logp[:, d]) (the head's log-softmax over the draft vocabulary at that temperature) and
 // mapped through the vocabulary ids. The head cache holds the pending pairs at lens .. lens + n - 1 and the
 // drafted tokens but the last at lens + n ..; the caller commits the n pairs.
+//
+// Everything runs in one OpenMP region (as ``decoder_layers``): a head forward's linears and attention split
+// between the threads, which meet at barriers; thread 0 makes each forward's inputs (the [hidden | embedding]
+// rows, RoPE tables, mask) and the rows' draws are split between the threads. A head forward through the tensor
+// entry points forked 6 regions and allocated ~15 tensors: a depth-6 chain of a head on a tiny model, where the
+// arithmetic costs nothing, took ~200 us a step that way (2026-11-26, Zen 5, 2 threads).
 std::vector<torch::Tensor> draft_chain(const std::vector<torch::Tensor>& weights, const std::vector<int64_t>& dims,
                                        double eps, const torch::Tensor& h_in, const torch::Tensor& t_in,
                                        const torch::Tensor& n, const torch::Tensor& lens, const torch::Tensor& root_pos,
@@ -213,7 +155,8 @@ std::vector<torch::Tensor> draft_chain(const std::vector<torch::Tensor>& weights
   const Head w(weights, dims, eps);
   TORCH_CHECK(h_in.scalar_type() == torch::kFloat32 && h_in.dim() == 3 && h_in.size(2) == w.D, "draft_chain: h_in (B, C, D) fp32");
   TORCH_CHECK(temperature > 0, "draft_chain: temperature must be > 0");
-  const int64_t B = h_in.size(0), C = h_in.size(1), L = u.size(1), D = w.D, Vd = w.Vd;
+  const int64_t B = h_in.size(0), C = h_in.size(1), L = u.size(1), D = w.D, Vd = w.Vd, HD = w.HD, NH = w.NH,
+                KV = w.KV, G = NH / KV, NHD = NH * HD, I = w.n_gu / 2, V = w.embed.size(0), M1 = B * C;
   TORCH_CHECK(t_in.sizes() == torch::IntArrayRef({B, C}) && n.numel() == B && lens.numel() == B &&
                   root_pos.numel() == B && u.size(0) == B && L >= 1, "draft_chain: inconsistent shapes");
   auto h = h_in.contiguous();
@@ -225,59 +168,141 @@ std::vector<torch::Tensor> draft_chain(const std::vector<torch::Tensor>& weights
   const int64_t* np = nn.data_ptr<int64_t>();
   const int64_t* lp = ln.data_ptr<int64_t>();
   const int64_t* rpp = rp.data_ptr<int64_t>();
+  const int64_t* tks = tk.data_ptr<int64_t>();
+  const int64_t* ids = w.vocab.data_ptr<int64_t>();
   for (int64_t b = 0; b < B; b++) TORCH_CHECK(np[b] >= 1 && np[b] <= C, "draft_chain: n must lie in [1, C]");
+  for (int64_t r = 0; r < M1; r++)
+    TORCH_CHECK(tks[r] >= 0 && tks[r] < V, "draft_chain: token id ", tks[r], " outside the vocabulary");
+  for (int64_t j = 0; j < Vd; j++)
+    TORCH_CHECK(ids[j] >= 0 && ids[j] < V, "draft_chain: draft vocabulary id ", ids[j], " outside the vocabulary");
+  // the head cache's slots: the pending pairs at lens + c, the chain's tokens at lens + n + d (d < L - 1)
+  int64_t span_max = 0;
+  for (int64_t b = 0; b < B; b++) span_max = std::max({span_max, lp[b] + C, lp[b] + np[b] + L - 1});
+  TORCH_CHECK(w.k.dim() == 4 && w.v.sizes() == w.k.sizes() && w.k.size(0) >= B && w.k.size(1) == KV &&
+                  w.k.size(3) == HD && w.k.stride(3) == 1 && w.v.stride(3) == 1 &&
+                  (w.k.scalar_type() == torch::kFloat32 || (w.k.scalar_type() == torch::kBFloat16 && HD % 8 == 0)) &&
+                  w.v.scalar_type() == w.k.scalar_type(),
+              "draft_chain: the head cache must be (B, KV, S, head_dim), fp32 or bf16, unit stride along head_dim");
+  TORCH_CHECK(span_max <= w.k.size(2), "draft_chain: the head's KV cache is full (slot ", span_max - 1, ")");
+  for (const torch::Tensor* g : {&w.attn_norm, &w.mlp_norm, &w.norm})
+    TORCH_CHECK(g->scalar_type() == torch::kFloat32 && g->is_contiguous(), "draft_chain: norm weights fp32 contiguous");
+  const LinearOp fc = linear_op(w.fc, D, 2 * D, Head::opt(w.fc_b)), qkv_op = linear_op(w.qkv, w.n_qkv, D, Head::opt(w.qkv_b)),
+                 o_op = linear_op(w.o, D, NHD, c10::nullopt), gu_op = linear_op(w.gate_up, w.n_gu, D, c10::nullopt),
+                 down_op = linear_op(w.down, D, I, c10::nullopt), lm_op = linear_op(w.lm, Vd, D, c10::nullopt);
+  TORCH_CHECK(w.n_qkv == (NH + 2 * KV) * HD, "draft_chain: the qkv width does not match the heads");
 
-  // 1. the pending pairs; the root's feature is the output at each row's last valid pair
-  auto sl = torch::empty({B, C}, torch::kLong), pos = torch::empty({B, C}, torch::kLong);
-  for (int64_t b = 0; b < B; b++)
-    for (int64_t c = 0; c < C; c++) {
-      sl.data_ptr<int64_t>()[b * C + c] = lp[b] + c;
-      pos.data_ptr<int64_t>()[b * C + c] = lp[b] + c + 1;
-    }
-  auto fa = head_forward(w, h, tk, pos, sl);
-  auto f = torch::empty({B, 1, D}, h.options());
-  for (int64_t b = 0; b < B; b++)
-    std::copy(fa.data_ptr<float>() + (b * C + np[b] - 1) * D, fa.data_ptr<float>() + (b * C + np[b]) * D,
-              f.data_ptr<float>() + b * D);
-
-  // 2. the chain
+  // buffers for up to M1 rows (the pending pairs' forward; the chain's forwards have B)
+  const int64_t Kmax = std::max({2 * D, NHD, I}), Qmax = G * C;
+  std::vector<float> xin(M1 * 2 * D), x(M1 * D), x2(M1 * D), qkv(M1 * w.n_qkv), att(M1 * NHD), gu(M1 * w.n_gu);
+  std::vector<float> fa(M1 * D), f(B * D), logits(B * Vd), cs(M1 * HD), sn(M1 * HD);
+  std::vector<int64_t> slots(M1), pos(M1), tok1(B);
+  std::vector<uint8_t> mask(B * Qmax * span_max);
+  std::vector<float> qall(B * KV * Qmax * HD);
+  std::vector<double> conf(B, 1.0);
+  RegionBuffers shared(M1, Kmax);
   auto toks = torch::empty({B, L}, torch::kLong);
   auto q = torch::empty({B, L, Vd}, h.options());
   int64_t* tp = toks.data_ptr<int64_t>();
   float* qp = q.data_ptr<float>();
-  const int64_t* ids = w.vocab.data_ptr<int64_t>();
   const float* up = uu.data_ptr<float>();
-  std::vector<double> conf(B, 1.0);
-  std::vector<float> ex(Vd);
-  auto tok1 = torch::empty({B, 1}, torch::kLong), pos1 = torch::empty({B, 1}, torch::kLong),
-       sl1 = torch::empty({B, 1}, torch::kLong);
-  const c10::optional<torch::Tensor> none;
-  const float T = (float)temperature;
+  const float* es = w.embed.data_ptr<float>();
+  const float* inv = w.inv_freq.data_ptr<float>();
+  const float Tm = (float)temperature;
+  AttnOp a;
+  a.NH = NH, a.KV = KV, a.D = HD, a.scale = (float)std::pow((double)HD, -0.5), a.bf16 = w.k.scalar_type() == torch::kBFloat16;
+  a.k = static_cast<char*>(w.k.data_ptr()), a.v = static_cast<char*>(w.v.data_ptr());
+  for (int i = 0; i < 3; i++) a.kst[i] = w.k.stride(i), a.vst[i] = w.v.stride(i);
+  a.cos = cs.data(), a.sin = sn.data(), a.slots = slots.data(), a.mptr = reinterpret_cast<const bool*>(mask.data());
+  a.B = B, a.T = C, a.Q = Qmax, a.span = span_max;  // the largest forward, for the scratch sizes
+  const int64_t nt = at::get_num_threads(), scratch_floats = attn_scratch_floats(a, 1);
   int64_t drawn = 0;
-  for (int64_t d = 0; d < L; d++) {
-    auto logits = linear(f, w.lm, Vd, none, none, none, w.eps, false);  // (B, 1, Vd)
-    const float* lg = logits.data_ptr<float>();
-    bool go_on = false;
-    for (int64_t b = 0; b < B; b++) {
-      float* lq = qp + (b * L + d) * Vd;
-      const float* x = lg + b * Vd;
-      const float lz = lse_scaled(x, Vd, T);
-      for (int64_t j = 0; j < Vd; j++) lq[j] = x[j] / T - lz;
-      probs(x, Vd, T, lz, ex.data());
-      const int64_t pick = inverse_cdf(ex.data(), Vd, (double)up[b * L + d] * sum_all(ex.data(), Vd));
-      tp[b * L + d] = ids[pick];
-      tok1.data_ptr<int64_t>()[b] = ids[pick];
-      conf[b] *= ex[pick];
-      if (chain_stop <= 0.0 || conf[b] >= chain_stop) go_on = true;
+
+#pragma omp parallel num_threads(nt)
+  {
+    RegionLinears lin(M1, Kmax, eps, shared.in.data(), shared.pairs.data());
+    std::vector<float> scratch(scratch_floats), qb(Qmax * HD), ex(Vd);
+    int64_t m0, m1;
+    // one head forward over B rows of T pairs (hidden rows ``hs``, tokens ``tok``; positions and slots in
+    // ``pos`` / ``slots``), its features (the final RMSNorm's output) into ``out``
+    auto head = [&](int64_t T, const float* hs, const int64_t* tok, float* out) {
+      const int64_t M = B * T;
+      if (lin.tid == 0) {
+        int64_t span = 0;
+        for (int64_t r = 0; r < M; r++) {
+          std::copy(hs + r * D, hs + (r + 1) * D, xin.data() + r * 2 * D);
+          std::copy(es + tok[r] * D, es + (tok[r] + 1) * D, xin.data() + r * 2 * D + D);
+          // RoPE tables as ``decoder.rope_tables``: cos over both halves, sin signed (-sin on the first half)
+          for (int64_t j = 0; j < HD / 2; j++) {
+            const float fr = (float)pos[r] * inv[j];
+            const float c = std::cos(fr), s = std::sin(fr);
+            cs[r * HD + j] = cs[r * HD + HD / 2 + j] = c;
+            sn[r * HD + j] = -s;
+            sn[r * HD + HD / 2 + j] = s;
+          }
+          span = std::max(span, slots[r] + 1);
+        }
+        // folded mask (B, 1, G T, span): query row g T + t sees slots <= its own
+        for (int64_t b = 0; b < B; b++)
+          for (int64_t g = 0; g < G; g++)
+            for (int64_t t = 0; t < T; t++) {
+              uint8_t* row = mask.data() + ((b * G + g) * T + t) * span;
+              const int64_t own = slots[b * T + t];
+              for (int64_t s = 0; s < span; s++) row[s] = s <= own;
+            }
+        a.T = T, a.Q = G * T, a.span = span, a.cs0 = a.ss0 = T * HD, a.cs1 = a.ss1 = HD, a.msb = G * T * span, a.msq = span;
+      }
+#pragma omp barrier
+      lin.input(fc, M, xin.data(), 2 * D, nullptr, false);
+      lin.run(fc, M, nullptr, x.data());
+      lin.input(qkv_op, M, x.data(), D, w.attn_norm.data_ptr<float>(), false);
+      lin.run(qkv_op, M, nullptr, qkv.data());
+      region_attention(a, 0, qkv.data(), att.data(), attn_chunks(a, lin.nth), qall.data(), qb.data(), scratch.data(),
+                       lin.tid, lin.nth);
+      lin.input(o_op, M, att.data(), NHD, nullptr, false);
+      lin.run(o_op, M, x.data(), x2.data());
+      lin.input(gu_op, M, x2.data(), D, w.mlp_norm.data_ptr<float>(), false);
+      lin.run(gu_op, M, nullptr, gu.data());
+      lin.input(down_op, M, gu.data(), w.n_gu, nullptr, true);
+      lin.run(down_op, M, x2.data(), x.data());
+      split_range(M, 1, lin.nth, lin.tid, m0, m1);  // the head's final RMSNorm
+      prologue_rows(x.data(), D, D, m0, m1, out, w.norm.data_ptr<float>(), (float)eps, false);
+#pragma omp barrier
+    };
+
+    // 1. the pending pairs; the root's feature is the output at each row's last valid pair
+    if (lin.tid == 0)
+      for (int64_t r = 0; r < M1; r++) slots[r] = lp[r / C] + r % C, pos[r] = lp[r / C] + r % C + 1;
+    head(C, h.data_ptr<float>(), tks, fa.data());
+    if (lin.tid == 0)
+      for (int64_t b = 0; b < B; b++)
+        std::copy(fa.data() + (b * C + np[b] - 1) * D, fa.data() + (b * C + np[b]) * D, f.data() + b * D);
+#pragma omp barrier
+
+    // 2. the chain
+    for (int64_t d = 0; d < L; d++) {
+      lin.input(lm_op, B, f.data(), D, nullptr, false);
+      lin.run(lm_op, B, nullptr, logits.data());
+      split_range(B, 1, lin.nth, lin.tid, m0, m1);
+      for (int64_t b = m0; b < m1; b++) {
+        float* lq = qp + (b * L + d) * Vd;
+        const float* xr = logits.data() + b * Vd;
+        const float lz = lse_scaled(xr, Vd, Tm);
+        for (int64_t j = 0; j < Vd; j++) lq[j] = xr[j] / Tm - lz;
+        probs(xr, Vd, Tm, lz, ex.data());
+        const int64_t pick = inverse_cdf(ex.data(), Vd, (double)up[b * L + d] * sum_all(ex.data(), Vd));
+        tp[b * L + d] = tok1[b] = ids[pick];
+        conf[b] *= ex[pick];
+      }
+#pragma omp barrier
+      bool go_on = false;
+      for (int64_t b = 0; b < B; b++) go_on = go_on || chain_stop <= 0.0 || conf[b] >= chain_stop;
+      if (lin.tid == 0) drawn = d + 1;
+      if (!go_on || d == L - 1) break;
+      // 3. feed the drawn token: slot lens + n + d, position root + d + 1
+      if (lin.tid == 0)
+        for (int64_t b = 0; b < B; b++) slots[b] = lp[b] + np[b] + d, pos[b] = rpp[b] + d + 1;
+      head(1, f.data(), tok1.data(), f.data());
     }
-    drawn = d + 1;
-    if (!go_on || d == L - 1) break;
-    // 3. feed the drawn token: slot lens + n + d, position root + d + 1
-    for (int64_t b = 0; b < B; b++) {
-      sl1.data_ptr<int64_t>()[b] = lp[b] + np[b] + d;
-      pos1.data_ptr<int64_t>()[b] = rpp[b] + d + 1;
-    }
-    f = head_forward(w, f, tok1, pos1, sl1);
   }
   return {toks.narrow(1, 0, drawn), q.narrow(1, 0, drawn)};
 }

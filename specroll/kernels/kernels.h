@@ -12,6 +12,7 @@
 #include <torch/extension.h>
 
 #include <cstdint>
+#include <vector>
 
 namespace specroll {
 
@@ -40,6 +41,35 @@ void prologue_rows(const float* x, int64_t Kx, int64_t K, int64_t m0, int64_t m1
                    float eps, bool gated);
 // Rows [m0, m1) of x (M, K) fp32 as bf16 pairs, pair-major: out[j * M + m] (kind 3's input).
 void pairs_rows(const float* x, int64_t M, int64_t K, int64_t m0, int64_t m1, uint32_t* out);
+
+// One thread's part of a parallel region that runs linears one after another (``decoder_layers``,
+// ``draft_chain``). ``input`` makes a linear's input rows from src (RMSNorm * g, silu-gate, or src itself; as bf16
+// pairs too when the linear takes them): up to ``REDUNDANT_ROWS`` rows every thread makes all of them in its own
+// buffers, which saves a barrier; more rows are split between the threads, into the shared buffers (``rows_max``
+// x ``kmax``, allocated before the region), followed by a barrier. ``run`` computes this thread's share of the
+// linear's tasks, then waits at a barrier.
+constexpr int64_t REDUNDANT_ROWS = 8;
+struct RegionLinears {
+  int64_t tid, nth;
+  float eps;
+  float* shared_in;
+  uint32_t* shared_pairs;
+  std::vector<float> own_in, acc;
+  std::vector<uint32_t> own_pairs;
+  const float* in = nullptr;
+  const uint32_t* pairs = nullptr;
+  RegionLinears(int64_t rows_max, int64_t kmax, double eps, float* shared_in, uint32_t* shared_pairs);
+  void input(const LinearOp& op, int64_t M, const float* src, int64_t Kx, const float* g, bool gated);
+  void run(const LinearOp& op, int64_t M, const float* res, float* y);
+};
+// The shared buffers of ``RegionLinears`` (empty when at most REDUNDANT_ROWS rows).
+struct RegionBuffers {
+  std::vector<float> in;
+  std::vector<uint32_t> pairs;
+  RegionBuffers(int64_t rows_max, int64_t kmax)
+      : in(rows_max > REDUNDANT_ROWS ? rows_max * kmax : 0),
+        pairs(rows_max > REDUNDANT_ROWS ? rows_max * ((kmax + 1) / 2) : 0) {}
+};
 
 // A decode / verification step's RoPE + KV-cache write + attention (``rope_attention``) over raw buffers. The
 // tensors it holds keep its inputs' contiguous copies alive. Layer i's cache is k / v + i * layer_stride.
@@ -73,5 +103,11 @@ void attn_task(const AttnOp& a, int64_t layer, const float* qkv, int64_t task, f
 // Chunk c of C of task (b, h)'s queries, from qb (its Q rotated queries), into out (after every task's prepare).
 void attn_chunk(const AttnOp& a, int64_t layer, int64_t task, int64_t c, int64_t C, const float* qb, float* out,
                 float* scratch);
+
+// Every task's attention of layer ``layer`` inside a parallel region (thread tid of nth), into out, ending at a
+// barrier: C = ``attn_chunks`` chunks per task (C > 1: every task's prepare into qall (B KV Q D floats), a barrier,
+// then the chunks); q (Q D floats) and scratch (``attn_scratch_floats``) are the thread's own.
+void region_attention(const AttnOp& a, int64_t layer, const float* qkv, float* out, int64_t C, float* qall, float* q,
+                      float* scratch, int64_t tid, int64_t nth);
 
 }  // namespace specroll

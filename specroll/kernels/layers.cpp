@@ -11,11 +11,10 @@
 // forward at one token on a model too small to cost anything else (2026-11-26, Zen 5, 2 threads), ~8% of a
 // SmolLM2 decode step there. The inputs are checked once, before the region. Below ``REDUNDANT_ROWS`` rows every
 // thread computes a linear's input rows (RMSNorm, silu-gate, bf16 pairs) into its own buffer, which saves a
-// barrier per linear; with more rows the threads split the rows and meet at a barrier.
+// barrier per linear; with more rows the threads split the rows and meet at a barrier (``RegionLinears``).
 // ``Decoder.forward`` is its reference (tests/test_kernels.py).
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
-#include <omp.h>
 
 #include "kernels.h"
 
@@ -24,8 +23,6 @@
 #include <vector>
 
 namespace specroll {
-
-constexpr int64_t REDUNDANT_ROWS = 8;
 
 // x (B, T, D) fp32: the embedded tokens. weights: 7 per layer -- attn_norm (D), qkv panels, qkv bias (or an
 // empty tensor), o panels, mlp_norm (D), gate_up panels, down panels (``skinny`` packing, fp32 or bf16).
@@ -63,73 +60,26 @@ torch::Tensor decoder_layers(const torch::Tensor& x_in, const std::vector<torch:
   }
   auto out = x_in.contiguous().clone();  // x, layer by layer
   std::vector<float> x2(M * D), qkv(M * n_qkv), att(M * NHD), gu(M * n_gu);
-  const int64_t nt = at::get_num_threads(), C = attn_chunks(a, nt), BK = B * nkv, Q = a.Q;
-  const bool redundant = M <= REDUNDANT_ROWS;
-  const int64_t Kmax = std::max({D, NHD, I});
-  std::vector<float> shared_in(redundant ? 0 : M * Kmax);  // the rows' inputs, split between the threads
-  std::vector<uint32_t> shared_pairs(redundant ? 0 : M * ((Kmax + 1) / 2));
-  std::vector<float> qall(C > 1 ? BK * Q * HD : 0);
+  const int64_t nt = at::get_num_threads(), C = attn_chunks(a, nt), Q = a.Q, Kmax = std::max({D, NHD, I});
+  RegionBuffers shared(M, Kmax);
+  std::vector<float> qall(C > 1 ? B * nkv * Q * HD : 0);
   float* xs = out.data_ptr<float>();
 
 #pragma omp parallel num_threads(nt)
   {
-    const int64_t tid = omp_get_thread_num(), nth = omp_get_num_threads();
-    std::vector<float> acc(linear_acc_floats(M)), scratch(attn_scratch_floats(a, C)), q(C == 1 ? Q * HD : 0);
-    std::vector<float> own_in(redundant ? M * Kmax : 0);
-    std::vector<uint32_t> own_pairs(redundant ? M * ((Kmax + 1) / 2) : 0);
-    int64_t t0, t1;
-    const float* in;
-    const uint32_t* pairs;
-    // a linear's input rows from src (rows Kx apart): RMSNorm * g, silu-gate (gated), or src itself; as pairs too
-    // when the linear takes them
-    auto input = [&](const LinearOp& op, const float* src, int64_t Kx, const float* g, bool gated) {
-      const int64_t K = op.K;
-      int64_t m0 = 0, m1 = M;
-      if (!redundant) split_range(M, 1, nth, tid, m0, m1);
-      float* buf = redundant ? own_in.data() : shared_in.data();
-      uint32_t* pbuf = redundant ? own_pairs.data() : shared_pairs.data();
-      in = src;
-      if (g || gated) {
-        prologue_rows(src, Kx, K, m0, m1, buf, g, (float)eps, gated);
-        in = buf;
-      }
-      pairs = nullptr;
-      if (op.kind == 3) {
-        pairs_rows(in, M, K, m0, m1, pbuf);
-        pairs = pbuf;
-      }
-      if (!redundant) {
-#pragma omp barrier
-      }
-    };
-    auto linear = [&](const LinearOp& op, const float* res, float* y) {
-      split_range(op.tasks, LINEAR_GRAIN, nth, tid, t0, t1);
-      if (t0 < t1) linear_run(op, in, pairs, M, res, y, t0, t1, acc.data());
-#pragma omp barrier
-    };
+    RegionLinears lin(M, Kmax, eps, shared.in.data(), shared.pairs.data());
+    std::vector<float> scratch(attn_scratch_floats(a, C)), q(C == 1 ? Q * HD : 0);
     for (int64_t i = 0; i < L; i++) {
       const LinearOp* op = ops.data() + 4 * i;
-      input(op[0], xs, D, norms[2 * i], false);
-      linear(op[0], nullptr, qkv.data());
-      if (C == 1) {
-        split_range(BK, 1, nth, tid, t0, t1);
-        for (int64_t task = t0; task < t1; task++) attn_task(a, i, qkv.data(), task, q.data(), att.data(), scratch.data());
-      } else {  // every task's k / v written before any chunk of its queries attends
-        split_range(BK, 1, nth, tid, t0, t1);
-        for (int64_t task = t0; task < t1; task++)
-          attn_task(a, i, qkv.data(), task, qall.data() + task * Q * HD, nullptr, scratch.data());
-#pragma omp barrier
-        split_range(BK * C, 1, nth, tid, t0, t1);
-        for (int64_t t = t0; t < t1; t++)
-          attn_chunk(a, i, t / C, t % C, C, qall.data() + (t / C) * Q * HD, att.data(), scratch.data());
-      }
-#pragma omp barrier
-      input(op[1], att.data(), NHD, nullptr, false);
-      linear(op[1], xs, x2.data());
-      input(op[2], x2.data(), D, norms[2 * i + 1], false);
-      linear(op[2], nullptr, gu.data());
-      input(op[3], gu.data(), n_gu, nullptr, true);
-      linear(op[3], x2.data(), xs);
+      lin.input(op[0], M, xs, D, norms[2 * i], false);
+      lin.run(op[0], M, nullptr, qkv.data());
+      region_attention(a, i, qkv.data(), att.data(), C, qall.data(), q.data(), scratch.data(), lin.tid, lin.nth);
+      lin.input(op[1], M, att.data(), NHD, nullptr, false);
+      lin.run(op[1], M, xs, x2.data());
+      lin.input(op[2], M, x2.data(), D, norms[2 * i + 1], false);
+      lin.run(op[2], M, nullptr, gu.data());
+      lin.input(op[3], M, gu.data(), n_gu, nullptr, true);
+      lin.run(op[3], M, x2.data(), xs);
     }
   }
   return out;

@@ -23,6 +23,8 @@
 
 #include "kernels.h"
 
+#include <omp.h>
+
 #include <algorithm>
 #include <cstring>
 #include <utility>
@@ -754,6 +756,39 @@ void linear_run(const LinearOp& op, const float* xs, const uint32_t* xp, int64_t
       else panel(xr, Ms, K, static_cast<const float*>(op.w) + p * K * PW, yp, N, nc, bp, rp, acc);
     }
   }
+}
+
+RegionLinears::RegionLinears(int64_t rows_max, int64_t kmax, double eps_, float* shared_in_, uint32_t* shared_pairs_)
+    : tid(omp_get_thread_num()), nth(omp_get_num_threads()), eps((float)eps_), shared_in(shared_in_),
+      shared_pairs(shared_pairs_), own_in(std::min(rows_max, REDUNDANT_ROWS) * kmax),
+      acc(linear_acc_floats(rows_max)), own_pairs(std::min(rows_max, REDUNDANT_ROWS) * ((kmax + 1) / 2)) {}
+
+void RegionLinears::input(const LinearOp& op, int64_t M, const float* src, int64_t Kx, const float* g, bool gated) {
+  const bool own = M <= REDUNDANT_ROWS;
+  int64_t m0 = 0, m1 = M;
+  if (!own) split_range(M, 1, nth, tid, m0, m1);
+  float* buf = own ? own_in.data() : shared_in;
+  uint32_t* pbuf = own ? own_pairs.data() : shared_pairs;
+  in = src;
+  if (g || gated) {
+    prologue_rows(src, Kx, op.K, m0, m1, buf, g, eps, gated);
+    in = buf;
+  }
+  pairs = nullptr;
+  if (op.kind == 3) {
+    pairs_rows(in, M, op.K, m0, m1, pbuf);
+    pairs = pbuf;
+  }
+  if (!own) {
+#pragma omp barrier
+  }
+}
+
+void RegionLinears::run(const LinearOp& op, int64_t M, const float* res, float* y) {
+  int64_t t0, t1;
+  split_range(op.tasks, LINEAR_GRAIN, nth, tid, t0, t1);
+  if (t0 < t1) linear_run(op, in, pairs, M, res, y, t0, t1, acc.data());
+#pragma omp barrier
 }
 
 }  // namespace specroll
