@@ -363,6 +363,7 @@ class EagleDrafter:
         self.rule = rule
         self.on_pairs = on_pairs
         self.trace: list | None = [] if trace else None
+        self._kw: dict = {}
         self.totals = torch.zeros(4, dtype=torch.long)  # row-steps, emitted in steps, drafted, accepted
         # per draft depth d (index d - 1): row-steps whose drafts reached depth d, and those accepting it
         self.by_depth = torch.zeros(2, self.max_plan.depth, dtype=torch.long)
@@ -394,6 +395,7 @@ class EagleDrafter:
         # bf16 weights up to BF16_HEAD_ROWS rows), which lets a sampled chain run as one ``draft_chain`` call
         self.dtype = torch.float32 if getattr(engine, "kernel_tokens", 0) else engine.act_dtype
         self.lm = self._draft_vocab()
+        self._kw = {}  # ``_kernel_weights`` per skinny kind, for this rollout (its head cache, unchanged weights)
         mp = self.max_plan
         longest = max(len(p) for p in prompts)
         length = longest + st.params.max_new_tokens + 2 * (mp.depth + 2) + mp.depth * mp.k + 4
@@ -549,8 +551,17 @@ class EagleDrafter:
         """The head's weights as ``draft_chain`` takes them: skinny-kernel panels (``decoder.skinny_kind``),
         biases (empty when absent), norms, the draft vocabulary's lm_head panels and ids, the policy's embedding,
         the RoPE frequencies and the head cache's layer; then the sizes (heads, KV heads, head dim, gate_up
-        width) and the norm eps."""
+        width) and the norm eps. Built once per rollout and kind (~45 us a step to rebuild): neither the head's
+        weights nor the policy's change inside a rollout (the online learner updates the head after it, as the
+        trainer the policy; ``Decoder.frozen_weights`` makes the same promise), and the head cache is the
+        rollout's own."""
         kind = skinny_kind()
+        hit = self._kw.get(kind)
+        if hit is None:
+            hit = self._kw[kind] = self._build_kernel_weights(kind)
+        return hit
+
+    def _build_kernel_weights(self, kind):
         none = torch.empty(0)
 
         def pk(lin):
