@@ -452,8 +452,10 @@ def test_attention_kernel_rejects_bad_input():
         ext.attention(q, k, k, torch.ones(1, 1, 3, 5), 1.0)
 
 
-def _step_outputs(model, cache_len: int, T: int, tree: bool, seed: int, B: int = 4, kv=torch.float32):
-    """One cached forward of T new tokens per row after ragged prompts: (hidden, cache K, cache V)."""
+def _step_outputs(model, cache_len: int, T: int, tree: bool, seed: int, B: int = 4, kv=torch.float32,
+                  rule: bool = False):
+    """One cached forward of T new tokens per row after ragged prompts: (hidden, cache K, cache V). ``rule``: a
+    causal step's mask as ``KVCache.causal`` (left to the forward) instead of the tensor ``KVCache.mask``."""
     from specroll.engine.cache import KVCache
 
     g = torch.Generator().manual_seed(seed)
@@ -471,7 +473,8 @@ def _step_outputs(model, cache_len: int, T: int, tree: bool, seed: int, B: int =
     if tree:  # a random tree: every node sees itself and a random subset of the earlier nodes
         tmask = (torch.rand(B, T, T, generator=g) < 0.5).tril() | torch.eye(T, dtype=torch.bool)
     slots = cache.chain_slots(T)
-    h = model(new, slots, cache=cache, mask=cache.mask(T, tmask), slots=slots)
+    mask = cache.causal(T) if rule and not tree else cache.mask(T, tmask)
+    h = model(new, slots, cache=cache, mask=mask, slots=slots)
     span = int(slots.max()) + 1
     return h, cache.k[:, :B, :, :span].clone(), cache.v[:, :B, :, :span].clone(), lens
 
@@ -603,6 +606,40 @@ def test_decoder_layers_give_the_same_bits_at_any_thread_count(T, tree, B, bf16w
     for other in outs[1:]:
         for a, b in zip(outs[0][:3], other[:3]):
             assert torch.equal(a, b)
+
+
+@needs_kernel
+@pytest.mark.parametrize("fused", [True, False])
+@pytest.mark.parametrize("T,B", [(1, 4), (1, 1), (5, 4), (7, 1)])
+def test_a_causal_rule_gives_the_bits_of_the_causal_mask(monkeypatch, T, B, fused):
+    """``KVCache.causal(T)`` (the mask as a rule, which ``decoder_layers`` applies in C++ as ``slot_causal``, or the
+    Python loop makes into a tensor) gives the hidden states and cache of the tensor mask ``KVCache.mask(T)``, bit for
+    bit: ragged rows (each query seeing up to its own slot) and one row of one token (no mask at all)."""
+    from specroll.models import decoder
+    from specroll.models.tiny import tiny_hf_config
+
+    torch.manual_seed(4)
+    model = decoder.Decoder(decoder.DecoderConfig.from_hf(tiny_hf_config("llama"))).eval()
+    calls = []
+    real = ext
+
+    class Spy:
+        def __getattr__(self, name):
+            fn = getattr(real, name)
+            if name != "decoder_layers":
+                return fn
+            return lambda *a, **k: calls.append(k.get("slot_causal")) or fn(*a, **k)
+
+    monkeypatch.setattr(kernels, "skinny", lambda: Spy())
+    if not fused:
+        monkeypatch.setattr(decoder.Decoder, "_fused_weights", lambda self, x, cache: None)
+    with torch.no_grad():
+        ref = _step_outputs(model, 40, T, False, seed=T, B=B)
+        calls.clear()
+        out = _step_outputs(model, 40, T, False, seed=T, B=B, rule=True)
+    assert calls == ([False, True] if fused and B * 12 <= kernels.max_rows() else [True] if fused else [])
+    for a, b in zip(ref[:3], out[:3]):
+        assert torch.equal(a, b)
 
 
 @needs_kernel

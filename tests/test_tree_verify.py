@@ -7,6 +7,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from specroll import kernels
 from specroll.drafters.eagle import DraftTree, EagleDrafter, ancestor_mask, emit_run
 from specroll.drafters.verify import match_walk, sampler_match
 from specroll.engine.sampling import SamplingParams
@@ -115,14 +116,17 @@ def test_sampled_chain_tree_equals_general_build():
     tree as ``DraftTree.build`` over the chain's parents and depths."""
     B, L = 3, 5
     gen = torch.Generator().manual_seed(0)
-    d = SimpleNamespace(head=SimpleNamespace(vocab_ids=torch.arange(7)))
-    root, toks = torch.randint(7, (B,), generator=gen), torch.randint(7, (B, L), generator=gen)
-    q = torch.log_softmax(torch.randn(B, L, 7, generator=gen), -1)
-    t = EagleDrafter._chain_tree(d, root, toks, q)
-    ar = torch.arange(L + 1)
-    ref = DraftTree.build(torch.cat([root[:, None], toks], 1), (ar - 1).clamp(min=0).expand(B, L + 1), ar.expand(B, L + 1))
-    for f in ("tokens", "parents", "depth", "mask", "valid"):
-        assert torch.equal(getattr(t, f), getattr(ref, f)), f
+    d = SimpleNamespace(head=SimpleNamespace(vocab_ids=torch.arange(7)), _chains={})
+    for _ in range(2):  # the second call reuses the shape tensors of the first (``_chains``)
+        root, toks = torch.randint(7, (B,), generator=gen), torch.randint(7, (B, L), generator=gen)
+        q = torch.log_softmax(torch.randn(B, L, 7, generator=gen), -1)
+        t = EagleDrafter._chain_tree(d, root, toks, q)
+        ar = torch.arange(L + 1)
+        ref = DraftTree.build(torch.cat([root[:, None], toks], 1), (ar - 1).clamp(min=0).expand(B, L + 1),
+                              ar.expand(B, L + 1))
+        for f in ("tokens", "parents", "depth", "mask", "valid"):
+            assert torch.equal(getattr(t, f), getattr(ref, f)), f
+    assert list(d._chains) == [(B, L)]
     assert t.max_depth == ref.max_depth == L and t.q_logp is q and torch.equal(t.q_vocab, torch.arange(7))
 
 
@@ -133,12 +137,13 @@ def _state(n_gen, M, min_new=0):
                            policy_lp=torch.zeros(B, M), sample_lp=torch.zeros(B, M), params=p)
 
 
+@pytest.mark.parametrize("fast", [False, True], ids=["torch", "kernel"])
 @pytest.mark.parametrize("min_new", [0, 4])
-def test_emit_run_truncates_at_first_stop_and_max_new(min_new):
+def test_emit_run_truncates_at_first_stop_and_max_new(min_new, fast):
     st = _state([1, 1, 5], 8, min_new=min_new)
     toks = torch.tensor([[4, 0, 5, 0], [4, 4, 4, 4], [1, 2, 3, 4]])
     lp = -torch.arange(12.0).view(3, 4)
-    fin, stopped = emit_run(st, toks, lp, lp * 2, torch.tensor([4, 2, 4]), torch.tensor([0]))
+    fin, stopped = emit_run(st, toks, lp, lp * 2, torch.tensor([4, 2, 4]), torch.tensor([0]), fast=fast)
     if min_new == 0:  # row 0 stops at its first 0; row 1 emits its 2; row 2 fills max_new with 3 of 4
         assert st.n_gen.tolist() == [3, 3, 8]
         assert st.tokens[0, 1:3].tolist() == [4, 0]
@@ -148,3 +153,32 @@ def test_emit_run_truncates_at_first_stop_and_max_new(min_new):
     assert fin.tolist() == [True, False, True] and stopped.tolist() == [True, False, False]
     assert st.tokens[2, 5:].tolist() == [1, 2, 3]
     assert st.policy_lp[1, 1:3].tolist() == [-4.0, -5.0] and st.sample_lp[1, 1:3].tolist() == [-8.0, -10.0]
+
+
+@pytest.mark.skipif(kernels.skinny() is None, reason="the kernels are not available here")
+@pytest.mark.parametrize("seed", range(6))
+def test_emit_run_kernel_equals_the_tensor_ops(seed):
+    """``emit_rows`` (one kernel call) against ``emit_run``'s tensor ops: random live rows in random order, runs
+    of 0-E tokens with stop tokens anywhere (also at the last column, and before ``min_new_tokens``), rows near
+    ``max_new_tokens``, several stop ids or none: the same buffers, counts and masks."""
+    g = torch.Generator().manual_seed(seed)
+    R, M, E = 9, 12, 5
+    for trial in range(40):
+        n_gen = torch.randint(0, M, (R,), generator=g)
+        min_new = int(torch.randint(0, 6, (1,), generator=g))
+        rows = torch.randperm(R, generator=g)[: int(torch.randint(1, R + 1, (1,), generator=g))]
+        B = rows.numel()
+        toks = torch.randint(0, 6, (B, E), generator=g)
+        count = torch.randint(0, E + 1, (B,), generator=g)
+        stop = [torch.tensor([0]), torch.tensor([0, 3]), torch.tensor([], dtype=torch.long)][trial % 3]
+        plp, slp = torch.randn(B, E, generator=g), torch.randn(B, E, generator=g)
+        sts = []
+        for fast in (False, True):
+            st = _state(n_gen.tolist(), M, min_new=min_new)
+            st.row_ids = rows
+            st.tokens[:] = -1
+            sts.append((st, emit_run(st, toks, plp, slp, count, stop, fast=fast)))
+        (a, (fa, sa)), (b, (fb, sb)) = sts
+        assert torch.equal(fa, fb) and torch.equal(sa, sb), trial
+        for f in ("n_gen", "tokens", "policy_lp", "sample_lp"):
+            assert torch.equal(getattr(a, f), getattr(b, f)), (trial, f)

@@ -364,9 +364,22 @@ class EagleDrafter:
         self.on_pairs = on_pairs
         self.trace: list | None = [] if trace else None
         self._kw: dict = {}
-        self.totals = torch.zeros(4, dtype=torch.long)  # row-steps, emitted in steps, drafted, accepted
-        # per draft depth d (index d - 1): row-steps whose drafts reached depth d, and those accepting it
-        self.by_depth = torch.zeros(2, self.max_plan.depth, dtype=torch.long)
+        self._chains: dict = {}  # ``_chain_tree``'s constant tensors per (rows, length)
+        self._totals = torch.zeros(4, dtype=torch.long)
+        self._by_depth = torch.zeros(2, self.max_plan.depth, dtype=torch.long)
+        self._log: list = []  # steps not yet folded into the two above (``_account``)
+
+    @property
+    def totals(self) -> torch.Tensor:
+        """Row-steps, tokens emitted in them, drafts, accepted drafts (all steps so far)."""
+        self._fold()
+        return self._totals
+
+    @property
+    def by_depth(self) -> torch.Tensor:
+        """Per draft depth d (index d - 1): row-steps whose drafts reached depth d, and those accepting it."""
+        self._fold()
+        return self._by_depth
 
     def max_tokens_per_step(self) -> int:
         return self.max_plan.n_verify
@@ -515,14 +528,19 @@ class EagleDrafter:
         return self._chain_tree(root_tok, torch.stack(toks, 1), torch.stack(qs, 1))
 
     def _chain_tree(self, root_tok, toks, q_logp) -> DraftTree:
-        """The tree of a sampled chain: the root, then ``toks`` (B, L), drawn from exp(``q_logp``) (B, L, V_draft)."""
+        """The tree of a sampled chain: the root, then ``toks`` (B, L), drawn from exp(``q_logp``) (B, L, V_draft).
+        Its shape tensors (parents, depths, mask, valid) depend on (B, L) alone: made once per shape (nothing
+        writes into a tree's tensors)."""
         B, L = toks.shape
-        ar = torch.arange(L + 1).expand(B, L + 1)
-        # a chain's ancestor mask is causal: built directly rather than by ``ancestor_mask``'s L gathers
-        causal = torch.ones(L + 1, L + 1, dtype=torch.bool).tril().expand(B, L + 1, L + 1)
-        return DraftTree(tokens=torch.cat([root_tok[:, None], toks], 1), parents=(ar - 1).clamp(min=0), depth=ar,
-                         mask=causal, valid=torch.ones(B, L + 1, dtype=torch.bool), max_depth=L, q_logp=q_logp,
-                         q_vocab=self.head.vocab_ids)
+        hit = self._chains.get((B, L))
+        if hit is None:
+            ar = torch.arange(L + 1).expand(B, L + 1)
+            # a chain's ancestor mask is causal: built directly rather than by ``ancestor_mask``'s L gathers
+            causal = torch.ones(L + 1, L + 1, dtype=torch.bool).tril().expand(B, L + 1, L + 1)
+            hit = self._chains[(B, L)] = ((ar - 1).clamp(min=0), ar, causal, torch.ones(B, L + 1, dtype=torch.bool))
+        parents, depth, causal, valid = hit
+        return DraftTree(tokens=torch.cat([root_tok[:, None], toks], 1), parents=parents, depth=depth, mask=causal,
+                         valid=valid, max_depth=L, q_logp=q_logp, q_vocab=self.head.vocab_ids)
 
     def _fusable(self, params: SamplingParams | None) -> bool:
         """Whether this step's sampled chain can run as one ``draft_chain`` kernel call: a sampled chain at a
@@ -654,7 +672,9 @@ class EagleDrafter:
             tree = self.draft(root_pos, plan, st.params, st.gen)  # else in the rollout's own precision
         N = tree.tokens.shape[1]
         slots = cache.chain_slots(N)
-        h = engine.forward(cache, tree.tokens, root_pos[:, None] + tree.depth, slots, cache.mask(N, tree.mask))
+        # a sampled chain's mask is causal (``_chain_tree``): left to the fused stack as a rule
+        mask = cache.causal(N) if tree.q_logp is not None else cache.mask(N, tree.mask)
+        h = engine.forward(cache, tree.tokens, root_pos[:, None] + tree.depth, slots, mask)
         logits = engine.logits(h)  # (B, N, V)
         v = (self.chain_rule if tree.q_logp is not None else self.rule)(tree, logits, st.params, st.gen)
         toks, plp, slp, count = v.tokens, v.policy_lp, v.sample_lp, v.n_accept + 1
@@ -666,7 +686,10 @@ class EagleDrafter:
         finished, stopped = emit_run(st, toks, plp, slp, count, stop)
         # accepted drafts that were emitted (a stop token or max_new_tokens may cut the run short)
         n_used = torch.minimum(v.n_accept, (st.n_gen[st.row_ids] - tree_col).clamp(min=0))
-        cache.commit(root_pos[:, None] + v.path, v.n_accept + 1)
+        if tree.q_logp is not None:  # a chain's accepted nodes are the first slots already: nothing to move
+            cache.advance(v.n_accept + 1)
+        else:
+            cache.commit(root_pos[:, None] + v.path, v.n_accept + 1)
         ar = torch.arange(B)
         last = v.path[ar, v.n_accept]
         st.hidden, st.logits = h[ar, last], logits[ar, last]
@@ -674,7 +697,8 @@ class EagleDrafter:
         self.chain_tok, self.chain_n = v.tokens, v.n_accept + 1
         if self.on_pairs is not None:
             self.on_pairs(self.chain_h, v.tokens, v.n_accept + 1, st.row_ids)
-        hits = self._account(st, stats, n_used, N - 1, raw=v.n_accept, depth=tree.max_depth)
+        hits = self._account(st, stats, n_used, N - 1, raw=v.n_accept, depth=int(tree.max_depth),
+                             want_hits=observe is not None)
         done_rows, done_stop, keep = engine.retire(st, finished, stopped, torch.arange(B), fill_holes=True)
         if done_rows.numel():
             self._compact(st, keep)
@@ -692,7 +716,7 @@ class EagleDrafter:
         ar = torch.arange(B)
         root = self.chain_tok[ar, self.chain_n - 1]
         slots = cache.chain_slots(1)
-        h = engine.forward(cache, root[:, None], slots, slots, cache.mask(1))[:, 0]
+        h = engine.forward(cache, root[:, None], slots, slots, cache.causal(1))[:, 0]
         cache.advance(1)
         logits = engine.logits(h)
         tok, plp, slp = sample(logits, st.params, st.gen)
@@ -717,24 +741,37 @@ class EagleDrafter:
             self._compact(st, keep)
         return done_rows, done_stop
 
-    def _account(self, st, stats, n_acc, drafted, raw=None, depth=0):
+    def _account(self, st, stats, n_acc, drafted, raw=None, depth=0, want_hits=False):
         """Count ``n_acc`` accepted (and emitted) drafts per row; the trace keeps ``raw`` (the rule's
         acceptance before truncation) when given. ``depth``: the deepest draft of the step; a row whose
         rule accepted j drafts reached depths 1..min(j + 1, depth) and accepted depths 1..j.
-        Returns this step's (2, depth) counts of rows reaching / accepting each depth, or None."""
-        hits = None
-        if depth and raw is not None:
-            d = torch.arange(1, min(depth, self.by_depth.shape[1]) + 1)
-            hits = torch.stack([(raw[:, None] >= d - 1).sum(0), (raw[:, None] >= d).sum(0)])
-            self.by_depth[:, : d.numel()] += hits
+        The drafter's totals fold the logged steps when read (``_fold``): ~20 tensor ops a step cost ~115 us of a
+        batch-1 SmolLM2 step, where every op finds its data out of cache (2026-11-26).
+        Returns this step's (2, depth) counts of rows reaching / accepting each depth when ``want_hits``, else None."""
         rows = st.row_ids
-        stats[rows, 1] += drafted
-        stats[rows, 2] += n_acc
-        B = rows.numel()
-        self.totals += torch.stack([torch.tensor(B), (n_acc + 1).sum(), torch.tensor(B * drafted), n_acc.sum()])
+        if drafted:
+            stats[rows, 1] += drafted
+            stats[rows, 2] += n_acc
+        self._log.append((rows.numel(), drafted, n_acc if drafted else None,
+                          raw if depth and raw is not None else None, min(depth, self._by_depth.shape[1])))
         if self.trace is not None:
             self.trace.append((n_acc if raw is None else raw).clone())
-        return hits
+        return _depth_hits(raw[:, None], self._log[-1][4]) if want_hits and self._log[-1][3] is not None else None
+
+    def _fold(self) -> None:
+        """Add the steps ``_account`` logged to ``_totals`` and ``_by_depth``."""
+        log, self._log = self._log, []
+        if not log:
+            return
+        steps = sum(e[0] for e in log)
+        accs = [e[2] for e in log if e[2] is not None]
+        acc = int(torch.cat(accs).sum()) if accs else 0
+        self._totals += torch.tensor([steps, steps + acc, sum(e[0] * e[1] for e in log), acc])
+        deep = [e for e in log if e[3] is not None]
+        if deep:
+            raw = torch.cat([e[3] for e in deep])
+            lim = torch.tensor([e[4] for e in deep]).repeat_interleave(torch.tensor([e[3].numel() for e in deep]))
+            self._by_depth += _depth_hits(raw[:, None], lim[:, None], self._by_depth.shape[1])
 
     def _compact(self, st, keep):
         self.dc.keep(keep)
@@ -742,11 +779,26 @@ class EagleDrafter:
         self.chain_h, self.chain_tok, self.chain_n = self.chain_h[keep], self.chain_tok[keep], self.chain_n[keep]
 
 
-def emit_run(st, toks, plp, slp, count, stop):
+def _depth_hits(raw: torch.Tensor, lim, width: int | None = None) -> torch.Tensor:
+    """(2, width) counts over rows of ``raw`` (R, 1) accepted drafts: rows reaching depth d (raw >= d - 1) and
+    accepting it (raw >= d), for d = 1..width, counting only d <= ``lim`` (an int, or (R, 1) per row). ``width``
+    defaults to the int ``lim``."""
+    d = torch.arange(1, (lim if width is None else width) + 1)
+    ok = d <= lim
+    return torch.stack([((raw >= d - 1) & ok).sum(0), ((raw >= d) & ok).sum(0)])
+
+
+def emit_run(st, toks, plp, slp, count, stop, fast: bool = True):
     """Append up to ``count`` (B,) tokens per live row from ``toks`` (B, E), truncated at the first
     stop token (once ``min_new_tokens`` is met) and at ``max_new_tokens``.
-    Returns (finished, stopped) masks over the live rows."""
+    Returns (finished, stopped) masks over the live rows. ``fast``: one call of the kernels' ``emit_rows``
+    where they are built; False keeps the tensor ops below, its reference."""
     rows, p = st.row_ids, st.params
+    ext = kernels.skinny() if fast else None
+    if ext is not None and hasattr(ext, "emit_rows"):  # (an older revision's kernels lack it: ab_build.py)
+        finished, stopped = ext.emit_rows(st.tokens, st.policy_lp, st.sample_lp, st.n_gen, rows, toks, plp, slp,
+                                          count, stop, p.min_new_tokens, p.max_new_tokens)
+        return finished, stopped
     B, E = toks.shape
     col0 = st.n_gen[rows]
     j = torch.arange(E)[None, :]

@@ -45,6 +45,20 @@ class LayerWriter:
         return self.k[:, :, : self.span], self.v[:, :, : self.span]
 
 
+class SlotCausal:
+    """``KVCache.causal(T)``: the visibility of T new tokens per row written at ``chain_slots(T)`` when each sees
+    every slot up to its own (a decode step, a chain's verification) -- ``KVCache.mask(T)`` as a rule. The fused
+    layer stack (``kernels``' ``decoder_layers``) applies the rule itself; anything else takes ``tensor()``."""
+
+    __slots__ = ("cache", "T")
+
+    def __init__(self, cache: KVCache, T: int):
+        self.cache, self.T = cache, T
+
+    def tensor(self) -> torch.Tensor:
+        return self.cache.mask(self.T)
+
+
 class PackedPrefill:
     """A stand-in for ``KVCache`` in one forward over ragged prompts packed end to end into one row.
 
@@ -128,6 +142,12 @@ class KVCache:
     def chain_slots(self, T: int) -> torch.Tensor:
         """(B, T) slots right after each row's committed length."""
         return self.lens[: self.batch, None] + torch.arange(T)
+
+    def causal(self, T: int) -> SlotCausal:
+        """``mask(T)`` (every new token sees the slots up to its own), left for the forward to apply: the fused
+        layer stack makes it in C++, which spares a decode or chain step ~10 tensor ops (~90 us of a batch-1
+        SmolLM2 step, with mask folding, 2026-11-26)."""
+        return SlotCausal(self, T)
 
     def mask(self, T: int, tree: torch.Tensor | None = None) -> torch.Tensor:
         """Visibility (B, T, S) for T new tokens written at ``chain_slots(T)``.

@@ -290,7 +290,7 @@ class Engine:
             return
         cache = st.cache
         slots = cache.chain_slots(1)
-        h = self.forward(cache, tok[:, None], slots, slots, cache.mask(1))
+        h = self.forward(cache, tok[:, None], slots, slots, cache.causal(1))
         cache.advance(1)
         st.hidden = h[:, 0]
         st.logits = self.logits(st.hidden)

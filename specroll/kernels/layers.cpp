@@ -27,13 +27,17 @@ namespace specroll {
 // x (B, T, D) fp32: the embedded tokens. weights: 7 per layer -- attn_norm (D), qkv panels, qkv bias (or an
 // empty tensor), o panels, mlp_norm (D), gate_up panels, down panels (``skinny`` packing, fp32 or bf16).
 // dims: D, n_qkv, n_gate_up (= 2 x intermediate). k_cache / v_cache (L, B_max, KV, S, hd): row b of layer i
-// gets its new K/V at slots (B, T); mask: folded (B or 1, 1, G*T, span) bool, or None. Returns the last layer's
-// output (before the final norm).
+// gets its new K/V at slots (B, T); mask: folded (B or 1, 1, G*T, span) bool, or None. ``slot_causal`` (mask
+// None): each query sees the slots up to its own (a chain's verification or a decode step after each row's
+// committed slots, ``KVCache.causal``), the folded mask made here instead of by ~10 tensor ops in Python.
+// Returns the last layer's output, or with ``final_norm`` its RMSNorm (``prologue_rows``, as the linears'
+// prologues; ``Decoder.forward`` applies the same to the Python loop's output).
 torch::Tensor decoder_layers(const torch::Tensor& x_in, const std::vector<torch::Tensor>& weights,
                              const std::vector<int64_t>& dims, const torch::Tensor& cos, const torch::Tensor& sin,
                              const torch::Tensor& k_cache, const torch::Tensor& v_cache, const torch::Tensor& slots,
-                             const c10::optional<torch::Tensor>& mask, int64_t nh, int64_t nkv, int64_t span,
-                             double scale, double eps) {
+                             const c10::optional<torch::Tensor>& mask_in, int64_t nh, int64_t nkv, int64_t span,
+                             double scale, double eps, const c10::optional<torch::Tensor>& final_norm,
+                             bool slot_causal) {
   TORCH_CHECK(dims.size() == 3 && weights.size() % 7 == 0 && x_in.dim() == 3 && x_in.scalar_type() == torch::kFloat32,
               "decoder_layers: bad arguments");
   const int64_t L = (int64_t)weights.size() / 7, B = x_in.size(0), T = x_in.size(1), D = dims[0], n_qkv = dims[1],
@@ -41,6 +45,29 @@ torch::Tensor decoder_layers(const torch::Tensor& x_in, const std::vector<torch:
   TORCH_CHECK(k_cache.dim() == 5 && k_cache.size(0) == L && v_cache.sizes() == k_cache.sizes() && k_cache.size(1) >= B,
               "decoder_layers: the cache does not match the layers");
   TORCH_CHECK(x_in.size(2) == D && n_gu % 2 == 0, "decoder_layers: bad arguments");
+  TORCH_CHECK(!(slot_causal && mask_in), "decoder_layers: a mask or slot_causal, not both");
+  TORCH_CHECK(!final_norm || (final_norm->scalar_type() == torch::kFloat32 && final_norm->is_contiguous() &&
+                              final_norm->numel() == D), "decoder_layers: final_norm must be a contiguous fp32 (D,)");
+  c10::optional<torch::Tensor> mask = mask_in;
+  if (slot_causal) {  // query row g T + t of row b sees slots <= slots[b, t]; none needed if every one sees all
+    const auto sl = slots.to(torch::kLong).contiguous();
+    const int64_t* sp = sl.data_ptr<int64_t>();
+    const int64_t G = nh / nkv;
+    bool all = true;
+    for (int64_t i = 0; i < B * T; i++) all = all && sp[i] >= span - 1;
+    if (!all) {
+      auto m = torch::empty({B, 1, G * T, span}, torch::kBool);
+      bool* ms = m.data_ptr<bool>();
+      for (int64_t b = 0; b < B; b++)
+        for (int64_t g = 0; g < G; g++)
+          for (int64_t t = 0; t < T; t++) {
+            bool* row = ms + ((b * G + g) * T + t) * span;
+            const int64_t own = sp[b * T + t];
+            for (int64_t s = 0; s < span; s++) row[s] = s <= own;
+          }
+      mask = m;
+    }
+  }
   const AttnOp a = attn_op(B, T, cos, sin, k_cache, v_cache, slots, mask, nh, nkv, span, scale);
   const int64_t HD = a.D, NHD = nh * HD, I = n_gu / 2;
   TORCH_CHECK(n_qkv == (nh + 2 * nkv) * HD, "decoder_layers: the qkv width does not match the heads");
@@ -80,6 +107,11 @@ torch::Tensor decoder_layers(const torch::Tensor& x_in, const std::vector<torch:
       lin.run(op[2], M, nullptr, gu.data());
       lin.input(op[3], M, gu.data(), n_gu, nullptr, true);
       lin.run(op[3], M, x2.data(), xs);
+    }
+    if (final_norm) {  // in place, row by row (a row is read whole before it is written)
+      int64_t m0, m1;
+      split_range(M, 1, lin.nth, lin.tid, m0, m1);
+      prologue_rows(xs, D, D, m0, m1, xs, final_norm->data_ptr<float>(), (float)eps, false);
     }
   }
   return out;

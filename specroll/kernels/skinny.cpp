@@ -659,7 +659,9 @@ static void prologue_row(const float* xr, int64_t K, float* orow, const float* g
   for (; k < K; k++) orow[k] = gs[k] * (xr[k] * inv);
 }
 
-torch::Tensor prologue(const torch::Tensor& x2, const c10::optional<torch::Tensor>& norm, double eps, bool gated) {
+torch::Tensor prologue(const torch::Tensor& x2_in, const c10::optional<torch::Tensor>& norm, double eps, bool gated) {
+  TORCH_CHECK(x2_in.dim() == 2 && x2_in.scalar_type() == torch::kFloat32, "prologue: x2 must be (M, K) fp32");
+  const auto x2 = x2_in.contiguous();
   const int64_t M = x2.size(0), Kx = x2.size(1), K = gated ? Kx / 2 : Kx;
   auto out = torch::empty({M, K}, x2.options());
   torch::Tensor g;
@@ -836,11 +838,16 @@ std::vector<torch::Tensor> rejection_chain(const torch::Tensor& logits, const to
                                            const torch::Tensor& valid, const torch::Tensor& q_logp,
                                            const torch::Tensor& q_vocab, const torch::Tensor& u,
                                            const torch::Tensor& u_final, double temperature);  // draft.cpp
+std::vector<torch::Tensor> emit_rows(torch::Tensor& tokens, torch::Tensor& policy_lp, torch::Tensor& sample_lp,
+                                     torch::Tensor& n_gen, const torch::Tensor& rows, const torch::Tensor& toks,
+                                     const torch::Tensor& plp, const torch::Tensor& slp, const torch::Tensor& count,
+                                     const torch::Tensor& stop, int64_t min_new, int64_t max_new);  // draft.cpp
 torch::Tensor decoder_layers(const torch::Tensor& x, const std::vector<torch::Tensor>& weights,
                              const std::vector<int64_t>& dims, const torch::Tensor& cos, const torch::Tensor& sin,
                              const torch::Tensor& k_cache, const torch::Tensor& v_cache, const torch::Tensor& slots,
                              const c10::optional<torch::Tensor>& mask, int64_t nh, int64_t nkv, int64_t span,
-                             double scale, double eps);  // layers.cpp
+                             double scale, double eps, const c10::optional<torch::Tensor>& final_norm,
+                             bool slot_causal);  // layers.cpp
 void lse_block_(const torch::Tensor& lg, torch::Tensor& m, torch::Tensor& s, torch::Tensor& t, torch::Tensor& tgt,
                 const torch::Tensor& ids, int64_t c0, bool with_entropy);  // logprobs.cpp
 void softmax_grad_(torch::Tensor& lg, const torch::Tensor& logz, const torch::Tensor& g, const torch::Tensor& ids,
@@ -877,11 +884,20 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "speculative sampling of sampled chains at a plain temperature (verify.rejection_chain)", py::arg("logits"),
         py::arg("tokens"), py::arg("valid"), py::arg("q_logp"), py::arg("q_vocab"), py::arg("u"), py::arg("u_final"),
         py::arg("temperature"));
+  m.def("emit_rows", &specroll::emit_rows,
+        "append each live row's accepted run of tokens to the output buffers, cut at a stop token and max_new "
+        "(eagle.emit_run): (finished, stopped)",
+        py::arg("tokens"), py::arg("policy_lp"), py::arg("sample_lp"), py::arg("n_gen"), py::arg("rows"),
+        py::arg("toks"), py::arg("plp"), py::arg("slp"), py::arg("count"), py::arg("stop"), py::arg("min_new"),
+        py::arg("max_new"));
   m.def("decoder_layers", &specroll::decoder_layers,
         "a decode / verification step through every decoder layer (Decoder.forward's layer loop)", py::arg("x"),
         py::arg("weights"), py::arg("dims"), py::arg("cos"), py::arg("sin"), py::arg("k_cache"), py::arg("v_cache"),
         py::arg("slots"), py::arg("mask"), py::arg("nh"), py::arg("nkv"), py::arg("span"), py::arg("scale"),
-        py::arg("eps"));
+        py::arg("eps"), py::arg("final_norm") = py::none(), py::arg("slot_causal") = false);
+  // what ``decoder_layers`` takes beyond the first version's arguments (the Python side asks, so that it can still
+  // drive the kernels of an older revision: benchmarks/ab_build.py)
+  m.attr("DECODER_LAYERS_EXTRAS") = py::make_tuple("final_norm", "slot_causal");
   m.def("lse_block_", &specroll::lse_block_,
         "fold a (N, W) logits block into the running max / sum of exp / entropy sum, pick the targets "
         "(rl.logprobs.LinearLogprobs)",

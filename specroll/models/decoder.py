@@ -34,6 +34,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .. import kernels
+from ..engine.cache import SlotCausal
 
 SUPPORTED_ARCHS = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
 
@@ -312,6 +313,11 @@ def rotate(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> torc
     return torch.addcmul(x * cos, x.roll(x.shape[-1] // 2, -1), sin_signed)
 
 
+def _tensor(mask):
+    """A mask as a tensor (``cache.SlotCausal`` made into one), or None."""
+    return mask.tensor() if isinstance(mask, SlotCausal) else mask
+
+
 def fold_mask(mask: torch.Tensor, groups: int) -> torch.Tensor:
     """(B, T, S) visibility -> (B, 1, groups*T, S): the layout of queries folded per KV head (``Block``)."""
     B, T, S = mask.shape
@@ -496,21 +502,31 @@ class Decoder(nn.Module):
         T = ids.shape[1]
         if mask is None and cache is None and T > 1:
             mask = torch.ones(T, T, dtype=torch.bool).tril()[None]
-        m = self.fold_mask(mask)
         if cache is not None:
             cache.prepare(slots)
         weights = self._fused_weights(x, cache)
+        ext = kernels.skinny() if weights is not None or self._kernel_norm(x) else None
+        extras = getattr(ext, "DECODER_LAYERS_EXTRAS", ())  # an older revision's kernels have none (ab_build.py)
         if weights is not None:  # the whole layer stack in one C++ call (kernels/layers.cpp)
             cfg = self.cfg
-            x = kernels.skinny().decoder_layers(
+            causal = isinstance(mask, SlotCausal) and "slot_causal" in extras
+            more = dict(final_norm=self.norm.weight.detach(), slot_causal=causal) if extras else {}
+            x = ext.decoder_layers(
                 x, weights, [cfg.hidden_size, self.layers[0].qkv.out_features, 2 * cfg.intermediate_size], cos, sin,
-                cache.k, cache.v, slots, m, cfg.num_heads, cfg.num_kv_heads, cache._span, cfg.head_dim ** -0.5,
-                cfg.rms_eps)
-            return self.norm(x)
+                cache.k, cache.v, slots, None if causal else self.fold_mask(_tensor(mask)), cfg.num_heads,
+                cfg.num_kv_heads, cache._span, cfg.head_dim ** -0.5, cfg.rms_eps, **more)
+            return x if extras else self.norm(x)
+        m = self.fold_mask(_tensor(mask))
         for i, layer in enumerate(self.layers):
             kv = None if cache is None else cache.writer(i, slots)
             x = layer(x, cos, sin, kv, m)
+        if "final_norm" in extras:  # as the fused stack does it, so that both give the same bits
+            return ext.prologue(x.reshape(-1, x.shape[-1]), self.norm.weight.detach(), self.cfg.rms_eps).view(x.shape)
         return self.norm(x)
+
+    def _kernel_norm(self, x: torch.Tensor) -> bool:
+        """Whether the final RMSNorm runs as the fused stack's (``kernels``' ``prologue``): no autograd, fp32."""
+        return x.dtype == torch.float32 and not torch.is_grad_enabled() and kernels.skinny() is not None
 
     def _fused_weights(self, x: torch.Tensor, cache) -> list[torch.Tensor] | None:
         """The packed weights of every layer for ``kernels``' ``decoder_layers``, or None where the Python loop
