@@ -1193,3 +1193,40 @@ def test_generate_cli_with_a_draft_head(tmp_path, capsys):
     assert "--draft-depth must be >= 1" in capsys.readouterr().err
     assert main([*args[:-4], "--draft", str(tmp_path / "none")]) == 2
     assert "draft_head.json not found" in capsys.readouterr().err
+
+
+def test_the_drafters_totals_fold_alike_in_any_chunks(monkeypatch):
+    """``EagleDrafter._account`` logs each step and folds the log into ``totals`` / ``by_depth`` when they are read
+    or every ``FOLD_EVERY`` steps: folding every 7 steps gives what one fold at the end gives, and both match a
+    direct count over the steps (row-steps, emitted tokens, drafts, accepted drafts; rows reaching / accepting each
+    depth), with plain steps (no drafts) in between."""
+    from types import SimpleNamespace
+
+    import specroll.drafters.eagle as eagle_mod
+
+    def run(every):
+        monkeypatch.setattr(eagle_mod, "FOLD_EVERY", every)
+        d = EagleDrafter(head_for(tiny_decoder(16, seed=0)), plan=Plan(7, 1, 6))
+        g = torch.Generator().manual_seed(0)
+        stats = torch.zeros(5, 3, dtype=torch.long)
+        want, reached = torch.zeros(4, dtype=torch.long), torch.zeros(2, 6, dtype=torch.long)
+        for i in range(100):
+            B = int(torch.randint(1, 5, (1,), generator=g))
+            st = SimpleNamespace(row_ids=torch.arange(B))
+            raw = torch.randint(0, 7, (B,), generator=g)
+            depth = int(torch.randint(1, 7, (1,), generator=g))
+            raw = raw.clamp(max=depth)
+            if i % 3:
+                used = raw.clamp(max=depth - 1)
+                d._account(st, stats, used, depth, raw=raw, depth=depth)
+                want += torch.tensor([B, B + int(used.sum()), B * depth, int(used.sum())])
+                for r in raw.tolist():
+                    reached[0, : min(r + 1, depth)] += 1
+                    reached[1, :r] += 1
+            else:
+                d._account(st, stats, torch.zeros(B, dtype=torch.long), 0)
+                want += torch.tensor([B, B, 0, 0])
+        assert d.totals.tolist() == want.tolist() and d.by_depth.tolist() == reached.tolist()
+        return d.totals.tolist(), d.by_depth.tolist()
+
+    assert run(7) == run(10**6)

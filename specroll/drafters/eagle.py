@@ -754,6 +754,8 @@ class EagleDrafter:
             stats[rows, 2] += n_acc
         self._log.append((rows.numel(), drafted, n_acc if drafted else None,
                           raw if depth and raw is not None else None, min(depth, self._by_depth.shape[1])))
+        if len(self._log) >= FOLD_EVERY:  # a drafter nobody reads for long holds a bounded log
+            self._fold()
         if self.trace is not None:
             self.trace.append((n_acc if raw is None else raw).clone())
         return _depth_hits(raw[:, None], self._log[-1][4]) if want_hits and self._log[-1][3] is not None else None
@@ -777,6 +779,9 @@ class EagleDrafter:
         self.dc.keep(keep)
         st.hidden, st.logits = st.hidden[keep], st.logits[keep]
         self.chain_h, self.chain_tok, self.chain_n = self.chain_h[keep], self.chain_tok[keep], self.chain_n[keep]
+
+
+FOLD_EVERY = 1024  # steps ``EagleDrafter._account`` logs before it folds them into the totals unasked
 
 
 def _depth_hits(raw: torch.Tensor, lim, width: int | None = None) -> torch.Tensor:
