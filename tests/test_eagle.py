@@ -1199,7 +1199,7 @@ def test_the_drafters_totals_fold_alike_in_any_chunks(monkeypatch):
     """``EagleDrafter._account`` logs each step and folds the log into ``totals`` / ``by_depth`` when they are read
     or every ``FOLD_EVERY`` steps: folding every 7 steps gives what one fold at the end gives, and both match a
     direct count over the steps (row-steps, emitted tokens, drafts, accepted drafts; rows reaching / accepting each
-    depth), with plain steps (no drafts) in between."""
+    depth), with plain steps (no drafts) in between; each step's own counts (for a planner) come back as well."""
     from types import SimpleNamespace
 
     import specroll.drafters.eagle as eagle_mod
@@ -1218,11 +1218,14 @@ def test_the_drafters_totals_fold_alike_in_any_chunks(monkeypatch):
             raw = raw.clamp(max=depth)
             if i % 3:
                 used = raw.clamp(max=depth - 1)
-                d._account(st, stats, used, depth, raw=raw, depth=depth)
+                hits = d._account(st, stats, used, depth, raw=raw, depth=depth, want_hits=True)
                 want += torch.tensor([B, B + int(used.sum()), B * depth, int(used.sum())])
+                step = torch.zeros(2, 6, dtype=torch.long)
                 for r in raw.tolist():
-                    reached[0, : min(r + 1, depth)] += 1
-                    reached[1, :r] += 1
+                    step[0, : min(r + 1, depth)] += 1
+                    step[1, :r] += 1
+                assert hits.tolist() == step[:, :depth].tolist()  # the step's own counts (the planner's), even
+                reached += step  # on a step whose log was just folded
             else:
                 d._account(st, stats, torch.zeros(B, dtype=torch.long), 0)
                 want += torch.tensor([B, B, 0, 0])

@@ -752,13 +752,14 @@ class EagleDrafter:
         if drafted:
             stats[rows, 1] += drafted
             stats[rows, 2] += n_acc
-        self._log.append((rows.numel(), drafted, n_acc if drafted else None,
-                          raw if depth and raw is not None else None, min(depth, self._by_depth.shape[1])))
+        entry = (rows.numel(), drafted, n_acc if drafted else None, raw if depth and raw is not None else None,
+                 min(depth, self._by_depth.shape[1]))
+        self._log.append(entry)
         if len(self._log) >= FOLD_EVERY:  # a drafter nobody reads for long holds a bounded log
             self._fold()
         if self.trace is not None:
             self.trace.append((n_acc if raw is None else raw).clone())
-        return _depth_hits(raw[:, None], self._log[-1][4]) if want_hits and self._log[-1][3] is not None else None
+        return _depth_hits(raw[:, None], entry[4]) if want_hits and entry[3] is not None else None
 
     def _fold(self) -> None:
         """Add the steps ``_account`` logged to ``_totals`` and ``_by_depth``."""

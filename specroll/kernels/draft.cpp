@@ -337,20 +337,22 @@ std::vector<torch::Tensor> emit_rows(torch::Tensor& tokens, torch::Tensor& polic
   int64_t* out_t = tokens.data_ptr<int64_t>();
   float* out_p = policy_lp.data_ptr<float>();
   float* out_s = sample_lp.data_ptr<float>();
+  TORCH_CHECK(max_new <= M, "emit_rows: max_new exceeds the output buffers' ", M, " columns");
+  for (int64_t b = 0; b < B; b++)  // all checked before anything is written
+    TORCH_CHECK(rp[b] >= 0 && rp[b] < R && ng[rp[b]] >= 0 && ng[rp[b]] <= max_new,
+                "emit_rows: row ", rp[b], " outside the output buffers, or its count outside [0, max_new]");
   auto finished = torch::empty({B}, torch::kBool), stopped = torch::empty({B}, torch::kBool);
   bool* fin = finished.data_ptr<bool>();
   bool* stp = stopped.data_ptr<bool>();
   for (int64_t b = 0; b < B; b++) {
     const int64_t r = rp[b];
-    TORCH_CHECK(r >= 0 && r < R, "emit_rows: row ", r, " outside the output buffers");
     const int64_t c0 = ng[r], cnt = cp[b];
     int64_t first = E;  // one past the first stop token (min_new reached, within count), else E
     bool found = false;
     for (int64_t j = 0; j < std::min(cnt, E) && !found; j++)
       if (c0 + j + 1 >= min_new && std::find(sp, sp + stop.numel(), tp[b * E + j]) != sp + stop.numel())
         first = j + 1, found = true;
-    const int64_t n = std::min({cnt, first, max_new - c0});
-    TORCH_CHECK(c0 + std::min(n, E) <= M, "emit_rows: row ", r, " would run past the output buffer");
+    const int64_t n = std::min({cnt, first, max_new - c0});  // c0 + n <= max_new <= M
     for (int64_t j = 0; j < std::min(n, E); j++) {
       out_t[r * M + c0 + j] = tp[b * E + j];
       out_p[r * M + c0 + j] = pp[b * E + j];

@@ -9,7 +9,7 @@
 // one's output. Calling the tensor entry points per layer instead (``linear``, ``rope_attention``) forked and
 // joined 5 regions per layer and allocated, viewed and checked tensors around each: ~390 us of a 30-layer
 // forward at one token on a model too small to cost anything else (2026-11-26, Zen 5, 2 threads), ~8% of a
-// SmolLM2 decode step there. The inputs are checked once, before the region. Below ``REDUNDANT_ROWS`` rows every
+// SmolLM2 decode step there. The inputs are checked once, before the region. Up to ``REDUNDANT_ROWS`` rows every
 // thread computes a linear's input rows (RMSNorm, silu-gate, bf16 pairs) into its own buffer, which saves a
 // barrier per linear; with more rows the threads split the rows and meet at a barrier (``RegionLinears``).
 // ``Decoder.forward`` is its reference (tests/test_kernels.py).

@@ -510,23 +510,26 @@ class Decoder(nn.Module):
         if weights is not None:  # the whole layer stack in one C++ call (kernels/layers.cpp)
             cfg = self.cfg
             causal = isinstance(mask, SlotCausal) and "slot_causal" in extras
-            more = dict(final_norm=self.norm.weight.detach(), slot_causal=causal) if extras else {}
+            norm = extras and self._kernel_norm(x)
+            more = dict(final_norm=self.norm.weight.detach() if norm else None, slot_causal=causal) if extras else {}
             x = ext.decoder_layers(
                 x, weights, [cfg.hidden_size, self.layers[0].qkv.out_features, 2 * cfg.intermediate_size], cos, sin,
                 cache.k, cache.v, slots, None if causal else self.fold_mask(_tensor(mask)), cfg.num_heads,
                 cfg.num_kv_heads, cache._span, cfg.head_dim ** -0.5, cfg.rms_eps, **more)
-            return x if extras else self.norm(x)
+            return x if norm else self.norm(x)
         m = self.fold_mask(_tensor(mask))
         for i, layer in enumerate(self.layers):
             kv = None if cache is None else cache.writer(i, slots)
             x = layer(x, cos, sin, kv, m)
-        if "final_norm" in extras:  # as the fused stack does it, so that both give the same bits
+        if "final_norm" in extras and self._kernel_norm(x):  # as the fused stack does it: both give the same bits
             return ext.prologue(x.reshape(-1, x.shape[-1]), self.norm.weight.detach(), self.cfg.rms_eps).view(x.shape)
         return self.norm(x)
 
     def _kernel_norm(self, x: torch.Tensor) -> bool:
-        """Whether the final RMSNorm runs as the fused stack's (``kernels``' ``prologue``): no autograd, fp32."""
-        return x.dtype == torch.float32 and not torch.is_grad_enabled() and kernels.skinny() is not None
+        """Whether the final RMSNorm runs as the fused stack's (``kernels``' ``prologue``): no autograd, fp32
+        activations and norm weight."""
+        return (x.dtype == torch.float32 and self.norm.weight.dtype == torch.float32 and not torch.is_grad_enabled()
+                and kernels.skinny() is not None)
 
     def _fused_weights(self, x: torch.Tensor, cache) -> list[torch.Tensor] | None:
         """The packed weights of every layer for ``kernels``' ``decoder_layers``, or None where the Python loop
