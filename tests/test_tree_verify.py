@@ -182,3 +182,28 @@ def test_emit_run_kernel_equals_the_tensor_ops(seed):
         assert torch.equal(fa, fb) and torch.equal(sa, sb), trial
         for f in ("n_gen", "tokens", "policy_lp", "sample_lp"):
             assert torch.equal(getattr(a, f), getattr(b, f)), (trial, f)
+
+
+@pytest.mark.skipif(kernels.skinny() is None, reason="the kernels are not available here")
+def test_engine_emit_kernel_equals_the_tensor_ops():
+    """``Engine.emit`` (one token per live row) through ``emit_rows`` against its tensor ops: stop ids met before and
+    after ``min_new_tokens``, rows reaching ``max_new_tokens``, live rows in any order."""
+    from specroll.engine.engine import Engine
+
+    g = torch.Generator().manual_seed(0)
+    R, M = 7, 6
+    for trial in range(60):
+        n_gen = torch.randint(0, M, (R,), generator=g)
+        min_new = int(torch.randint(0, 4, (1,), generator=g))
+        rows = torch.randperm(R, generator=g)[: int(torch.randint(1, R + 1, (1,), generator=g))]
+        tok = torch.randint(0, 4, (rows.numel(),), generator=g)
+        plp, slp = torch.randn(rows.numel(), generator=g), torch.randn(rows.numel(), generator=g)
+        outs = []
+        for fast in (False, True):
+            st = _state(n_gen.tolist(), M, min_new=min_new)
+            st.row_ids = rows
+            outs.append((st, Engine.emit(None, st, tok, plp, slp, torch.tensor([0, 2]), fast=fast)))
+        (a, (fa, sa)), (b, (fb, sb)) = outs
+        assert torch.equal(fa, fb) and torch.equal(sa, sb), trial
+        for f in ("n_gen", "tokens", "policy_lp", "sample_lp"):
+            assert torch.equal(getattr(a, f), getattr(b, f)), (trial, f)

@@ -131,12 +131,14 @@ class KVCache:
         if span > self.max_len:
             raise ValueError(f"KV cache overflow: slot {span - 1} >= max_len {self.max_len}")
         self._span = span
-        self._rows = torch.arange(slots.shape[0]).unsqueeze(1).expand_as(slots)
+        self._rows = None  # made by the first ``writer`` of this forward (the fused stack needs none)
 
     def writer(self, layer: int, slots: torch.Tensor) -> LayerWriter:
         """Return ``f(k, v) -> (K, V)`` that stores (B, T, KV, hd) at ``slots`` and returns the visible
         (B, KV, S, hd) views for this layer (a ``LayerWriter``, which fused kernels can also read)."""
         B = slots.shape[0]
+        if self._rows is None or self._rows.shape != slots.shape:
+            self._rows = torch.arange(B).unsqueeze(1).expand_as(slots)
         return LayerWriter(self.k[layer, :B], self.v[layer, :B], self._rows, slots, self._span)
 
     def chain_slots(self, T: int) -> torch.Tensor:
