@@ -671,12 +671,12 @@ class EagleDrafter:
         with bf16_weights(True) if bf16 else nullcontext(), int8_weights(bf16 and self.int8_head):
             tree = self.draft(root_pos, plan, st.params, st.gen)  # else in the rollout's own precision
         N = tree.tokens.shape[1]
+        chain = tree.q_logp is not None  # a sampled chain (``_chain_tree``): causal, verified by ``chain_rule``
         slots = cache.chain_slots(N)
-        # a sampled chain's mask is causal (``_chain_tree``): left to the fused stack as a rule
-        mask = cache.causal(N) if tree.q_logp is not None else cache.mask(N, tree.mask)
+        mask = cache.causal(N) if chain else cache.mask(N, tree.mask)  # a chain's: left to the fused stack as a rule
         h = engine.forward(cache, tree.tokens, root_pos[:, None] + tree.depth, slots, mask)
         logits = engine.logits(h)  # (B, N, V)
-        v = (self.chain_rule if tree.q_logp is not None else self.rule)(tree, logits, st.params, st.gen)
+        v = (self.chain_rule if chain else self.rule)(tree, logits, st.params, st.gen)
         toks, plp, slp, count = v.tokens, v.policy_lp, v.sample_lp, v.n_accept + 1
         if self.prefix is not None:  # the first root, sampled from the prefill logits
             t0, p0, s0 = self.prefix
@@ -686,7 +686,7 @@ class EagleDrafter:
         finished, stopped = emit_run(st, toks, plp, slp, count, stop)
         # accepted drafts that were emitted (a stop token or max_new_tokens may cut the run short)
         n_used = torch.minimum(v.n_accept, (st.n_gen[st.row_ids] - tree_col).clamp(min=0))
-        if tree.q_logp is not None:  # a chain's accepted nodes are the first slots already: nothing to move
+        if chain:  # a chain's accepted nodes are the first slots already: nothing to move
             cache.advance(v.n_accept + 1)
         else:
             cache.commit(root_pos[:, None] + v.path, v.n_accept + 1)

@@ -61,9 +61,6 @@ class DecodeState:
     prompt_hidden: list[torch.Tensor] | None = None
 
 
-_ONES = torch.ones(256, dtype=torch.long)  # a run of one token per row (``Engine.emit``); never written
-
-
 class Engine:
     """Batched KV-cache generation over a ``Decoder``.
 
@@ -259,11 +256,9 @@ class Engine:
         of the ~10 tensor ops below (~90 us of a batch-1 SmolLM2 step, out of cache after the weights stream)."""
         ext = kernels.skinny() if fast else None
         if ext is not None and hasattr(ext, "emit_rows"):  # (an older revision's kernels lack it: ab_build.py)
-            B = tok.numel()
             finished, stopped = ext.emit_rows(st.tokens, st.policy_lp, st.sample_lp, st.n_gen, st.row_ids,
-                                              tok.view(B, 1), plp.view(B, 1), slp.view(B, 1), _ONES[:B] if B <= 256
-                                              else torch.ones(B, dtype=torch.long), stop, st.params.min_new_tokens,
-                                              st.params.max_new_tokens)
+                                              tok[:, None], plp[:, None], slp[:, None], None, stop,
+                                              st.params.min_new_tokens, st.params.max_new_tokens)
             return finished, stopped
         rows = st.row_ids
         col = st.n_gen[rows]

@@ -186,9 +186,9 @@ std::vector<torch::Tensor> draft_chain(const std::vector<torch::Tensor>& weights
   TORCH_CHECK(span_max <= w.k.size(2), "draft_chain: the head's KV cache is full (slot ", span_max - 1, ")");
   for (const torch::Tensor* g : {&w.attn_norm, &w.mlp_norm, &w.norm})
     TORCH_CHECK(g->scalar_type() == torch::kFloat32 && g->is_contiguous(), "draft_chain: norm weights fp32 contiguous");
-  const LinearOp fc = linear_op(w.fc, D, 2 * D, Head::opt(w.fc_b)), qkv_op = linear_op(w.qkv, w.n_qkv, D, Head::opt(w.qkv_b)),
-                 o_op = linear_op(w.o, D, NHD, c10::nullopt), gu_op = linear_op(w.gate_up, w.n_gu, D, c10::nullopt),
-                 down_op = linear_op(w.down, D, I, c10::nullopt), lm_op = linear_op(w.lm, Vd, D, c10::nullopt);
+  const LinearOp fc = linear_op(w.fc, D, 2 * D, Head::opt(w.fc_b)), lm_op = linear_op(w.lm, Vd, D, c10::nullopt);
+  const LinearOp block[4] = {linear_op(w.qkv, w.n_qkv, D, Head::opt(w.qkv_b)), linear_op(w.o, D, NHD, c10::nullopt),
+                             linear_op(w.gate_up, w.n_gu, D, c10::nullopt), linear_op(w.down, D, I, c10::nullopt)};
   TORCH_CHECK(w.n_qkv == (NH + 2 * KV) * HD, "draft_chain: the qkv width does not match the heads");
 
   // buffers for up to M1 rows (the pending pairs' forward; the chain's forwards have B)
@@ -196,7 +196,7 @@ std::vector<torch::Tensor> draft_chain(const std::vector<torch::Tensor>& weights
   std::vector<float> xin(M1 * 2 * D), x(M1 * D), x2(M1 * D), qkv(M1 * w.n_qkv), att(M1 * NHD), gu(M1 * w.n_gu);
   std::vector<float> fa(M1 * D), f(B * D), logits(B * Vd), cs(M1 * HD), sn(M1 * HD);
   std::vector<int64_t> slots(M1), pos(M1), tok1(B);
-  std::vector<uint8_t> mask(B * Qmax * span_max);
+  std::vector<uint8_t> mask(B * Qmax * span_max);  // bools, as bytes
   std::vector<float> qall(B * KV * Qmax * HD);
   std::vector<double> conf(B, 1.0);
   RegionBuffers shared(M1, Kmax);
@@ -212,7 +212,7 @@ std::vector<torch::Tensor> draft_chain(const std::vector<torch::Tensor>& weights
   a.NH = NH, a.KV = KV, a.D = HD, a.scale = (float)std::pow((double)HD, -0.5), a.bf16 = w.k.scalar_type() == torch::kBFloat16;
   a.k = static_cast<char*>(w.k.data_ptr()), a.v = static_cast<char*>(w.v.data_ptr());
   for (int i = 0; i < 3; i++) a.kst[i] = w.k.stride(i), a.vst[i] = w.v.stride(i);
-  a.cos = cs.data(), a.sin = sn.data(), a.slots = slots.data(), a.mptr = reinterpret_cast<const bool*>(mask.data());
+  a.cos = cs.data(), a.sin = sn.data(), a.slots = slots.data();
   a.B = B, a.T = C, a.Q = Qmax, a.span = span_max;  // the largest forward, for the scratch sizes
   const int64_t nt = at::get_num_threads(), scratch_floats = attn_scratch_floats(a, 1);
   int64_t drawn = 0;
@@ -241,29 +241,15 @@ std::vector<torch::Tensor> draft_chain(const std::vector<torch::Tensor>& weights
           }
           span = std::max(span, slots[r] + 1);
         }
-        // folded mask (B, 1, G T, span): query row g T + t sees slots <= its own
-        for (int64_t b = 0; b < B; b++)
-          for (int64_t g = 0; g < G; g++)
-            for (int64_t t = 0; t < T; t++) {
-              uint8_t* row = mask.data() + ((b * G + g) * T + t) * span;
-              const int64_t own = slots[b * T + t];
-              for (int64_t s = 0; s < span; s++) row[s] = s <= own;
-            }
-        a.T = T, a.Q = G * T, a.span = span, a.cs0 = a.ss0 = T * HD, a.cs1 = a.ss1 = HD, a.msb = G * T * span, a.msq = span;
+        a.T = T, a.Q = G * T, a.span = span, a.cs0 = a.ss0 = T * HD, a.cs1 = a.ss1 = HD;
+        causal_mask(a, reinterpret_cast<bool*>(mask.data()));  // each query sees the slots up to its own
       }
 #pragma omp barrier
       lin.input(fc, M, xin.data(), 2 * D, nullptr, false);
       lin.run(fc, M, nullptr, x.data());
-      lin.input(qkv_op, M, x.data(), D, w.attn_norm.data_ptr<float>(), false);
-      lin.run(qkv_op, M, nullptr, qkv.data());
-      region_attention(a, 0, qkv.data(), att.data(), attn_chunks(a, lin.nth), qall.data(), qb.data(), scratch.data(),
-                       lin.tid, lin.nth);
-      lin.input(o_op, M, att.data(), NHD, nullptr, false);
-      lin.run(o_op, M, x.data(), x2.data());
-      lin.input(gu_op, M, x2.data(), D, w.mlp_norm.data_ptr<float>(), false);
-      lin.run(gu_op, M, nullptr, gu.data());
-      lin.input(down_op, M, gu.data(), w.n_gu, nullptr, true);
-      lin.run(down_op, M, x2.data(), x.data());
+      region_block(lin, block, w.attn_norm.data_ptr<float>(), w.mlp_norm.data_ptr<float>(), a, 0,
+                   attn_chunks(a, lin.nth), M, x.data(), x2.data(), qkv.data(), att.data(), gu.data(), qall.data(),
+                   qb.data(), scratch.data());
       split_range(M, 1, lin.nth, lin.tid, m0, m1);  // the head's final RMSNorm
       prologue_rows(x.data(), D, D, m0, m1, out, w.norm.data_ptr<float>(), (float)eps, false);
 #pragma omp barrier
@@ -307,7 +293,7 @@ std::vector<torch::Tensor> draft_chain(const std::vector<torch::Tensor>& weights
   return {toks.narrow(1, 0, drawn), q.narrow(1, 0, drawn)};
 }
 
-// ``eagle.emit_run`` in one call: append up to count[b] tokens of toks (B, E) to live row b's output row rows[b]
+// ``eagle.emit_run`` in one call: append up to count[b] tokens (one without ``count``) of toks (B, E) to live row b's output row rows[b]
 // (tokens, policy / sample log-probs (R, M) and n_gen (R,), in place), cut after the first stop token at or past
 // ``min_new`` tokens and at ``max_new``. Returns (finished, stopped) over the live rows. The ~40 tensor ops of the
 // Python version took ~290 us of a batch-1 SmolLM2 speculative step (2026-11-26, Zen 5): each op's data is out of
@@ -315,8 +301,8 @@ std::vector<torch::Tensor> draft_chain(const std::vector<torch::Tensor>& weights
 std::vector<torch::Tensor> emit_rows(torch::Tensor& tokens, torch::Tensor& policy_lp, torch::Tensor& sample_lp,
                                      torch::Tensor& n_gen, const torch::Tensor& rows_in, const torch::Tensor& toks_in,
                                      const torch::Tensor& plp_in, const torch::Tensor& slp_in,
-                                     const torch::Tensor& count_in, const torch::Tensor& stop_in, int64_t min_new,
-                                     int64_t max_new) {
+                                     const c10::optional<torch::Tensor>& count_in, const torch::Tensor& stop_in,
+                                     int64_t min_new, int64_t max_new) {
   TORCH_CHECK(tokens.dim() == 2 && tokens.scalar_type() == torch::kLong && tokens.is_contiguous() &&
                   policy_lp.sizes() == tokens.sizes() && sample_lp.sizes() == tokens.sizes() &&
                   policy_lp.scalar_type() == torch::kFloat32 && sample_lp.scalar_type() == torch::kFloat32 &&
@@ -324,11 +310,12 @@ std::vector<torch::Tensor> emit_rows(torch::Tensor& tokens, torch::Tensor& polic
                   n_gen.is_contiguous() && n_gen.numel() == tokens.size(0),
               "emit_rows: the output buffers must be contiguous (R, M) long / fp32 / fp32 and (R,) long");
   TORCH_CHECK(toks_in.dim() == 2 && plp_in.sizes() == toks_in.sizes() && slp_in.sizes() == toks_in.sizes() &&
-                  rows_in.numel() == toks_in.size(0) && count_in.numel() == toks_in.size(0),
+                  rows_in.numel() == toks_in.size(0) && (!count_in || count_in->numel() == toks_in.size(0)),
               "emit_rows: inconsistent shapes");
   const int64_t B = toks_in.size(0), E = toks_in.size(1), R = tokens.size(0), M = tokens.size(1);
   const auto rows = rows_in.to(torch::kLong).contiguous(), toks = toks_in.to(torch::kLong).contiguous(),
-             count = count_in.to(torch::kLong).contiguous(), stop = stop_in.to(torch::kLong).contiguous();
+             count = count_in ? count_in->to(torch::kLong).contiguous() : torch::ones({B}, torch::kLong),
+             stop = stop_in.to(torch::kLong).contiguous();
   const auto plp = plp_in.to(torch::kFloat32).contiguous(), slp = slp_in.to(torch::kFloat32).contiguous();
   const int64_t *rp = rows.data_ptr<int64_t>(), *tp = toks.data_ptr<int64_t>(), *cp = count.data_ptr<int64_t>(),
                 *sp = stop.data_ptr<int64_t>();

@@ -110,4 +110,17 @@ void attn_chunk(const AttnOp& a, int64_t layer, int64_t task, int64_t c, int64_t
 void region_attention(const AttnOp& a, int64_t layer, const float* qkv, float* out, int64_t C, float* qall, float* q,
                       float* scratch, int64_t tid, int64_t nth);
 
+// The folded mask of a causal step into buf (B x G T x span bytes): query row g T + t of row b sees the slots up to
+// its own, a.slots[b T + t]; a's mask fields then point at buf (``decoder_layers``' ``slot_causal``, the head's
+// forwards in ``draft_chain``). Leaves a unmasked and returns false where every query sees the whole span.
+bool causal_mask(AttnOp& a, bool* buf);
+
+// One decoder block inside a region (``decoder_layers``' layers, ``draft_chain``'s head): x (M, D) in place through
+// the qkv linear (RMSNorm prologue), attention (layer ``layer`` of a's cache, C chunks), o (+ x), gate_up (RMSNorm
+// prologue), down (silu-gate prologue, + residual); op: the four linears; x2, qkv, att, gu: shared buffers of M rows;
+// qall, q, scratch as ``region_attention`` takes them. Ends at a barrier.
+void region_block(RegionLinears& lin, const LinearOp* op, const float* attn_norm, const float* mlp_norm,
+                  const AttnOp& a, int64_t layer, int64_t C, int64_t M, float* x, float* x2, float* qkv, float* att,
+                  float* gu, float* qall, float* q, float* scratch);
+
 }  // namespace specroll

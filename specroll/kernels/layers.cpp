@@ -32,6 +32,38 @@ namespace specroll {
 // committed slots, ``KVCache.causal``), the folded mask made here instead of by ~10 tensor ops in Python.
 // Returns the last layer's output, or with ``final_norm`` its RMSNorm (``prologue_rows``, as the linears'
 // prologues; ``Decoder.forward`` applies the same to the Python loop's output).
+bool causal_mask(AttnOp& a, bool* buf) {
+  const int64_t G = a.NH / a.KV, BT = a.B * a.T;
+  if (std::all_of(a.slots, a.slots + BT, [&](int64_t s) { return s >= a.span - 1; })) {
+    a.mptr = nullptr;
+    return false;
+  }
+  for (int64_t b = 0; b < a.B; b++)
+    for (int64_t g = 0; g < G; g++)
+      for (int64_t t = 0; t < a.T; t++) {
+        bool* row = buf + ((b * G + g) * a.T + t) * a.span;
+        const int64_t own = a.slots[b * a.T + t];
+        for (int64_t s = 0; s < a.span; s++) row[s] = s <= own;
+      }
+  a.mptr = buf, a.msb = G * a.T * a.span, a.msq = a.span;
+  return true;
+}
+
+void region_block(RegionLinears& lin, const LinearOp* op, const float* attn_norm, const float* mlp_norm,
+                  const AttnOp& a, int64_t layer, int64_t C, int64_t M, float* x, float* x2, float* qkv, float* att,
+                  float* gu, float* qall, float* q, float* scratch) {
+  const int64_t D = op[1].N;
+  lin.input(op[0], M, x, D, attn_norm, false);
+  lin.run(op[0], M, nullptr, qkv);
+  region_attention(a, layer, qkv, att, C, qall, q, scratch, lin.tid, lin.nth);
+  lin.input(op[1], M, att, op[1].K, nullptr, false);
+  lin.run(op[1], M, x, x2);
+  lin.input(op[2], M, x2, D, mlp_norm, false);
+  lin.run(op[2], M, nullptr, gu);
+  lin.input(op[3], M, gu, op[2].N, nullptr, true);
+  lin.run(op[3], M, x2, x);
+}
+
 torch::Tensor decoder_layers(const torch::Tensor& x_in, const std::vector<torch::Tensor>& weights,
                              const std::vector<int64_t>& dims, const torch::Tensor& cos, const torch::Tensor& sin,
                              const torch::Tensor& k_cache, const torch::Tensor& v_cache, const torch::Tensor& slots,
@@ -48,27 +80,11 @@ torch::Tensor decoder_layers(const torch::Tensor& x_in, const std::vector<torch:
   TORCH_CHECK(!(slot_causal && mask_in), "decoder_layers: a mask or slot_causal, not both");
   TORCH_CHECK(!final_norm || (final_norm->scalar_type() == torch::kFloat32 && final_norm->is_contiguous() &&
                               final_norm->numel() == D), "decoder_layers: final_norm must be a contiguous fp32 (D,)");
-  c10::optional<torch::Tensor> mask = mask_in;
-  if (slot_causal) {  // query row g T + t of row b sees slots <= slots[b, t]; none needed if every one sees all
-    const auto sl = slots.to(torch::kLong).contiguous();
-    const int64_t* sp = sl.data_ptr<int64_t>();
-    const int64_t G = nh / nkv;
-    bool all = true;
-    for (int64_t i = 0; i < B * T; i++) all = all && sp[i] >= span - 1;
-    if (!all) {
-      auto m = torch::empty({B, 1, G * T, span}, torch::kBool);
-      bool* ms = m.data_ptr<bool>();
-      for (int64_t b = 0; b < B; b++)
-        for (int64_t g = 0; g < G; g++)
-          for (int64_t t = 0; t < T; t++) {
-            bool* row = ms + ((b * G + g) * T + t) * span;
-            const int64_t own = sp[b * T + t];
-            for (int64_t s = 0; s < span; s++) row[s] = s <= own;
-          }
-      mask = m;
-    }
+  AttnOp a = attn_op(B, T, cos, sin, k_cache, v_cache, slots, mask_in, nh, nkv, span, scale);
+  if (slot_causal) {
+    a.mask = torch::empty({B, 1, a.Q, span}, torch::kBool);
+    if (!causal_mask(a, a.mask.data_ptr<bool>())) a.mask = torch::Tensor();
   }
-  const AttnOp a = attn_op(B, T, cos, sin, k_cache, v_cache, slots, mask, nh, nkv, span, scale);
   const int64_t HD = a.D, NHD = nh * HD, I = n_gu / 2;
   TORCH_CHECK(n_qkv == (nh + 2 * nkv) * HD, "decoder_layers: the qkv width does not match the heads");
   std::vector<LinearOp> ops;  // per layer: qkv, o, gate_up, down
@@ -96,18 +112,9 @@ torch::Tensor decoder_layers(const torch::Tensor& x_in, const std::vector<torch:
   {
     RegionLinears lin(M, Kmax, eps, shared.in.data(), shared.pairs.data());
     std::vector<float> scratch(attn_scratch_floats(a, C)), q(C == 1 ? Q * HD : 0);
-    for (int64_t i = 0; i < L; i++) {
-      const LinearOp* op = ops.data() + 4 * i;
-      lin.input(op[0], M, xs, D, norms[2 * i], false);
-      lin.run(op[0], M, nullptr, qkv.data());
-      region_attention(a, i, qkv.data(), att.data(), C, qall.data(), q.data(), scratch.data(), lin.tid, lin.nth);
-      lin.input(op[1], M, att.data(), NHD, nullptr, false);
-      lin.run(op[1], M, xs, x2.data());
-      lin.input(op[2], M, x2.data(), D, norms[2 * i + 1], false);
-      lin.run(op[2], M, nullptr, gu.data());
-      lin.input(op[3], M, gu.data(), n_gu, nullptr, true);
-      lin.run(op[3], M, x2.data(), xs);
-    }
+    for (int64_t i = 0; i < L; i++)
+      region_block(lin, ops.data() + 4 * i, norms[2 * i], norms[2 * i + 1], a, i, C, M, xs, x2.data(), qkv.data(),
+                   att.data(), gu.data(), qall.data(), q.data(), scratch.data());
     if (final_norm) {  // in place, row by row (a row is read whole before it is written)
       int64_t m0, m1;
       split_range(M, 1, lin.nth, lin.tid, m0, m1);

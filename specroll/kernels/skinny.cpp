@@ -840,8 +840,9 @@ std::vector<torch::Tensor> rejection_chain(const torch::Tensor& logits, const to
                                            const torch::Tensor& u_final, double temperature);  // draft.cpp
 std::vector<torch::Tensor> emit_rows(torch::Tensor& tokens, torch::Tensor& policy_lp, torch::Tensor& sample_lp,
                                      torch::Tensor& n_gen, const torch::Tensor& rows, const torch::Tensor& toks,
-                                     const torch::Tensor& plp, const torch::Tensor& slp, const torch::Tensor& count,
-                                     const torch::Tensor& stop, int64_t min_new, int64_t max_new);  // draft.cpp
+                                     const torch::Tensor& plp, const torch::Tensor& slp,
+                                     const c10::optional<torch::Tensor>& count, const torch::Tensor& stop,
+                                     int64_t min_new, int64_t max_new);  // draft.cpp
 torch::Tensor decoder_layers(const torch::Tensor& x, const std::vector<torch::Tensor>& weights,
                              const std::vector<int64_t>& dims, const torch::Tensor& cos, const torch::Tensor& sin,
                              const torch::Tensor& k_cache, const torch::Tensor& v_cache, const torch::Tensor& slots,

@@ -505,12 +505,14 @@ class Decoder(nn.Module):
         if cache is not None:
             cache.prepare(slots)
         weights = self._fused_weights(x, cache)
-        ext = kernels.skinny() if weights is not None or self._kernel_norm(x) else None
+        ext = kernels.skinny()
         extras = getattr(ext, "DECODER_LAYERS_EXTRAS", ())  # an older revision's kernels have none (ab_build.py)
+        # the final RMSNorm as the fused stack's (``prologue``) wherever that could run: no autograd, fp32
+        norm = ("final_norm" in extras and x.dtype == torch.float32 and self.norm.weight.dtype == torch.float32
+                and not torch.is_grad_enabled())
         if weights is not None:  # the whole layer stack in one C++ call (kernels/layers.cpp)
             cfg = self.cfg
             causal = isinstance(mask, SlotCausal) and "slot_causal" in extras
-            norm = extras and self._kernel_norm(x)
             more = dict(final_norm=self.norm.weight.detach() if norm else None, slot_causal=causal) if extras else {}
             x = ext.decoder_layers(
                 x, weights, [cfg.hidden_size, self.layers[0].qkv.out_features, 2 * cfg.intermediate_size], cos, sin,
@@ -521,15 +523,9 @@ class Decoder(nn.Module):
         for i, layer in enumerate(self.layers):
             kv = None if cache is None else cache.writer(i, slots)
             x = layer(x, cos, sin, kv, m)
-        if "final_norm" in extras and self._kernel_norm(x):  # as the fused stack does it: both give the same bits
+        if norm:  # as the fused stack does it: both give the same bits
             return ext.prologue(x.reshape(-1, x.shape[-1]), self.norm.weight.detach(), self.cfg.rms_eps).view(x.shape)
         return self.norm(x)
-
-    def _kernel_norm(self, x: torch.Tensor) -> bool:
-        """Whether the final RMSNorm runs as the fused stack's (``kernels``' ``prologue``): no autograd, fp32
-        activations and norm weight."""
-        return (x.dtype == torch.float32 and self.norm.weight.dtype == torch.float32 and not torch.is_grad_enabled()
-                and kernels.skinny() is not None)
 
     def _fused_weights(self, x: torch.Tensor, cache) -> list[torch.Tensor] | None:
         """The packed weights of every layer for ``kernels``' ``decoder_layers``, or None where the Python loop
