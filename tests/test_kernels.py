@@ -609,6 +609,37 @@ def test_decoder_layers_give_the_same_bits_at_any_thread_count(T, tree, B, bf16w
 
 
 @needs_kernel
+@pytest.mark.parametrize("bf16w", [False, True])
+def test_shared_input_rows_at_odd_widths_give_the_loops_bits_at_any_thread_count(monkeypatch, bf16w):
+    """Past ``REDUNDANT_ROWS`` rows the threads make a linear's input rows into shared buffers: the prologue split
+    by rows, the bf16 pairs (``vdpbf16ps`` panels) split by chunks of 16 pairs, so that no cache line of the
+    pair-major buffer has two writers. Widths of 72 and 136 leave a part chunk (36 and 68 pairs) at the end of
+    one thread's range: 1, 2 and 3 threads give the Python loop's bits, for the step (4 rows x 3 tokens) and the
+    prompts' prefill (48 rows)."""
+    from specroll.models import decoder
+    from specroll.models.tiny import tiny_hf_config
+
+    torch.manual_seed(5)
+    model = decoder.Decoder(decoder.DecoderConfig.from_hf(
+        tiny_hf_config("llama", hidden_size=72, intermediate_size=136))).eval()
+    n = torch.get_num_threads()
+    outs = []
+    try:
+        for threads in (1, 2, 3):
+            torch.set_num_threads(threads)
+            with torch.no_grad(), decoder.bf16_weights(bf16w):
+                outs.append(_step_outputs(model, 40, 3, False, seed=5, B=4))
+        monkeypatch.setattr(decoder.Decoder, "_fused_weights", lambda self, x, cache: None)
+        with torch.no_grad(), decoder.bf16_weights(bf16w):
+            loop = _step_outputs(model, 40, 3, False, seed=5, B=4)
+    finally:
+        torch.set_num_threads(n)
+    for other in outs:
+        for a, b in zip(loop[:3], other[:3]):
+            assert torch.equal(a, b)
+
+
+@needs_kernel
 @pytest.mark.parametrize("fused", [True, False])
 @pytest.mark.parametrize("T,B", [(1, 4), (1, 1), (5, 4), (7, 1)])
 def test_a_causal_rule_gives_the_bits_of_the_causal_mask(monkeypatch, T, B, fused):

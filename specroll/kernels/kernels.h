@@ -41,12 +41,17 @@ void prologue_rows(const float* x, int64_t Kx, int64_t K, int64_t m0, int64_t m1
                    float eps, bool gated);
 // Rows [m0, m1) of x (M, K) fp32 as bf16 pairs, pair-major: out[j * M + m] (kind 3's input).
 void pairs_rows(const float* x, int64_t M, int64_t K, int64_t m0, int64_t m1, uint32_t* out);
+// The same for pairs [j0, j1) of every row (j0 a multiple of 16): how threads split a shared output.
+void pairs_cols(const float* x, int64_t M, int64_t K, int64_t j0, int64_t j1, uint32_t* out);
 
 // One thread's part of a parallel region that runs linears one after another (``decoder_layers``,
 // ``draft_chain``). ``input`` makes a linear's input rows from src (RMSNorm * g, silu-gate, or src itself; as bf16
 // pairs too when the linear takes them): up to ``REDUNDANT_ROWS`` rows every thread makes all of them in its own
-// buffers, which saves a barrier; more rows are split between the threads, into the shared buffers (``rows_max``
-// x ``kmax``, allocated before the region), followed by a barrier. ``run`` computes this thread's share of the
+// buffers, which saves a barrier; more rows are shared (``rows_max`` x ``kmax`` buffers, allocated before the
+// region): the threads split the prologue by rows, then the bf16 pairs by chunks of 16 pairs, each followed by a
+// barrier. Pairs are pair-major, so one cache line holds 16 rows' pair j: split by rows, both threads wrote every
+// line, and the lines' ping-pong cost a SmolLM2 forward of 12 / 16 / 32 rows 1.68 / 1.89 / 1.23x the time of the
+// split by pairs (benchmarks/ab_build.py, bf16, Zen 5, 2026-11-26). ``run`` computes this thread's share of the
 // linear's tasks, then waits at a barrier.
 constexpr int64_t REDUNDANT_ROWS = 8;
 struct RegionLinears {

@@ -11,7 +11,7 @@
 // forward at one token on a model too small to cost anything else (2026-11-26, Zen 5, 2 threads), ~8% of a
 // SmolLM2 decode step there. The inputs are checked once, before the region. Up to ``REDUNDANT_ROWS`` rows every
 // thread computes a linear's input rows (RMSNorm, silu-gate, bf16 pairs) into its own buffer, which saves a
-// barrier per linear; with more rows the threads split the rows and meet at a barrier (``RegionLinears``).
+// barrier per linear; with more rows the threads split the work and meet at barriers (``RegionLinears``).
 // ``Decoder.forward`` is its reference (tests/test_kernels.py).
 #include <torch/extension.h>
 #include <ATen/Parallel.h>

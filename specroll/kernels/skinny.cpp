@@ -367,20 +367,23 @@ bool cpu_avx512bf16() {
 
 // rows [m0, m1) of x (M, K) fp32 -> (ceil(K / 2), M) bf16 pairs, pair-major: the M rows' pair j side by side, so a k step of
 // ``acc512dp`` broadcasts from one pointer at constant offsets (row-major, each row would need its own pointer:
-// 16 of them spill). Rounded to nearest even; an odd K's last pair is padded with 0.
-SPECROLL_TBF16 void to_pairs(const float* x, int64_t M, int64_t K, int64_t m0, int64_t m1, uint32_t* out) {
-  const int64_t K2 = (K + 1) / 2;
+// 16 of them spill). Rounded to nearest even; an odd K's last pair is padded with 0. Only pairs [j0, j1) when
+// given (j0 a multiple of 16): threads that share the output split it by pairs, not by rows, as rows of one pair
+// share its cache lines.
+SPECROLL_TBF16 void to_pairs(const float* x, int64_t M, int64_t K, int64_t m0, int64_t m1, uint32_t* out,
+                             int64_t j0 = 0, int64_t j1 = -1) {
+  const int64_t K2 = (K + 1) / 2, jend = j1 < 0 ? K2 : std::min(j1, K2);
   alignas(64) uint32_t row[16];
   for (int64_t m = m0; m < m1; m++) {
     const float* xr = x + m * K;
-    for (int64_t k = 0; k < 2 * K2; k += 32) {  // 32 floats -> 16 pairs
+    for (int64_t k = 2 * j0; k < 2 * jend; k += 32) {  // 32 floats -> 16 pairs
       const int64_t n = std::min<int64_t>(32, K - k);
       const __m512 lo = _mm512_maskz_loadu_ps(n >= 16 ? 0xFFFF : (__mmask16)((1u << n) - 1), xr + k);
       const __m512 hi = _mm512_maskz_loadu_ps(n >= 32 ? 0xFFFF : n <= 16 ? 0 : (__mmask16)((1u << (n - 16)) - 1),
                                               xr + k + 16);
       _mm512_store_si512(row, reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(hi, lo)));  // lo's 16 first
-      const int64_t j0 = k / 2, nj = std::min<int64_t>(16, K2 - j0);
-      for (int64_t j = 0; j < nj; j++) out[(j0 + j) * M + m] = row[j];
+      const int64_t jk = k / 2, nj = std::min<int64_t>(16, jend - jk);
+      for (int64_t j = 0; j < nj; j++) out[(jk + j) * M + m] = row[j];
     }
   }
 }
@@ -689,6 +692,10 @@ void pairs_rows(const float* x, int64_t M, int64_t K, int64_t m0, int64_t m1, ui
   to_pairs(x, M, K, m0, m1, out);
 }
 
+void pairs_cols(const float* x, int64_t M, int64_t K, int64_t j0, int64_t j1, uint32_t* out) {
+  to_pairs(x, M, K, 0, M, out, j0, j1);
+}
+
 void split_range(int64_t tasks, int64_t grain, int64_t nth, int64_t tid, int64_t& t0, int64_t& t1) {
   const int64_t n = std::max<int64_t>(1, std::min(nth, (tasks + grain - 1) / grain));
   const int64_t chunk = (tasks + n - 1) / n;
@@ -775,14 +782,22 @@ void RegionLinears::input(const LinearOp& op, int64_t M, const float* src, int64
   if (g || gated) {
     prologue_rows(src, Kx, op.K, m0, m1, buf, g, eps, gated);
     in = buf;
+    if (!own) {
+#pragma omp barrier
+    }
   }
   pairs = nullptr;
   if (op.kind == 3) {
-    pairs_rows(in, M, op.K, m0, m1, pbuf);
-    pairs = pbuf;
-  }
-  if (!own) {
+    if (own) {
+      pairs_rows(in, M, op.K, 0, M, pbuf);
+    } else {  // split by pairs: a split by rows had both threads write every cache line of the output
+      const int64_t K2 = (op.K + 1) / 2;
+      int64_t c0, c1;  // chunks of 16 pairs
+      split_range((K2 + 15) / 16, 1, nth, tid, c0, c1);
+      if (c0 < c1) pairs_cols(in, M, op.K, 16 * c0, std::min(K2, 16 * c1), pbuf);
 #pragma omp barrier
+    }
+    pairs = pbuf;
   }
 }
 
