@@ -244,6 +244,21 @@ def test_profile_key_depends_on_everything_the_result_depends_on():
         profiler.profile_key("m", "float16", fp)
 
 
+def test_the_fingerprint_names_the_kernels_source(monkeypatch):
+    """A kernel change moves the latency curve, so the profile's key carries the kernels' source hash: an edited
+    kernel is profiled again instead of reusing a stale C_peak."""
+    from specroll import kernels
+
+    fp = profiler.fingerprint()
+    assert fp["kernels"] == (kernels.source_hash() if kernels.skinny() is not None else "off")
+    if kernels.skinny() is not None:
+        assert len(fp["kernels"]) == 12 and int(fp["kernels"], 16) >= 0
+        monkeypatch.setattr(kernels, "source_hash", lambda: "0" * 12)
+        other = profiler.fingerprint()
+        assert other["kernels"] == "0" * 12
+        assert profiler.profile_key("m", "float32", other) != profiler.profile_key("m", "float32", fp)
+
+
 def test_profile_round_trip_and_get_c_peak(tiny_engine, tmp_path, monkeypatch):
     monkeypatch.setenv("SPECROLL_HOME", str(tmp_path))
     result = profiler.run_profile("tiny-llama", "float32", engine=tiny_engine, max_tokens=8, batches=(1, 2),

@@ -126,14 +126,23 @@ def test_packed_prefill_matches_one_prompt_at_a_time(pack, monkeypatch):
     """Prompts packed end to end into one forward (block-diagonal causal mask) leave the same KV cache, lengths,
     last hidden states and logits as prefilling each prompt alone in a fresh cache; ``pack`` = 1 or 7 tokens
     splits the batch into several packed forwards (a prompt longer than that gets one of its own)."""
+    from specroll.models import decoder
+
     _, model = tiny_hf("llama", seed=3)
     monkeypatch.setattr(Engine, "PACK_TOKENS", pack)
+    segments = []  # the prompts each packed attention saw, per layer call
+    real = decoder.Block._attend_packed
+    monkeypatch.setattr(decoder.Block, "_attend_packed",
+                        lambda self, qf, K, V, lens: segments.append(list(lens)) or real(self, qf, K, V, lens))
     eng = Engine(model, eos_ids=[])
     prompts = [torch.tensor(p) for p in PROMPTS] + [torch.tensor([5]), torch.tensor([9, 8, 7, 6, 5, 4, 3, 2, 1])]
     cache = KVCache.for_model(model.cfg, len(prompts), 16, torch.float32)
     cache.reset(len(prompts))
     with torch.no_grad():
         hidden, logits = eng.prefill(cache, prompts)
+    # every layer of every packed forward attended prompt by prompt (the rule, not a block-diagonal mask)
+    assert sorted(n for lens in segments for n in lens) == sorted(len(p) for p in prompts for _ in model.layers)
+    with torch.no_grad():
         for i, p in enumerate(prompts):
             ref = KVCache.for_model(model.cfg, 1, 16, torch.float32)
             ref.reset(1)
@@ -145,6 +154,18 @@ def test_packed_prefill_matches_one_prompt_at_a_time(pack, monkeypatch):
             torch.testing.assert_close(cache.v[:, i, :, :n], ref.v[:, 0, :, :n], atol=1e-5, rtol=1e-5)
             torch.testing.assert_close(hidden[i], h, atol=1e-5, rtol=1e-5)
             torch.testing.assert_close(logits[i], model.logits(h), atol=1e-4, rtol=1e-5)
+
+
+def test_packed_causal_rule_is_the_block_diagonal_mask():
+    """``PackedCausal.tensor()``: token i sees token j iff both are of the same prompt and j <= i."""
+    from specroll.engine.cache import PackedCausal
+
+    lens = [3, 1, 4]
+    m = PackedCausal(lens).tensor()[0]
+    owner = [r for r, n in enumerate(lens) for _ in range(n)]
+    pos = [t for n in lens for t in range(n)]
+    ref = torch.tensor([[owner[i] == owner[j] and pos[j] <= pos[i] for j in range(8)] for i in range(8)])
+    assert torch.equal(m, ref)
 
 
 def test_policy_logprobs_match_full_forward():

@@ -59,6 +59,26 @@ class SlotCausal:
         return self.cache.mask(self.T)
 
 
+class PackedCausal:
+    """``PackedPrefill.mask()`` as a rule: prompts of ``lens`` tokens packed end to end into one row, each token
+    seeing its own prompt's tokens up to itself. ``Block`` then attends prompt by prompt (causal SDPA per
+    segment), not over the whole pack under a block-diagonal mask: 12 prompts of 42 tokens took 1.2 ms a layer
+    that way against 4.3 ms masked (SDPA, bf16 and fp32, 2 threads, Zen 5, 2026-11-26), ~30% of a 32-prompt
+    prefill. Anything else takes ``tensor()``."""
+
+    __slots__ = ("lens",)
+
+    def __init__(self, lens: list[int]):
+        self.lens = list(lens)
+
+    def tensor(self) -> torch.Tensor:
+        """(1, N, N): token i sees token j iff both are of the same prompt and j <= i."""
+        lens = torch.tensor(self.lens)
+        rows = torch.repeat_interleave(torch.arange(len(self.lens)), lens)
+        slots = torch.cat([torch.arange(n) for n in self.lens])
+        return ((rows[:, None] == rows[None, :]) & (slots[None, :] <= slots[:, None]))[None]
+
+
 class PackedPrefill:
     """A stand-in for ``KVCache`` in one forward over ragged prompts packed end to end into one row.
 
@@ -68,13 +88,14 @@ class PackedPrefill:
 
     def __init__(self, cache: KVCache, lens: list[int]):
         self.cache = cache
+        self.lens = list(lens)
         self.rows = torch.repeat_interleave(torch.arange(len(lens)), torch.tensor(lens))[None]  # (1, N)
         self.slots = torch.cat([torch.arange(n) for n in lens])[None]  # (1, N)
 
-    def mask(self) -> torch.Tensor:
-        """(1, N, N): token i sees token j iff both are of the same prompt and j <= i."""
-        same = self.rows[0, :, None] == self.rows[0, None, :]
-        return (same & (self.slots[0, None, :] <= self.slots[0, :, None]))[None]
+    def mask(self) -> PackedCausal:
+        """The block-diagonal causal visibility of the pack, as a rule (``PackedCausal``; ``.tensor()`` for the
+        (1, N, N) bool mask)."""
+        return PackedCausal(self.lens)
 
     def prepare(self, slots: torch.Tensor) -> None:
         span = int(self.slots.max()) + 1

@@ -98,8 +98,10 @@ def find_c_peak(tokens, latencies, delta: float = DEFAULT_DELTA) -> int:
 def fingerprint() -> dict:
     """The machine facts a profile depends on: CPU model, its vector ISA as torch sees it (two "AMD EPYC"
     machines differ 500x in bf16 matmul rate), cores, torch threads, torch version; and the engine's
-    few-token path threshold on AMX (``Engine.KERNEL_TOKENS_AMX``) and whether bf16 panels take bf16
-    arithmetic (``kernels.dot_bf16``)."""
+    few-token path threshold on AMX (``Engine.KERNEL_TOKENS_AMX``), whether bf16 panels take bf16
+    arithmetic (``kernels.dot_bf16``) and the kernels' source hash (``kernels.source_hash``; session 35's
+    change to how threads share a linear's input rows made 12- and 16-token forwards 1.7-1.9x faster, which
+    moves the knee)."""
     cpu = platform.processor() or platform.machine()
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
@@ -112,7 +114,8 @@ def fingerprint() -> dict:
 
     return {"cpu": cpu, "isa": torch.backends.cpu.get_cpu_capability(), "native_bf16": fast_bf16(),
             "cores": os.cpu_count(), "torch_threads": torch.get_num_threads(), "torch": torch.__version__,
-            "kernel_tokens_amx": Engine.KERNEL_TOKENS_AMX, **({"dot_bf16": True} if kernels.dot_bf16() else {})}
+            "kernel_tokens_amx": Engine.KERNEL_TOKENS_AMX, **({"dot_bf16": True} if kernels.dot_bf16() else {}),
+            "kernels": kernels.source_hash() if kernels.skinny() is not None else "off"}
 
 
 def dtype_name(dtype) -> str:

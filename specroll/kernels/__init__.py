@@ -37,6 +37,13 @@ MAX_ROWS = 32  # AVX2: up to here the kernel beat oneDNN on every SmolLM2 shape 
 MAX_ROWS_AVX512 = 96
 
 
+@functools.cache
+def source_hash() -> str:
+    """A short hash of the kernels' sources and headers: what a measured latency curve (``engine.profiler``)
+    depends on beyond the machine, so a changed kernel gets a new profile instead of a stale C_peak."""
+    return hashlib.sha256(b"".join(p.read_bytes() for p in SRCS + HEADERS)).hexdigest()[:12]
+
+
 def _build_dir() -> Path:
     from ..models.hub import home
 

@@ -34,7 +34,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .. import kernels
-from ..engine.cache import SlotCausal
+from ..engine.cache import PackedCausal, SlotCausal
 
 SUPPORTED_ARCHS = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
 
@@ -314,8 +314,8 @@ def rotate(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> torc
 
 
 def _tensor(mask):
-    """A mask as a tensor (``cache.SlotCausal`` made into one), or None."""
-    return mask.tensor() if isinstance(mask, SlotCausal) else mask
+    """A mask as a tensor (a ``cache.SlotCausal`` or ``cache.PackedCausal`` rule made into one), or None."""
+    return mask.tensor() if isinstance(mask, (SlotCausal, PackedCausal)) else mask
 
 
 def fold_mask(mask: torch.Tensor, groups: int) -> torch.Tensor:
@@ -461,8 +461,27 @@ class Block(nn.Module):
     def _attend(self, qf, K, V, mask, B: int, T: int):
         """``attend`` of the folded queries (B, KV, G*T, hd), back in HF head order: (B, T, nh * hd)."""
         nkv, hd = self.cfg.num_kv_heads, self.cfg.head_dim
+        if isinstance(mask, PackedCausal):
+            return self._attend_packed(qf, K.to(qf.dtype), V.to(qf.dtype), mask.lens)
         a = attend(qf, K.to(qf.dtype), V.to(qf.dtype), mask)  # (B, KV, G*T, hd)
         return a.view(B, nkv, -1, T, hd).permute(0, 3, 1, 2, 4).reshape(B, T, -1)
+
+    def _attend_packed(self, qf, K, V, lens: list[int]):
+        """``_attend`` over one row of prompts packed end to end (``PackedCausal``): each prompt's queries attend
+        causally over its own keys, one SDPA call per prompt, with each KV head's keys shared by its G query heads
+        as a broadcast view. qf (1, KV, G*N, hd), K / V (1, KV, N, hd) -> (1, N, nh * hd)."""
+        nkv, hd = self.cfg.num_kv_heads, self.cfg.head_dim
+        N = K.shape[2]
+        G = qf.shape[2] // N
+        q5 = qf[0].view(nkv, G, N, hd)
+        out = qf.new_empty(N, nkv, G, hd)
+        s = 0
+        for n in lens:
+            k = K[0, :, None, s:s + n].expand(nkv, G, n, hd)
+            v = V[0, :, None, s:s + n].expand(nkv, G, n, hd)
+            out[s:s + n] = F.scaled_dot_product_attention(q5[:, :, s:s + n], k, v, is_causal=True).permute(2, 0, 1, 3)
+            s += n
+        return out.view(1, N, nkv * G * hd)
 
     def _out(self, x, a):
         x = self.o(a, residual=x)
@@ -519,7 +538,8 @@ class Decoder(nn.Module):
                 cache.k, cache.v, slots, None if causal else self.fold_mask(_tensor(mask)), cfg.num_heads,
                 cfg.num_kv_heads, cache._span, cfg.head_dim ** -0.5, cfg.rms_eps, **more)
             return x if norm else self.norm(x)
-        m = self.fold_mask(_tensor(mask))
+        # a packed prefill's rule goes to the layers as it is (``Block._attend`` attends prompt by prompt)
+        m = mask if isinstance(mask, PackedCausal) and not torch.is_grad_enabled() else self.fold_mask(_tensor(mask))
         for i, layer in enumerate(self.layers):
             kv = None if cache is None else cache.writer(i, slots)
             x = layer(x, cos, sin, kv, m)
