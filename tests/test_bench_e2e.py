@@ -40,6 +40,9 @@ def test_bench_e2e_spec_modes_rows_ratios_and_figure(tmp_path, capsys):
         assert r["speedup_vs_trl"] is None
         assert res["reward_curves"][r["spec"]] == r["reward_mean_per_step"]
         sm = r["spec_metrics_per_step"]
+        # rows the update forwarded (the others had zero advantage): a step's 2 prompts x 2 completions at most
+        assert len(sm["actor/rows_forwarded"]) == len(r["step_s_all"])
+        assert all(x in (0, 2, 4) for x in sm["actor/rows_forwarded"]), sm["actor/rows_forwarded"]
         reuses = r["spec"] in ("reuse", "reuse+draft")
         # epoch 1 has nothing to reuse; with lenience inf epoch 2 reuses every token
         assert (sm.get("spec/reuse_ratio") == [0.0, 1.0]) == reuses, (r["spec"], sm)

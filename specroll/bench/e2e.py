@@ -79,7 +79,7 @@ TRL_MISSING = "TRL is not installed ({}); install the bench extra: pip install '
 PHASES = ("rollout", "reward", "logprob", "update", "draft_update")
 SPEC_KEYS = ("spec/reuse_ratio", "spec/skip_ratio", "spec/avg_cut_idx", "spec/accept_length", "spec/accept_rate",
              "rollout/spec_accept_length", "rollout/spec_accept_rate", "rollout/tokens_generated", "timing/verify",
-             "draft/loss")
+             "draft/loss", "actor/rows_forwarded")  # rows_forwarded: the update skips rows of zero advantage
 
 
 def spec_modes(s: str) -> list[str]:
@@ -494,8 +494,10 @@ def cli(args) -> int:
         eng = f", engine rollout {r['rollout_s']:.2f}" if r.get("rollout_s") is not None else ""
         pt = "" if r.get("ms_per_token_median") is None else f"  {r['ms_per_token_median']:.2f} ms/token" + (
             f" ({r['speedup_vs_trl_per_token']:.2f}x vs trl)" if r.get("speedup_vs_trl_per_token") else "")
+        fw = [x for x in r.get("spec_metrics_per_step", {}).get("actor/rows_forwarded", []) if x is not None]
+        fw = f", update rows {statistics.median(fw):.0f}" if fw else ""  # zero-advantage rows are not forwarded
         print(f"{r['system']:12s} {_label(r):12s} step {r['step_s_median']:.2f}s  tokens/step "
-              f"{r['tokens_per_step']:.0f}{vs}{pt}  ({ph}{eng})")
+              f"{r['tokens_per_step']:.0f}{vs}{pt}  ({ph}{eng}{fw})")
     if res.get("trl_missing"):
         print(res["trl_missing"])
     print(f"wrote {args.out} and {res['figure']}")
