@@ -101,7 +101,8 @@ def fingerprint() -> dict:
     few-token path threshold on AMX (``Engine.KERNEL_TOKENS_AMX``), whether bf16 panels take bf16
     arithmetic (``kernels.dot_bf16``) and the kernels' source hash (``kernels.source_hash``; session 35's
     change to how threads share a linear's input rows made 12- and 16-token forwards 1.7-1.9x faster, which
-    moves the knee)."""
+    moves the knee) and the folded queries up to which a step stays in the one-call stack
+    (``decoder.STEP_KERNEL_QUERIES``)."""
     cpu = platform.processor() or platform.machine()
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
@@ -110,12 +111,14 @@ def fingerprint() -> dict:
                 break
     except OSError:
         pass
+    from ..models import decoder
     from .engine import Engine  # the engine's path choice shapes the curve: a new choice, a new profile
 
     return {"cpu": cpu, "isa": torch.backends.cpu.get_cpu_capability(), "native_bf16": fast_bf16(),
             "cores": os.cpu_count(), "torch_threads": torch.get_num_threads(), "torch": torch.__version__,
             "kernel_tokens_amx": Engine.KERNEL_TOKENS_AMX, **({"dot_bf16": True} if kernels.dot_bf16() else {}),
-            "kernels": kernels.source_hash() if kernels.skinny() is not None else "off"}
+            "kernels": kernels.source_hash() if kernels.skinny() is not None else "off",
+            "step_kernel_queries": decoder.STEP_KERNEL_QUERIES}
 
 
 def dtype_name(dtype) -> str:

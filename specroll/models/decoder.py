@@ -324,14 +324,19 @@ def fold_mask(mask: torch.Tensor, groups: int) -> torch.Tensor:
     return mask[:, None, None].expand(B, 1, groups, T, S).reshape(B, 1, groups * T, S)
 
 
-MAX_KERNEL_QUERIES = 64  # folded queries per (row, KV head) up to which ``attend`` uses the kernel (decode, trees)
+MAX_KERNEL_QUERIES = 64  # folded queries per (row, KV head) up to which ``attend`` uses the kernel (cache-free passes)
+# ... and up to which a cached step's RoPE + K/V write + attention is one kernel call (``fused_step``), so up to which
+# a step stays in the one-call stack: G x ``kernels.max_rows()`` for SmolLM2 (G = 3). At 64 a 24-token forward of one
+# row left the stack for the Python loop with SDPA: forward + logits at 24 / 32 / 64 / 96 tokens took 15.2 / 18.3 /
+# 32.7 / 46.5 ms against 10.1 / 12.6 / 24.3 / 38.1 within it (bf16, Zen 5, 2026-11-26, alternating in one process)
+STEP_KERNEL_QUERIES = 288
 
 
 def fused_step(qkv: torch.Tensor, layer_kv, queries: int) -> bool:
     """Whether a layer's RoPE + cache write + attention can run as one kernel call: an fp32 step without
-    autograd over a KV-cache layer (``engine.cache.LayerWriter``, fp32 or bf16) with at most ``MAX_KERNEL_QUERIES``
+    autograd over a KV-cache layer (``engine.cache.LayerWriter``, fp32 or bf16) with at most ``STEP_KERNEL_QUERIES``
     folded queries per (row, KV head), and the kernels built."""
-    return (qkv.dtype == torch.float32 and queries <= MAX_KERNEL_QUERIES and hasattr(layer_kv, "slots")
+    return (qkv.dtype == torch.float32 and queries <= STEP_KERNEL_QUERIES and hasattr(layer_kv, "slots")
             and kernel_cache(layer_kv.k) and not torch.is_grad_enabled() and kernels.skinny() is not None)
 
 
@@ -550,13 +555,13 @@ class Decoder(nn.Module):
     def _fused_weights(self, x: torch.Tensor, cache) -> list[torch.Tensor] | None:
         """The packed weights of every layer for ``kernels``' ``decoder_layers``, or None where the Python loop
         must run: autograd on, not fp32 activations, no kernels, q/k norms, more rows than the skinny kernel
-        takes (``kernels.max_rows()``), more folded queries than the attention kernel's (``MAX_KERNEL_QUERIES``),
+        takes (``kernels.max_rows()``), more folded queries than a step's attention kernel's (``STEP_KERNEL_QUERIES``),
         or no ``KVCache`` (a cache-free pass, a packed prefill). Each layer then runs exactly the kernel calls
         ``Block.forward`` makes for such a step, without Python between them."""
         cfg = self.cfg
         B, T, _ = x.shape
         if (x.dtype != torch.float32 or torch.is_grad_enabled() or cfg.qk_norm or B * T > kernels.max_rows()
-                or cfg.num_heads // cfg.num_kv_heads * T > MAX_KERNEL_QUERIES or not isinstance(getattr(cache, "k", None), torch.Tensor)
+                or cfg.num_heads // cfg.num_kv_heads * T > STEP_KERNEL_QUERIES or not isinstance(getattr(cache, "k", None), torch.Tensor)
                 or cache.k.dim() != 5 or not kernel_cache(cache.k) or kernels.skinny() is None):
             return None
         kind = "skinny_bf16" if bf16_weights_on() else "skinny"
