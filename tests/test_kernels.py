@@ -586,6 +586,22 @@ def test_decoder_layers_in_one_call_equal_the_python_layer_loop(monkeypatch, arc
         assert torch.equal(a, b)
 
 
+def _at_thread_counts(model, bf16w: bool, T: int, tree: bool, seed: int, B: int) -> list:
+    """``_step_outputs`` (a 40-slot cache) at 1, 2 and 3 threads, bf16-weight panels or not."""
+    from specroll.models import decoder
+
+    n = torch.get_num_threads()
+    outs = []
+    try:
+        for threads in (1, 2, 3):
+            torch.set_num_threads(threads)
+            with torch.no_grad(), decoder.bf16_weights(bf16w):
+                outs.append(_step_outputs(model, 40, T, tree, seed=seed, B=B))
+    finally:
+        torch.set_num_threads(n)
+    return outs
+
+
 @needs_kernel
 @pytest.mark.parametrize("bf16w", [False, True])
 @pytest.mark.parametrize("T,tree,B", [(1, False, 1), (7, True, 1), (3, False, 4)])
@@ -598,15 +614,7 @@ def test_decoder_layers_give_the_same_bits_at_any_thread_count(T, tree, B, bf16w
 
     torch.manual_seed(3)
     model = decoder.Decoder(decoder.DecoderConfig.from_hf(tiny_hf_config("qwen2"))).eval()
-    n = torch.get_num_threads()
-    outs = []
-    try:
-        for threads in (1, 2, 3):
-            torch.set_num_threads(threads)
-            with torch.no_grad(), decoder.bf16_weights(bf16w):
-                outs.append(_step_outputs(model, 40, T, tree, seed=T, B=B))
-    finally:
-        torch.set_num_threads(n)
+    outs = _at_thread_counts(model, bf16w, T, tree, seed=T, B=B)
     for other in outs[1:]:
         for a, b in zip(outs[0][:3], other[:3]):
             assert torch.equal(a, b)
@@ -626,18 +634,10 @@ def test_shared_input_rows_at_odd_widths_give_the_loops_bits_at_any_thread_count
     torch.manual_seed(5)
     model = decoder.Decoder(decoder.DecoderConfig.from_hf(
         tiny_hf_config("llama", hidden_size=72, intermediate_size=136))).eval()
-    n = torch.get_num_threads()
-    outs = []
-    try:
-        for threads in (1, 2, 3):
-            torch.set_num_threads(threads)
-            with torch.no_grad(), decoder.bf16_weights(bf16w):
-                outs.append(_step_outputs(model, 40, 3, False, seed=5, B=4))
-        monkeypatch.setattr(decoder.Decoder, "_fused_weights", lambda self, x, cache: None)
-        with torch.no_grad(), decoder.bf16_weights(bf16w):
-            loop = _step_outputs(model, 40, 3, False, seed=5, B=4)
-    finally:
-        torch.set_num_threads(n)
+    outs = _at_thread_counts(model, bf16w, 3, False, seed=5, B=4)
+    monkeypatch.setattr(decoder.Decoder, "_fused_weights", lambda self, x, cache: None)
+    with torch.no_grad(), decoder.bf16_weights(bf16w):
+        loop = _step_outputs(model, 40, 3, False, seed=5, B=4)
     for other in outs:
         for a, b in zip(loop[:3], other[:3]):
             assert torch.equal(a, b)
