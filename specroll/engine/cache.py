@@ -71,11 +71,14 @@ class PackedCausal:
     def __init__(self, lens: list[int]):
         self.lens = list(lens)
 
+    def index(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(N,) each packed token's prompt and its position in that prompt."""
+        rows = torch.repeat_interleave(torch.arange(len(self.lens)), torch.tensor(self.lens))
+        return rows, torch.cat([torch.arange(n) for n in self.lens])
+
     def tensor(self) -> torch.Tensor:
         """(1, N, N): token i sees token j iff both are of the same prompt and j <= i."""
-        lens = torch.tensor(self.lens)
-        rows = torch.repeat_interleave(torch.arange(len(self.lens)), lens)
-        slots = torch.cat([torch.arange(n) for n in self.lens])
+        rows, slots = self.index()
         return ((rows[:, None] == rows[None, :]) & (slots[None, :] <= slots[:, None]))[None]
 
 
@@ -88,14 +91,14 @@ class PackedPrefill:
 
     def __init__(self, cache: KVCache, lens: list[int]):
         self.cache = cache
-        self.lens = list(lens)
-        self.rows = torch.repeat_interleave(torch.arange(len(lens)), torch.tensor(lens))[None]  # (1, N)
-        self.slots = torch.cat([torch.arange(n) for n in lens])[None]  # (1, N)
+        self.rule = PackedCausal(lens)
+        rows, slots = self.rule.index()
+        self.rows, self.slots = rows[None], slots[None]  # (1, N)
 
     def mask(self) -> PackedCausal:
         """The block-diagonal causal visibility of the pack, as a rule (``PackedCausal``; ``.tensor()`` for the
         (1, N, N) bool mask)."""
-        return PackedCausal(self.lens)
+        return self.rule
 
     def prepare(self, slots: torch.Tensor) -> None:
         span = int(self.slots.max()) + 1

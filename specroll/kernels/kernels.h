@@ -17,7 +17,7 @@
 namespace specroll {
 
 // A linear's packed weight, checked against K and N: kind 0 fp32 panels, 1 bf16 panels, 2 int8 panels,
-// 3 paired bf16 panels (vdpbf16ps; the input rows then go as bf16 pairs, ``pairs_rows``). ``tasks``: the units
+// 3 paired bf16 panels (vdpbf16ps; the input rows then go as bf16 pairs, ``pairs_cols``). ``tasks``: the units
 // threads divide (panels, or pairs of interleaved panels).
 struct LinearOp {
   int kind = 0;
@@ -39,9 +39,8 @@ constexpr int64_t LINEAR_GRAIN = 8;
 // [gate | up], 2K wide), else a copy; x rows Kx apart, out rows K apart.
 void prologue_rows(const float* x, int64_t Kx, int64_t K, int64_t m0, int64_t m1, float* out, const float* g,
                    float eps, bool gated);
-// Rows [m0, m1) of x (M, K) fp32 as bf16 pairs, pair-major: out[j * M + m] (kind 3's input).
-void pairs_rows(const float* x, int64_t M, int64_t K, int64_t m0, int64_t m1, uint32_t* out);
-// The same for pairs [j0, j1) of every row (j0 a multiple of 16): how threads split a shared output.
+// Pairs [j0, j1) (j0 a multiple of 16) of x (M, K) fp32 as bf16 pairs, pair-major: out[j * M + m] (kind 3's input);
+// threads that share the output split it this way, as rows of one pair share its cache lines.
 void pairs_cols(const float* x, int64_t M, int64_t K, int64_t j0, int64_t j1, uint32_t* out);
 
 // One thread's part of a parallel region that runs linears one after another (``decoder_layers``,

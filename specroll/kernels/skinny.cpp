@@ -365,16 +365,15 @@ bool cpu_avx512bf16() {
   return v;
 }
 
-// rows [m0, m1) of x (M, K) fp32 -> (ceil(K / 2), M) bf16 pairs, pair-major: the M rows' pair j side by side, so a k step of
+// x (M, K) fp32 -> (ceil(K / 2), M) bf16 pairs, pair-major: the M rows' pair j side by side, so a k step of
 // ``acc512dp`` broadcasts from one pointer at constant offsets (row-major, each row would need its own pointer:
 // 16 of them spill). Rounded to nearest even; an odd K's last pair is padded with 0. Only pairs [j0, j1) when
 // given (j0 a multiple of 16): threads that share the output split it by pairs, not by rows, as rows of one pair
 // share its cache lines.
-SPECROLL_TBF16 void to_pairs(const float* x, int64_t M, int64_t K, int64_t m0, int64_t m1, uint32_t* out,
-                             int64_t j0 = 0, int64_t j1 = -1) {
+SPECROLL_TBF16 void to_pairs(const float* x, int64_t M, int64_t K, uint32_t* out, int64_t j0 = 0, int64_t j1 = -1) {
   const int64_t K2 = (K + 1) / 2, jend = j1 < 0 ? K2 : std::min(j1, K2);
   alignas(64) uint32_t row[16];
-  for (int64_t m = m0; m < m1; m++) {
+  for (int64_t m = 0; m < M; m++) {
     const float* xr = x + m * K;
     for (int64_t k = 2 * j0; k < 2 * jend; k += 32) {  // 32 floats -> 16 pairs
       const int64_t n = std::min<int64_t>(32, K - k);
@@ -688,12 +687,8 @@ void prologue_rows(const float* x, int64_t Kx, int64_t K, int64_t m0, int64_t m1
   }
 }
 
-void pairs_rows(const float* x, int64_t M, int64_t K, int64_t m0, int64_t m1, uint32_t* out) {
-  to_pairs(x, M, K, m0, m1, out);
-}
-
 void pairs_cols(const float* x, int64_t M, int64_t K, int64_t j0, int64_t j1, uint32_t* out) {
-  to_pairs(x, M, K, 0, M, out, j0, j1);
+  to_pairs(x, M, K, out, j0, j1);
 }
 
 void split_range(int64_t tasks, int64_t grain, int64_t nth, int64_t tid, int64_t& t0, int64_t& t1) {
@@ -789,7 +784,7 @@ void RegionLinears::input(const LinearOp& op, int64_t M, const float* src, int64
   pairs = nullptr;
   if (op.kind == 3) {
     if (own) {
-      pairs_rows(in, M, op.K, 0, M, pbuf);
+      pairs_cols(in, M, op.K, 0, (op.K + 1) / 2, pbuf);
     } else {  // split by pairs: a split by rows had both threads write every cache line of the output
       const int64_t K2 = (op.K + 1) / 2;
       int64_t c0, c1;  // chunks of 16 pairs
@@ -822,7 +817,7 @@ torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& wp, int64_t N,
   if (bias) b = bias->contiguous();
   const auto op = specroll::linear_op(wp, N, K, bias ? c10::optional<torch::Tensor>(b) : c10::nullopt);
   std::vector<uint32_t> xpairs(op.kind == 3 ? M * ((K + 1) / 2) : 0);  // the input rows as bf16 pairs (``to_pairs``)
-  if (op.kind == 3) to_pairs(x2.data_ptr<float>(), M, K, 0, M, xpairs.data());
+  if (op.kind == 3) to_pairs(x2.data_ptr<float>(), M, K, xpairs.data());
   auto out_shape = x.sizes().vec();
   out_shape.back() = N;
   auto y = torch::empty({M, N}, x.options());
