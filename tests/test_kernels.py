@@ -524,6 +524,53 @@ def test_fused_rope_attention_step_matches_eager(monkeypatch, arch, T, tree, B, 
         torch.testing.assert_close(V[:, b, :, : n + T], eager[2][:, b, :, : n + T], **tol)
 
 
+@needs_kernel
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+@pytest.mark.parametrize("T,tree,B", [(1, False, 4), (6, True, 4), (40, False, 4), (96, False, 1)])
+def test_bf16_step_attends_through_the_kernel(monkeypatch, arch, T, tree, B):
+    """A bf16 cached forward (the wide forwards of bf16 rollouts: reuse verification, trees past the kernel
+    path's tokens) runs RoPE + cache write + attention in ``rope_attention`` on fp32 copies of its projections,
+    and agrees with the PyTorch path (bf16 RoPE tables, SDPA) to bf16 precision: hidden states, and K/V in the
+    cache within one bf16 rounding step. Both are compared with an fp32 model's forward on the same inputs: the
+    kernel path must be no further from it than the PyTorch path is, up to a quarter more."""
+    from specroll.models import decoder
+    from specroll.models.tiny import tiny_hf_config
+
+    torch.manual_seed(2)
+    ref_model = decoder.Decoder(decoder.DecoderConfig.from_hf(tiny_hf_config(arch))).eval()
+    model = decoder.Decoder(ref_model.cfg).eval()
+    model.load_state_dict(ref_model.state_dict())
+    model.to(torch.bfloat16)
+    calls = []
+    real = ext
+
+    class Spy:
+        def __getattr__(self, name):
+            if name == "rope_attention":
+                calls.append(name)
+            return getattr(real, name)
+
+    monkeypatch.setattr(kernels, "skinny", lambda: Spy())
+    with torch.no_grad():
+        fused = _step_outputs(model, 140, T, tree, seed=T, B=B, kv=torch.bfloat16)
+        assert fused[0].dtype == torch.bfloat16 and calls, "the bf16 step did not take the attention kernel"
+        monkeypatch.setattr(decoder, "STEP_KERNEL_QUERIES", 0)
+        calls.clear()
+        eager = _step_outputs(model, 140, T, tree, seed=T, B=B, kv=torch.bfloat16)
+        assert not calls
+        monkeypatch.undo()
+        ref = _step_outputs(ref_model, 140, T, tree, seed=T, B=B, kv=torch.float32)
+    h, K, V, lens = fused
+    torch.testing.assert_close(h.float(), eager[0].float(), atol=5e-2, rtol=5e-2)
+    err_kernel, err_eager = ((x[0].float() - ref[0]).abs().mean() for x in (fused, eager))
+    assert err_kernel <= 1.25 * err_eager, (float(err_kernel), float(err_eager))
+    for b, n in enumerate(lens.tolist()):  # the new slots: RoPE'd in fp32 (kernel) or bf16 (PyTorch), then rounded
+        torch.testing.assert_close(K[:, b, :, n: n + T].float(), eager[1][:, b, :, n: n + T].float(),
+                                   atol=2e-2, rtol=2 ** -6)
+        torch.testing.assert_close(V[:, b, :, n: n + T].float(), eager[2][:, b, :, n: n + T].float(),
+                                   atol=2e-2, rtol=2 ** -6)
+
+
 def test_cli_bench_engine_rows_on_a_tiny_model(tmp_path, monkeypatch):
     """`bench engine` (no HF side) writes a row per batch size with the bf16/fp32 ratio and a finite bound;
     the bf16 weight mode is recorded."""

@@ -333,11 +333,14 @@ STEP_KERNEL_QUERIES = 288
 
 
 def fused_step(qkv: torch.Tensor, layer_kv, queries: int) -> bool:
-    """Whether a layer's RoPE + cache write + attention can run as one kernel call: an fp32 step without
-    autograd over a KV-cache layer (``engine.cache.LayerWriter``, fp32 or bf16) with at most ``STEP_KERNEL_QUERIES``
-    folded queries per (row, KV head), and the kernels built."""
-    return (qkv.dtype == torch.float32 and queries <= STEP_KERNEL_QUERIES and hasattr(layer_kv, "slots")
-            and kernel_cache(layer_kv.k) and not torch.is_grad_enabled() and kernels.skinny() is not None)
+    """Whether a layer's RoPE + cache write + attention can run as one kernel call: a step without autograd over
+    a KV-cache layer (``engine.cache.LayerWriter``, fp32 or bf16) with at most ``STEP_KERNEL_QUERIES`` folded
+    queries per (row, KV head), and the kernels built. The kernel computes in fp32; a bf16 step (the wide
+    forwards of bf16 rollouts: reuse verification, trees past ``Engine.kernel_tokens``) hands it fp32 copies
+    of its projections (``Block.forward``)."""
+    return (qkv.dtype in (torch.float32, torch.bfloat16) and queries <= STEP_KERNEL_QUERIES
+            and hasattr(layer_kv, "slots") and kernel_cache(layer_kv.k) and not torch.is_grad_enabled()
+            and kernels.skinny() is not None)
 
 
 def kernel_cache(k: torch.Tensor) -> bool:
@@ -417,10 +420,14 @@ class Block(nn.Module):
         cfg = self.cfg
         T = x.shape[1]
         qkv = self.qkv(x, norm=self.attn_norm)  # (B, T, (nh + 2 nkv) hd)
-        if fused_step(qkv, layer_kv, cfg.num_heads // cfg.num_kv_heads * T) and not cfg.qk_norm:
-            a = kernels.skinny().rope_attention(qkv, cos, sin, layer_kv.k, layer_kv.v, layer_kv.slots, mask,
+        if (fused_step(qkv, layer_kv, cfg.num_heads // cfg.num_kv_heads * T) and not cfg.qk_norm
+                and cos.dtype == torch.float32):
+            # bf16 steps too (fp32 tables from ``Decoder.forward``): CPU SDPA with a mask took 2.3-2.6x the kernel's
+            # time on a bf16 verification's shapes (8-32 rows x 42 tokens over 140 slots, Zen 5, 2026-11-26)
+            a = kernels.skinny().rope_attention(qkv.float(), cos, sin, layer_kv.k, layer_kv.v, layer_kv.slots, mask,
                                                 cfg.num_heads, cfg.num_kv_heads, layer_kv.span, cfg.head_dim ** -0.5)
-            return self._out(x, a)  # a: (B, T, nh hd)
+            return self._out(x, a.to(x.dtype))  # a: (B, T, nh hd)
+        cos, sin = cos.to(qkv.dtype), sin.to(qkv.dtype)  # fp32 tables of a bf16 step that did not fit the kernel
         qf, k, v = self._heads(qkv, cos, sin)
         K, V = (k.transpose(1, 2), v.transpose(1, 2)) if layer_kv is None else layer_kv(k, v)  # (B, KV, S, hd)
         return self._post(x, qf, K, V, mask)
@@ -522,7 +529,9 @@ class Decoder(nn.Module):
         """
         dtype = act_dtype or self.dtype
         x = self.embed(ids).to(dtype)
-        cos, sin = self.rope(positions, dtype)
+        # a bf16 step over a KV cache may take the fp32 attention kernel (``Block.forward``), which wants fp32 tables;
+        # cast to bf16 where it does not, they are the bits ``rope(positions, bf16)`` gives
+        cos, sin = self.rope(positions, torch.float32 if cache is not None and not torch.is_grad_enabled() else dtype)
         T = ids.shape[1]
         if mask is None and cache is None and T > 1:
             mask = torch.ones(T, T, dtype=torch.bool).tril()[None]
