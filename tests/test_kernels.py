@@ -526,11 +526,11 @@ def test_fused_rope_attention_step_matches_eager(monkeypatch, arch, T, tree, B, 
 
 @needs_kernel
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
-@pytest.mark.parametrize("T,tree,B", [(1, False, 4), (6, True, 4), (40, False, 4), (96, False, 1)])
+@pytest.mark.parametrize("T,tree,B", [(1, False, 4), (6, True, 4), (40, False, 4), (150, False, 1)])
 def test_bf16_step_attends_through_the_kernel(monkeypatch, arch, T, tree, B):
     """A bf16 cached forward (the wide forwards of bf16 rollouts: reuse verification, trees past the kernel
     path's tokens) runs RoPE + cache write + attention in ``rope_attention`` on fp32 copies of its projections,
-    and agrees with the PyTorch path (bf16 RoPE tables, SDPA) to bf16 precision: hidden states, and K/V in the
+    past the fp32 step's query limit too (150 tokens: 300 folded queries), and agrees with the PyTorch path (bf16 RoPE tables, SDPA) to bf16 precision: hidden states, and K/V in the
     cache within one bf16 rounding step. Both are compared with an fp32 model's forward on the same inputs: the
     kernel path must be no further from it than the PyTorch path is, up to a quarter more."""
     from specroll.models import decoder
@@ -541,6 +541,8 @@ def test_bf16_step_attends_through_the_kernel(monkeypatch, arch, T, tree, B):
     model = decoder.Decoder(ref_model.cfg).eval()
     model.load_state_dict(ref_model.state_dict())
     model.to(torch.bfloat16)
+    if T == 150:  # the case past the fp32 step's limit is past it
+        assert T * model.cfg.num_heads // model.cfg.num_kv_heads > decoder.STEP_KERNEL_QUERIES
     calls = []
     real = ext
 
@@ -552,14 +554,14 @@ def test_bf16_step_attends_through_the_kernel(monkeypatch, arch, T, tree, B):
 
     monkeypatch.setattr(kernels, "skinny", lambda: Spy())
     with torch.no_grad():
-        fused = _step_outputs(model, 140, T, tree, seed=T, B=B, kv=torch.bfloat16)
+        fused = _step_outputs(model, 200, T, tree, seed=T, B=B, kv=torch.bfloat16)
         assert fused[0].dtype == torch.bfloat16 and calls, "the bf16 step did not take the attention kernel"
-        monkeypatch.setattr(decoder, "STEP_KERNEL_QUERIES", 0)
+        monkeypatch.setattr(decoder, "WIDE_KERNEL_SCORES", 0)
         calls.clear()
-        eager = _step_outputs(model, 140, T, tree, seed=T, B=B, kv=torch.bfloat16)
+        eager = _step_outputs(model, 200, T, tree, seed=T, B=B, kv=torch.bfloat16)
         assert not calls
         monkeypatch.undo()
-        ref = _step_outputs(ref_model, 140, T, tree, seed=T, B=B, kv=torch.float32)
+        ref = _step_outputs(ref_model, 200, T, tree, seed=T, B=B, kv=torch.float32)
     h, K, V, lens = fused
     torch.testing.assert_close(h.float(), eager[0].float(), atol=5e-2, rtol=5e-2)
     err_kernel, err_eager = ((x[0].float() - ref[0]).abs().mean() for x in (fused, eager))

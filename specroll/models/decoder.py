@@ -330,16 +330,23 @@ MAX_KERNEL_QUERIES = 64  # folded queries per (row, KV head) up to which ``atten
 # row left the stack for the Python loop with SDPA: forward + logits at 24 / 32 / 64 / 96 tokens took 15.2 / 18.3 /
 # 32.7 / 46.5 ms against 10.1 / 12.6 / 24.3 / 38.1 within it (bf16, Zen 5, 2026-11-26, alternating in one process)
 STEP_KERNEL_QUERIES = 288
+# A bf16 step (the wide forwards of bf16 rollouts: reuse verification, trees past ``Engine.kernel_tokens``) takes the
+# kernel up to this many folded queries x visible slots per (row, KV head): the kernel holds a task's scores, 4 bytes
+# each, per thread (16 MB here; one row of 1,024 new tokens over 1,100 slots is 3.4 M). CPU SDPA with a mask took
+# 1.2-2.6x the kernel's time from 8 rows x 42 tokens over 140 slots to 1 row x 1,024 over 1,100 (Zen 5, 2026-11-26)
+WIDE_KERNEL_SCORES = 1 << 22
 
 
 def fused_step(qkv: torch.Tensor, layer_kv, queries: int) -> bool:
     """Whether a layer's RoPE + cache write + attention can run as one kernel call: a step without autograd over
-    a KV-cache layer (``engine.cache.LayerWriter``, fp32 or bf16) with at most ``STEP_KERNEL_QUERIES`` folded
-    queries per (row, KV head), and the kernels built. The kernel computes in fp32; a bf16 step (the wide
-    forwards of bf16 rollouts: reuse verification, trees past ``Engine.kernel_tokens``) hands it fp32 copies
-    of its projections (``Block.forward``)."""
-    return (qkv.dtype in (torch.float32, torch.bfloat16) and queries <= STEP_KERNEL_QUERIES
-            and hasattr(layer_kv, "slots") and kernel_cache(layer_kv.k) and not torch.is_grad_enabled()
+    a KV-cache layer (``engine.cache.LayerWriter``, fp32 or bf16) and the kernels built, with at most
+    ``STEP_KERNEL_QUERIES`` folded queries per (row, KV head) in fp32, ``WIDE_KERNEL_SCORES`` queries x slots in
+    bf16. The kernel computes in fp32; a bf16 step hands it fp32 copies of its projections (``Block.forward``)."""
+    if qkv.dtype == torch.float32:
+        fits = queries <= STEP_KERNEL_QUERIES
+    else:
+        fits = qkv.dtype == torch.bfloat16 and queries * getattr(layer_kv, "span", 0) <= WIDE_KERNEL_SCORES
+    return (fits and hasattr(layer_kv, "slots") and kernel_cache(layer_kv.k) and not torch.is_grad_enabled()
             and kernels.skinny() is not None)
 
 
