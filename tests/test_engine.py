@@ -184,6 +184,42 @@ def test_policy_logprobs_match_full_forward():
         torch.testing.assert_close(o.sample_logprobs, slp, atol=1e-4, rtol=1e-4)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("N", [5, 300])
+def test_token_logprobs_match_the_full_log_softmax(monkeypatch, dtype, N):
+    """``Engine.token_logprobs`` (one ``lse_block_`` pass over the lm_head's raw logits, bf16 on the bf16 engine's
+    wide path) gives log softmax(``Engine.logits``)[token]: at few rows (the kernel path) and many, and without the
+    kernels (the torch reference path)."""
+    from specroll import kernels
+    from specroll.engine.sampling import token_logprobs
+
+    _, model = tiny_hf("llama", seed=3)
+    eng = Engine(model, eos_ids=[], dtype=dtype)
+    g = torch.Generator().manual_seed(N)
+    h = (torch.randn(N, model.cfg.hidden_size, generator=g) * 3).to(eng.act_dtype)
+    tokens = torch.randint(0, model.cfg.vocab_size, (N,), generator=g)
+    with torch.no_grad():
+        ref = token_logprobs(eng.logits(h), tokens)
+        ext = kernels.skinny()
+        calls = []
+        if ext is not None:
+            class Spy:
+                def __getattr__(self, name):
+                    if name == "lse_block_":
+                        calls.append(name)
+                    return getattr(ext, name)
+
+            monkeypatch.setattr(kernels, "skinny", lambda: Spy())
+        got = eng.token_logprobs(h, tokens)
+        wide = not (eng.kernel_tokens and kernels.dot_bf16() and N <= eng.kernel_tokens)
+        assert bool(calls) == (ext is not None and wide)
+        monkeypatch.setattr(kernels, "skinny", lambda: None)  # the linears' arithmetic changes too: a new reference
+        plain, ref_plain = eng.token_logprobs(h, tokens), token_logprobs(eng.logits(h), tokens)
+    assert got.dtype == torch.float32 and got.shape == (N,)
+    torch.testing.assert_close(got, ref, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(plain, ref_plain, atol=1e-5, rtol=1e-5)
+
+
 def test_seeded_sampling_is_reproducible():
     _, model = tiny_hf("llama")
     eng = Engine(model, eos_ids=[])

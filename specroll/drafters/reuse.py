@@ -510,13 +510,13 @@ class ReuseDrafter:
         step = max(1, _LOGIT_BUDGET // engine.model.cfg.vocab_size)
         plain = params.temperature == 1.0 and params.top_p == 1.0 and params.top_k == 0
         for a in range(0, xv.numel(), step):
-            logits = engine.logits(hv[a : a + step])
             t = xv[a : a + step]
+            if plain:  # sampling distribution == policy: one log-normaliser pass over the raw logits
+                plp_v[a : a + step] = lp_v[a : a + step] = engine.token_logprobs(hv[a : a + step], t)
+                continue
+            logits = engine.logits(hv[a : a + step])
             plp_v[a : a + step] = token_logprobs(logits, t)
-            if plain:  # sampling distribution == policy: one log-normaliser pass, not two
-                lp_v[a : a + step] = plp_v[a : a + step]
-            else:
-                lp_v[a : a + step] = processed_logprobs(logits, params).gather(-1, t[:, None]).squeeze(1)
+            lp_v[a : a + step] = processed_logprobs(logits, params).gather(-1, t[:, None]).squeeze(1)
         lp_new = torch.full(x.shape, float("-inf"))
         plp = torch.zeros(x.shape)
         lp_new[valid], plp[valid] = lp_v, plp_v
