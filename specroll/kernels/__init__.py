@@ -7,7 +7,7 @@ logits-block passes and the one-call sampler of ``logprobs.cpp`` (see the files 
 None where it cannot run: not an x86 CPU with AVX2 + FMA, no C++ compiler, or ``SPECROLL_KERNELS=0``.
 Callers fall back to oneDNN and SDPA, so a missing compiler costs speed, not function.
 
-The build (``torch.utils.cpp_extension``, about 45 s of CPU) lands in ``$SPECROLL_HOME/kernels`` and
+The build (``torch.utils.cpp_extension``, 45 s to about 2 min of CPU) lands in ``$SPECROLL_HOME/kernels`` and
 is reused by later processes; a changed source or compiler flag triggers a rebuild.
 """
 
@@ -57,6 +57,18 @@ def enabled() -> bool:
 
 
 @functools.cache
+def _build():
+    """Compile (when a source or flag changed) and load the extension, once per process: a second ``load`` of
+    the same name in one process builds a ``_v1`` copy, which the next process then rebuilds over."""
+    from torch.utils.cpp_extension import load
+
+    if not any(_build_dir().glob("*.so")):
+        print("specroll: compiling the CPU kernels for this machine (once, up to ~2 min) ...", file=sys.stderr, flush=True)
+    return load("specroll_skinny", [str(p) for p in SRCS], build_directory=str(_build_dir()),
+                extra_cflags=CFLAGS, extra_ldflags=LDFLAGS, verbose=False)
+
+
+@functools.cache
 def skinny():
     """The compiled skinny-GEMM module, or None (with one warning saying why) if it cannot be used."""
     if not enabled():
@@ -65,13 +77,7 @@ def skinny():
     if not (platform.machine() in ("x86_64", "AMD64") and avx2()):
         return None
     try:
-        from torch.utils.cpp_extension import load
-
-        if not any(_build_dir().glob("*.so")):
-            print("specroll: compiling the CPU kernels for this machine (once, ~45 s) ...", file=sys.stderr,
-                  flush=True)
-        return load("specroll_skinny", [str(p) for p in SRCS], build_directory=str(_build_dir()),
-                    extra_cflags=CFLAGS, extra_ldflags=LDFLAGS, verbose=False)
+        return _build()
     except Exception as e:  # no compiler / headers / ninja: oneDNN still works
         warnings.warn(f"specroll: the CPU kernels could not be built ({type(e).__name__}: {str(e)[:200]}); "
                       "using oneDNN and SDPA instead (set SPECROLL_KERNELS=0 to silence)", stacklevel=2)
