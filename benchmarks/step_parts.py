@@ -15,7 +15,7 @@ directory as ``benchmarks/ab_build.py`` does; both read the same packed weights)
 part of a step side by side.
 
     python benchmarks/step_parts.py --draft DIR [--depth 6] [--repeats 4] [--max-new-tokens 96] [--replay] [--int8]
-        [--ab REV]
+        [--ab REV] [--dtype float32]
 """
 import argparse
 import collections
@@ -41,6 +41,8 @@ def main() -> None:
     ap.add_argument("--max-new-tokens", type=int, default=96)
     ap.add_argument("--replay", action="store_true", help="add the replayed-tree side (see above)")
     ap.add_argument("--int8", action="store_true", help="add a side drafting with int8 head weights (int8_head)")
+    ap.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"),
+                    help="the engine's dtype (float32 where bf16 is slow: an AVX2-only CPU)")
     ap.add_argument("--ab", metavar="REV", help="add each side again with the kernels of git revision REV")
     a = ap.parse_args()
     tmp = None
@@ -58,7 +60,7 @@ def main() -> None:
         mods = {"": kernels.skinny(), f" @{a.ab}": build(a.ab, Path(tmp.name))}
     model, tok = hub.load(a.model, torch.float32)
     head = load_head_as(f"--draft {a.draft}", a.draft, model)
-    engine = Engine(model, eos_ids=hub.eos_ids(tok, hub.resolve(a.model, quiet=True)), dtype=torch.bfloat16)
+    engine = Engine(model, eos_ids=hub.eos_ids(tok, hub.resolve(a.model, quiet=True)), dtype=getattr(torch, a.dtype))
     prompts = bench_prompts(tok, a.repeats, 0)
     sides = [f"depth {a.depth}"] + ([f"depth {a.depth} int8"] if a.int8 else []) + (["replay"] if a.replay else []) \
         + ["depth 0"]
