@@ -623,6 +623,19 @@ def test_save_load_roundtrip_and_mismatch(tmp_path, mid):
         load_head(tmp_path / "missing", model)
 
 
+def test_hidden_states_match_a_per_sequence_forward_and_report_progress(mid):
+    """The batched passes (here one of 3 sequences of 6, 6 and 16 tokens padded to 16, then one of 17) give each sequence's own causal forward, and
+    ``note`` hears the progress, ending at every sequence."""
+    model, _ = mid
+    seqs = [torch.tensor(p + naive_greedy(model, p, n)) for p, n in zip(PROMPTS, (3, 9, 5, 12))]
+    notes = []
+    hid = hidden_states(model, seqs, tokens_per_pass=20, note=notes.append)
+    for q, h in zip(seqs, hid):
+        ref = model(q[None], torch.arange(len(q))[None]).float()[0]
+        torch.testing.assert_close(h, ref, atol=1e-4, rtol=1e-4)
+    assert len(notes) >= 2 and notes[-1].startswith(f"hidden states of {len(seqs)}/{len(seqs)} sequences"), notes
+
+
 @pytest.mark.parametrize("bf16", [False, True], ids=["fp32", "bf16"])
 def test_distillation_lowers_the_loss(mid, bf16):
     """Offline distillation learns in fp32 and under bf16 autocast (``DistillConfig.bf16``), whose master weights

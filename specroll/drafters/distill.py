@@ -102,8 +102,10 @@ def generate_sequences(engine: Engine, prompts: list[list[int]], params: Samplin
 
 @torch.no_grad()
 def hidden_states(policy: Decoder, seqs: list[torch.Tensor], dtype: torch.dtype | None = None,
-                  tokens_per_pass: int = 4096) -> list[torch.Tensor]:
-    """Final post-norm hidden states (T, D) of each sequence, fp32, from cache-free causal passes."""
+                  tokens_per_pass: int = 4096, note=None) -> list[torch.Tensor]:
+    """Final post-norm hidden states (T, D) of each sequence, fp32, from cache-free causal passes; ``note(msg)``
+    hears the progress about every tenth of the sequences."""
+    t0, told = time.perf_counter(), 0
     order = sorted(range(len(seqs)), key=lambda i: len(seqs[i]))
     out: list[torch.Tensor | None] = [None] * len(seqs)
     i = 0
@@ -119,6 +121,9 @@ def hidden_states(policy: Decoder, seqs: list[torch.Tensor], dtype: torch.dtype 
         for r, j in enumerate(idx):
             out[j] = h[r, : len(seqs[j])].clone()
         i += per
+        if note is not None and (min(i, len(order)) - told >= len(order) / 10 or i >= len(order)):
+            told = min(i, len(order))
+            note(f"hidden states of {told}/{len(order)} sequences in {time.perf_counter() - t0:.0f}s")
     return out
 
 
@@ -410,7 +415,7 @@ def distill(policy: Decoder, prompts: list[list[int]], *, eos_ids=(), n: int = 4
         params = SamplingParams(temperature=temperature, max_new_tokens=max_new_tokens, seed=cfg.seed)
         seqs, plen = generate_sequences(engine, prompts, params, n, note=note)
         t_gen = time.perf_counter() - t0
-        hid = hidden_states(policy, seqs, dtype)
+        hid = hidden_states(policy, seqs, dtype, note=note)
         t_hid = time.perf_counter() - t0 - t_gen
         if data_cache is not None:
             save_sequences(data_cache, seqs, hid, key, plen)
