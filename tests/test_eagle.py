@@ -624,8 +624,8 @@ def test_save_load_roundtrip_and_mismatch(tmp_path, mid):
 
 
 def test_hidden_states_match_a_per_sequence_forward_and_report_progress(mid):
-    """The batched passes (here one of 3 sequences of 6, 6 and 16 tokens padded to 16, then one of 17) give each sequence's own causal forward, and
-    ``note`` hears the progress, ending at every sequence."""
+    """The batched passes (here one of 3 sequences of 6, 6 and 16 tokens padded to 16, then one of 17) give each
+    sequence's own causal forward, and ``note`` hears the progress, ending at every sequence."""
     model, _ = mid
     seqs = [torch.tensor(p + naive_greedy(model, p, n)) for p, n in zip(PROMPTS, (3, 9, 5, 12))]
     notes = []

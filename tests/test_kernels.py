@@ -315,6 +315,9 @@ def test_int8_panels_match_f_linear_of_the_rounded_weight(K, N, M):
 
 
 def test_kernels_can_be_switched_off(monkeypatch):
+    """Switching off and on again re-reads the setting but not the build: the same loaded module comes back (a
+    second ``load`` in one process would build a ``_v1`` copy that the next process rebuilds over)."""
+    before = kernels.skinny()
     monkeypatch.setenv("SPECROLL_KERNELS", "0")
     kernels.skinny.cache_clear()
     try:
@@ -322,6 +325,7 @@ def test_kernels_can_be_switched_off(monkeypatch):
     finally:
         monkeypatch.delenv("SPECROLL_KERNELS")
         kernels.skinny.cache_clear()
+    assert kernels.skinny() is before
 
 
 @needs_kernel

@@ -120,10 +120,10 @@ def hidden_states(policy: Decoder, seqs: list[torch.Tensor], dtype: torch.dtype 
         h = policy(ids, torch.arange(T).expand(len(idx), T), act_dtype=dtype).float()
         for r, j in enumerate(idx):
             out[j] = h[r, : len(seqs[j])].clone()
-        i += per
-        if note is not None and (min(i, len(order)) - told >= len(order) / 10 or i >= len(order)):
-            told = min(i, len(order))
-            note(f"hidden states of {told}/{len(order)} sequences in {time.perf_counter() - t0:.0f}s")
+        i = min(i + per, len(order))
+        if note is not None and (i - told >= len(order) / 10 or i == len(order)):
+            told = i
+            note(f"hidden states of {i}/{len(order)} sequences in {time.perf_counter() - t0:.0f}s")
     return out
 
 
