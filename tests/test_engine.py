@@ -358,6 +358,81 @@ def reference_probs(logits: torch.Tensor, T: float, top_k: int, top_p: float) ->
     return out
 
 
+@pytest.mark.parametrize("B,T", [(1, 1), (2, 16), (33, 1), (64, 1), (65, 1), (16, 3), (12, 5), (5, 32), (2, 33),
+                                 (128, 1), (160, 1), (161, 1), (54, 3)])
+def test_row_groups_cover_the_batch_in_fewest_near_equal_groups_the_kernel_takes(monkeypatch, B, T):
+    """``Engine.row_groups``: contiguous, in order, covering every row once, each group at most ``max_rows()``
+    tokens, as few groups as that allows, sizes within one of each other; the whole batch where it fits the kernel
+    already, where a row alone does not (T > max_rows), past ``split_tokens``, or without the kernels (0 rows)."""
+    from specroll import kernels
+
+    _, model = tiny_hf("llama")
+    eng = Engine(model, eos_ids=[])
+    eng.split_tokens = Engine.SPLIT_TOKENS  # the default where the AVX2 kernels run (any host here)
+    cache = KVCache.for_model(model.cfg, B, 8, torch.float32)
+    ids = torch.zeros(B, T, dtype=torch.long)
+    monkeypatch.setattr(kernels, "max_rows", lambda: 32)
+    with torch.no_grad():
+        groups = eng.row_groups(cache, ids)
+    if B * T <= 32 or T > 32 or B * T > Engine.SPLIT_TOKENS:
+        assert groups == [(0, B)]
+    else:
+        assert [s for s, _ in groups] == [0] + [e for _, e in groups[:-1]] and groups[-1][1] == B
+        sizes = [e - s for s, e in groups]
+        assert max(sizes) * T <= 32 and max(sizes) - min(sizes) <= 1
+        assert len(groups) == -(-B // (32 // T)) >= 2
+    with torch.no_grad():
+        eng.split_tokens = 0
+        assert eng.row_groups(cache, ids) == [(0, B)]
+        eng.split_tokens = Engine.SPLIT_TOKENS
+        monkeypatch.setattr(kernels, "max_rows", lambda: 0)
+        assert eng.row_groups(cache, ids) == [(0, B)]
+        monkeypatch.setattr(kernels, "max_rows", lambda: 32)
+    assert eng.row_groups(cache, ids) == [(0, B)]  # autograd on: the fused stack takes none
+
+
+@pytest.mark.parametrize("T,causal", [(1, True), (3, True), (3, False), (1, False)])
+def test_row_groups_forward_equals_the_whole_forward(monkeypatch, T, causal):
+    """An fp32 forward of a few more tokens than the skinny kernel takes runs as row groups through the one-call
+    layer stack (``Engine.forward``); over a ragged cache its hidden states and the K/V it writes must equal the
+    whole forward's (``split_tokens = 0``: the Python layer loop) over a copy of the cache, under the causal rule
+    (a decode or chain step) and under a (B, T, S) mask tensor sliced to each group's rows and slots."""
+    from specroll import kernels
+
+    if kernels.skinny() is None:
+        pytest.skip("needs the kernels built")
+    _, model = tiny_hf("llama", seed=4)
+    eng = Engine(model, eos_ids=[])
+    if kernels.max_rows() == kernels.MAX_ROWS:  # the AVX2 kernels: on by default
+        assert eng.split_tokens == Engine.SPLIT_TOKENS
+    eng.split_tokens = Engine.SPLIT_TOKENS  # (off by default with the AVX-512 kernels; the rows hold there too)
+    rows = kernels.max_rows()
+    B = rows // T + 3  # two groups
+    gen = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(V, (int(n),), generator=gen) for n in torch.randint(2, 20, (B,), generator=gen)]
+    cache = KVCache.for_model(model.cfg, B, 24 + T, torch.float32)
+    cache.reset(B)
+    with torch.no_grad():
+        eng.prefill(cache, prompts)
+    ref = copy.copy(cache)
+    ref.k, ref.v, ref.lens = cache.k.clone(), cache.v.clone(), cache.lens.clone()
+    calls = []
+    real = Decoder.forward
+    monkeypatch.setattr(Decoder, "forward", lambda self, ids, *a, **kw: calls.append(ids.shape) or real(self, ids, *a, **kw))
+    ids = torch.randint(V, (B, T), generator=gen)
+    slots = cache.chain_slots(T)
+    with torch.no_grad():
+        h = eng.forward(cache, ids, slots, slots, cache.causal(T) if causal else cache.mask(T))
+        assert len(calls) == 2 and all(n * t <= rows for n, t in calls) and sum(n for n, _ in calls) == B
+        eng.split_tokens = 0
+        want = eng.forward(ref, ids, slots, slots, ref.causal(T) if causal else ref.mask(T))
+    assert calls[-1] == (B, T)
+    torch.testing.assert_close(h, want, atol=2e-5, rtol=1e-5)
+    for a, b in ((cache.k, ref.k), (cache.v, ref.v)):
+        for r in range(B):
+            torch.testing.assert_close(a[:, r, :, slots[r]], b[:, r, :, slots[r]], atol=2e-5, rtol=1e-5)
+
+
 @pytest.mark.parametrize("T,top_k,top_p", [(1.0, 0, 1.0), (0.7, 0, 0.9), (1.3, 5, 1.0), (0.8, 6, 0.75)])
 def test_sampler_matches_reference_distribution(T, top_k, top_p):
     g = torch.Generator().manual_seed(0)

@@ -22,7 +22,7 @@ import torch
 from .. import kernels
 from ..device import fast_bf16
 from ..models.decoder import Decoder, bf16_weights
-from .cache import KVCache, PackedPrefill, compaction_order
+from .cache import KVCache, PackedPrefill, SlotCausal, compaction_order
 from .sampling import SamplingParams, sample, token_logprobs
 
 
@@ -82,6 +82,15 @@ class Engine:
     # the kernel path took 0.53-0.68x oneDNN's bf16 time from 1 x 1 to 96 x 1 and 0.61-0.76x at 8 x 4, 16 x 2,
     # 16 x 4 (BENCHMARKS.md session 29)
     KERNEL_TOKENS_AMX = 32
+    # fp32 forwards of more tokens than the skinny kernel takes, up to this many, run as row groups that it takes
+    # (``forward``): the one-call layer stack per group, instead of the Python layer loop over oneDNN. Forward +
+    # logits over a 128-token cache, groups / whole time in two runs: 0.68-0.77 at 33 x 1, 0.69-0.80 at 64 x 1,
+    # 0.80-0.88 at 96 x 1, 0.86-0.93 at 128 x 1, 0.94-0.95 at 160 x 1; 0.69-0.78 at 16 x 3, 0.66-0.69 at 8 x 6,
+    # 0.87-0.92 at 16 x 7 (fp32, AVX2 Zen 3 EPYC, 2 threads, 2026-11-27, ``python benchmarks/row_groups.py``).
+    # The logits stay whole: the lm_head in 32-row groups took
+    # 1.16-1.30x oneDNN's time at 64-128 rows. Only with the AVX2 kernels (``kernels.max_rows()`` 32): the
+    # AVX-512 ones take 96 rows, and past that nothing was measured
+    SPLIT_TOKENS = 160
     FORWARD_OVERHEAD_AMX = 128
 
     def __init__(self, model: Decoder, eos_ids=(), dtype: torch.dtype | None = None, prefill_chunk: int = 4096):
@@ -108,6 +117,8 @@ class Engine:
         # --points 4x8,...,32x32``, BENCHMARKS.md session 26): 40 ms at 32 tokens, 63 at 128, 203 at 512, 373
         # at 1,024, i.e. a fixed 20-33 ms at 0.23-0.35 ms per token, 60-140 tokens' worth; fp32, ~20 tokens.
         self.forward_overhead = self.FORWARD_OVERHEAD_AMX if self.dtype == torch.bfloat16 and fast_bf16() else 32
+        # fp32 forwards of up to this many tokens run as row groups the skinny kernel takes (``forward``), 0: never
+        self.split_tokens = self.SPLIT_TOKENS if kernels.max_rows() == kernels.MAX_ROWS else 0
         self.policy_version = 0
         self._cache: KVCache | None = None
 
@@ -122,6 +133,43 @@ class Engine:
 
     def forward(self, cache: KVCache, ids: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
                 mask: torch.Tensor) -> torch.Tensor:
+        """Final hidden states (B, T, D) of ``ids`` (B, T) written at ``slots`` of ``cache`` under ``mask`` (a
+        tensor or a ``SlotCausal`` rule). An fp32 forward of a few more tokens than the skinny kernel takes runs as
+        forwards of row groups that it does take (``row_groups``): each row sees only its own cache row, so the
+        groups' hidden states are the whole forward's."""
+        groups = self.row_groups(cache, ids)
+        if len(groups) < 2:
+            return self._forward(cache, ids, positions, slots, mask)
+        out = []
+        for s, e in groups:
+            sub = cache.view(slice(s, e))
+            if isinstance(mask, SlotCausal):
+                m = SlotCausal(sub, mask.T)
+            else:  # a (B, T, S) tensor: the group's rows, over the slots its forward sees
+                m = mask[s:e, :, : int(slots[s:e].max()) + 1]
+            out.append(self._forward(sub, ids[s:e], positions[s:e], slots[s:e], m))
+        return torch.cat(out)
+
+    def row_groups(self, cache, ids: torch.Tensor) -> list[tuple[int, int]]:
+        """Contiguous row ranges [s, e) to run a forward of ``ids`` (B, T) as, each of at most ``kernels.max_rows()``
+        tokens, in as few groups as that allows and of near-equal size; one range where the forward stays whole:
+        not fp32 activations, no kernels, not a ``KVCache`` (a packed prefill), one row, more than
+        ``split_tokens`` tokens or more than ``max_rows()`` per row."""
+        B, T = ids.shape
+        rows = kernels.max_rows()
+        if (not self.split_tokens or B < 2 or B * T <= rows or B * T > self.split_tokens or T > rows
+                or self.act_dtype != torch.float32 or ids.numel() <= self.kernel_tokens
+                or not isinstance(cache, KVCache) or torch.is_grad_enabled()):
+            return [(0, B)]
+        per = rows // T  # rows a group can hold
+        n = -(-B // per)  # groups
+        size, extra = divmod(B, n)
+        bounds = [0]
+        for g in range(n):
+            bounds.append(bounds[-1] + size + (g < extra))
+        return list(zip(bounds[:-1], bounds[1:]))
+
+    def _forward(self, cache, ids, positions, slots, mask) -> torch.Tensor:
         if ids.numel() <= self.kernel_tokens:
             with bf16_weights(True):
                 h = self.model(ids, positions, cache=cache, mask=mask, slots=slots, act_dtype=torch.float32)
