@@ -36,7 +36,7 @@ def main() -> None:
         slots = cache.chain_slots(T)
 
         @torch.no_grad()
-        def run(split_tokens):
+        def run(split_tokens, cache=cache, ids=ids, slots=slots, B=B, T=T):
             eng.split_tokens = split_tokens
             t = time.perf_counter()
             eng.logits(eng.forward(cache, ids, slots, slots, cache.causal(T)).reshape(B * T, -1))
