@@ -87,7 +87,9 @@ class Engine:
     # logits over a 128-token cache, groups / whole time in two runs: 0.68-0.77 at 33 x 1, 0.69-0.80 at 64 x 1,
     # 0.80-0.88 at 96 x 1, 0.86-0.93 at 128 x 1, 0.94-0.95 at 160 x 1; 0.69-0.78 at 16 x 3, 0.66-0.69 at 8 x 6,
     # 0.87-0.92 at 16 x 7 (fp32, AVX2 Zen 3 EPYC, 2 threads, 2026-11-27, ``python benchmarks/row_groups.py``).
-    # The logits stay whole: the lm_head in 32-row groups took
+    # The bf16 weight mode (fp32 activations) groups its rows too: 0.69-0.70 at 33-64 x 1, 0.83 / 0.91 / 0.95 at
+    # 96 / 128 / 160 x 1, 0.64 at 16 x 3 (``--dtype bfloat16``, same host and day). The logits stay whole: the
+    # lm_head in 32-row groups took
     # 1.16-1.30x oneDNN's time at 64-128 rows. Only with the AVX2 kernels (``kernels.max_rows()`` 32): the
     # AVX-512 ones take 96 rows, and past that nothing was measured
     SPLIT_TOKENS = 160
