@@ -389,6 +389,11 @@ def test_row_groups_cover_the_batch_in_fewest_near_equal_groups_the_kernel_takes
         assert eng.row_groups(cache, ids) == [(0, B)]
         monkeypatch.setattr(kernels, "max_rows", lambda: 32)
     assert eng.row_groups(cache, ids) == [(0, B)]  # autograd on: the fused stack takes none
+    _, qwen = tiny_hf("qwen3")  # q/k norms: the one-call stack would not take the groups
+    q_eng = Engine(qwen, eos_ids=[])
+    q_eng.split_tokens = Engine.SPLIT_TOKENS
+    with torch.no_grad():
+        assert q_eng.row_groups(KVCache.for_model(qwen.cfg, B, 8, torch.float32), ids) == [(0, B)]
 
 
 @pytest.mark.parametrize("T,causal", [(1, True), (3, True), (3, False), (1, False)])
@@ -431,6 +436,11 @@ def test_row_groups_forward_equals_the_whole_forward(monkeypatch, T, causal):
     for a, b in ((cache.k, ref.k), (cache.v, ref.v)):
         for r in range(B):
             torch.testing.assert_close(a[:, r, :, slots[r]], b[:, r, :, slots[r]], atol=2e-5, rtol=1e-5)
+    if not causal:  # a mask broadcast over the rows stays whole
+        eng.split_tokens = Engine.SPLIT_TOKENS
+        with torch.no_grad():
+            eng.forward(ref, ids, slots, slots, ref.mask(T)[:1])
+        assert calls[-1] == (B, T) and len(calls) == 4
 
 
 @pytest.mark.parametrize("T,top_k,top_p", [(1.0, 0, 1.0), (0.7, 0, 0.9), (1.3, 5, 1.0), (0.8, 6, 0.75)])

@@ -21,7 +21,7 @@ import torch
 
 from .. import kernels
 from ..device import fast_bf16
-from ..models.decoder import Decoder, bf16_weights
+from ..models.decoder import STEP_KERNEL_QUERIES, Decoder, bf16_weights
 from .cache import KVCache, PackedPrefill, SlotCausal, compaction_order
 from .sampling import SamplingParams, sample, token_logprobs
 
@@ -89,9 +89,8 @@ class Engine:
     # 0.87-0.92 at 16 x 7 (fp32, AVX2 Zen 3 EPYC, 2 threads, 2026-11-27, ``python benchmarks/row_groups.py``).
     # The bf16 weight mode (fp32 activations) groups its rows too: 0.69-0.70 at 33-64 x 1, 0.83 / 0.91 / 0.95 at
     # 96 / 128 / 160 x 1, 0.64 at 16 x 3 (``--dtype bfloat16``, same host and day). The logits stay whole: the
-    # lm_head in 32-row groups took
-    # 1.16-1.30x oneDNN's time at 64-128 rows. Only with the AVX2 kernels (``kernels.max_rows()`` 32): the
-    # AVX-512 ones take 96 rows, and past that nothing was measured
+    # lm_head in 32-row groups took 1.16-1.30x oneDNN's time at 64-128 rows. Only with the AVX2 kernels
+    # (``kernels.max_rows()`` 32): the AVX-512 ones take 96 rows, and past that nothing was measured
     SPLIT_TOKENS = 160
     FORWARD_OVERHEAD_AMX = 128
 
@@ -139,7 +138,9 @@ class Engine:
         tensor or a ``SlotCausal`` rule). An fp32 forward of a few more tokens than the skinny kernel takes runs as
         forwards of row groups that it does take (``row_groups``): each row sees only its own cache row, so the
         groups' hidden states are the whole forward's."""
-        groups = self.row_groups(cache, ids)
+        rowwise = isinstance(mask, SlotCausal) or (isinstance(mask, torch.Tensor) and mask.dim() == 3
+                                                    and mask.shape[0] == ids.shape[0])  # not broadcast over rows
+        groups = self.row_groups(cache, ids) if rowwise else [(0, ids.shape[0])]
         if len(groups) < 2:
             return self._forward(cache, ids, positions, slots, mask)
         out = []
@@ -156,12 +157,14 @@ class Engine:
         """Contiguous row ranges [s, e) to run a forward of ``ids`` (B, T) as, each of at most ``kernels.max_rows()``
         tokens, in as few groups as that allows and of near-equal size; one range where the forward stays whole:
         not fp32 activations, no kernels, not a ``KVCache`` (a packed prefill), one row, more than
-        ``split_tokens`` tokens or more than ``max_rows()`` per row."""
+        ``split_tokens`` tokens or more than ``max_rows()`` per row, or a group the one-call layer stack would not
+        take anyway (q/k norms, more than ``STEP_KERNEL_QUERIES`` folded queries)."""
         B, T = ids.shape
-        rows = kernels.max_rows()
+        rows, cfg = kernels.max_rows(), self.model.cfg
         if (not self.split_tokens or B < 2 or B * T <= rows or B * T > self.split_tokens or T > rows
                 or self.act_dtype != torch.float32 or ids.numel() <= self.kernel_tokens
-                or not isinstance(cache, KVCache) or torch.is_grad_enabled()):
+                or not isinstance(cache, KVCache) or torch.is_grad_enabled() or cfg.qk_norm
+                or cfg.num_heads // cfg.num_kv_heads * T > STEP_KERNEL_QUERIES):
             return [(0, B)]
         per = rows // T  # rows a group can hold
         n = -(-B // per)  # groups
