@@ -21,7 +21,7 @@ import torch
 
 from .. import kernels
 from ..device import fast_bf16
-from ..models.decoder import STEP_KERNEL_QUERIES, Decoder, bf16_weights
+from ..models.decoder import Decoder, bf16_weights
 from .cache import KVCache, PackedPrefill, SlotCausal, compaction_order
 from .sampling import SamplingParams, sample, token_logprobs
 
@@ -156,17 +156,15 @@ class Engine:
     def row_groups(self, cache, ids: torch.Tensor) -> list[tuple[int, int]]:
         """Contiguous row ranges [s, e) to run a forward of ``ids`` (B, T) as, each of at most ``kernels.max_rows()``
         tokens, in as few groups as that allows and of near-equal size; one range where the forward stays whole:
-        not fp32 activations, no kernels, not a ``KVCache`` (a packed prefill), one row, more than
-        ``split_tokens`` tokens or more than ``max_rows()`` per row, or a group the one-call layer stack would not
-        take anyway (q/k norms, more than ``STEP_KERNEL_QUERIES`` folded queries)."""
+        one row, at most ``max_rows()`` or more than ``split_tokens`` tokens, more than ``max_rows()`` per row, not
+        a ``KVCache`` (a packed prefill), or groups the one-call layer stack would not take
+        (``Decoder.stack_takes``: autograd, not fp32 activations, q/k norms, too many folded queries, ...)."""
         B, T = ids.shape
-        rows, cfg = kernels.max_rows(), self.model.cfg
-        if (not self.split_tokens or B < 2 or B * T <= rows or B * T > self.split_tokens or T > rows
-                or self.act_dtype != torch.float32 or ids.numel() <= self.kernel_tokens
-                or not isinstance(cache, KVCache) or torch.is_grad_enabled() or cfg.qk_norm
-                or cfg.num_heads // cfg.num_kv_heads * T > STEP_KERNEL_QUERIES):
-            return [(0, B)]
+        rows = kernels.max_rows()
         per = rows // T  # rows a group can hold
+        if (not self.split_tokens or B < 2 or B * T <= rows or B * T > self.split_tokens or not per
+                or not isinstance(cache, KVCache) or not self.model.stack_takes(per, T, self.act_dtype, cache)):
+            return [(0, B)]
         n = -(-B // per)  # groups
         size, extra = divmod(B, n)
         bounds = [0]

@@ -568,17 +568,23 @@ class Decoder(nn.Module):
             return ext.prologue(x.reshape(-1, x.shape[-1]), self.norm.weight.detach(), self.cfg.rms_eps).view(x.shape)
         return self.norm(x)
 
+    def stack_takes(self, B: int, T: int, dtype: torch.dtype, cache) -> bool:
+        """Whether a forward of B x T tokens in activations of ``dtype`` over ``cache`` runs as the one-call layer
+        stack (``kernels``' ``decoder_layers``); not with autograd on, not fp32 activations, no kernels, q/k
+        norms, more rows than the skinny kernel takes (``kernels.max_rows()``), more folded queries than a step's
+        attention kernel's (``STEP_KERNEL_QUERIES``), or no ``KVCache`` (a cache-free pass, a packed prefill)."""
+        cfg = self.cfg
+        return not (dtype != torch.float32 or torch.is_grad_enabled() or cfg.qk_norm or B * T > kernels.max_rows()
+                    or cfg.num_heads // cfg.num_kv_heads * T > STEP_KERNEL_QUERIES
+                    or not isinstance(getattr(cache, "k", None), torch.Tensor) or cache.k.dim() != 5
+                    or not kernel_cache(cache.k) or kernels.skinny() is None)
+
     def _fused_weights(self, x: torch.Tensor, cache) -> list[torch.Tensor] | None:
         """The packed weights of every layer for ``kernels``' ``decoder_layers``, or None where the Python loop
-        must run: autograd on, not fp32 activations, no kernels, q/k norms, more rows than the skinny kernel
-        takes (``kernels.max_rows()``), more folded queries than a step's attention kernel's (``STEP_KERNEL_QUERIES``),
-        or no ``KVCache`` (a cache-free pass, a packed prefill). Each layer then runs exactly the kernel calls
-        ``Block.forward`` makes for such a step, without Python between them."""
-        cfg = self.cfg
+        must run (``stack_takes``). Each layer then runs exactly the kernel calls ``Block.forward`` makes for
+        such a step, without Python between them."""
         B, T, _ = x.shape
-        if (x.dtype != torch.float32 or torch.is_grad_enabled() or cfg.qk_norm or B * T > kernels.max_rows()
-                or cfg.num_heads // cfg.num_kv_heads * T > STEP_KERNEL_QUERIES or not isinstance(getattr(cache, "k", None), torch.Tensor)
-                or cache.k.dim() != 5 or not kernel_cache(cache.k) or kernels.skinny() is None):
+        if not self.stack_takes(B, T, x.dtype, cache):
             return None
         kind = "skinny_bf16" if bf16_weights_on() else "skinny"
         mods = self.__dict__.get("_fused_mods")
