@@ -282,12 +282,12 @@ def _int8_reference(w):
 @needs_kernel
 @pytest.mark.parametrize("K,N", [(576, 48), (37, 50), (1152, 576), (8, 1), (6, 33), (39, 17)])
 @pytest.mark.parametrize("M", [1, 2, 3, 4, 7, 16, 17, 40])
-def test_int8_panels_match_f_linear_of_the_rounded_weight(K, N, M):
+def test_int8_panels_match_f_linear_of_the_rounded_weight(K, N, M, isa):
     """``pack_int8`` + ``linear`` against F.linear of the same per-column int8 rounding done in torch, with a
-    bias, a residual and both prologues; K % 4 = 1, 2, 3 take the tail row, N % 16 != 0 a partial panel, M > 16
-    two row blocks. The rounding itself stays within half a step of the weight."""
-    if ext.isa() != "avx512":
-        pytest.skip("int8 panels run on the AVX-512 kernels only")
+    bias, a residual and both prologues, on every instruction set here; K % 4 = 1, 2, 3 take the tail row,
+    N % 16 != 0 a partial panel, M > 4 (AVX2) / M > 16 (AVX-512) several row blocks. The rounding itself stays
+    within half a step of the weight."""
+    assert kernels.int8_ok()
     from specroll.models.decoder import rms_norm
 
     g = torch.Generator().manual_seed(M * 100 + K)

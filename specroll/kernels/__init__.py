@@ -94,9 +94,10 @@ def max_rows() -> int:
 
 
 def int8_ok() -> bool:
-    """Whether int8 weight panels (``pack_int8``, ``decoder.int8_weights``) run here: the AVX-512 kernels."""
+    """Whether int8 weight panels (``pack_int8``, ``decoder.int8_weights``) run here: wherever the kernels do (AVX2
+    and AVX-512 loops; an extension built before the AVX2 loop existed takes them only on AVX-512)."""
     ext = skinny()
-    return ext is not None and ext.isa() == "avx512"
+    return ext is not None and (ext.isa() == "avx512" or getattr(ext, "INT8_AVX2", False))
 
 
 @functools.cache

@@ -202,6 +202,92 @@ void panel(const float* x, int64_t M, int64_t K, const W* wp, float* y, int64_t 
   epilogue(acc, M, y, ldy, nc, bias, res);
 }
 
+// int8 panels (``pack_int8``, laid out for ``acc512i8`` further down) on AVX2, one panel at a time: a panel row's
+// 64 bytes are two ymm, columns 0-7 and 8-15, each lane holding one column's four weights for k = 4r .. 4r + 3.
+// Step J of the four shifts byte J to the top and back (an arithmetic shift sign-extends it) and widens it with
+// vcvtdq2ps; the arithmetic is fp32 FMA, the sums scaled once at the end, as in ``acc512i8``. Half the bytes of
+// bf16 panels for a draft head's weights, which every policy forward evicts from cache: on the AVX2 Zen 3 EPYC a
+// batch-1 chain's six head calls took 3.95 ms with bf16 weights against 8.91 with fp32 (2026-11-27, BENCHMARKS.md
+// session 42). Rows go in blocks of up to MAX_MB_I8 (2 x MB accumulators, two weight rows, two widened rows and a
+// broadcast fit AVX2's 16 registers); a second block re-reads the panel from L1 (9-25 KB at SmolLM2's widths).
+// At 1-2 rows the FMAs of successive k go to 4 / 2 accumulator sets, so enough chains are in flight.
+constexpr int MAX_MB_I8 = 4;
+
+template <int J>
+inline __m256 quad_k8(__m256i v) {  // lane c: weight k = 4r + J of column c (of this half), as fp32
+  if constexpr (J == 3) return _mm256_cvtepi32_ps(_mm256_srai_epi32(v, 24));
+  else return _mm256_cvtepi32_ps(_mm256_srai_epi32(_mm256_slli_epi32(v, 24 - 8 * J), 24));
+}
+
+template <int J, int MB, int U>
+inline void i8_step8(const float* __restrict x, int64_t ldx, int64_t k, __m256i lo, __m256i hi, __m256 (&a)[U][MB],
+                     __m256 (&b)[U][MB]) {
+  const __m256 w0 = quad_k8<J>(lo), w1 = quad_k8<J>(hi);
+#pragma GCC unroll 8
+  for (int m = 0; m < MB; m++) {
+    const __m256 xb = _mm256_broadcast_ss(x + m * ldx + k + J);
+    a[J % U][m] = _mm256_fmadd_ps(xb, w0, a[J % U][m]);
+    b[J % U][m] = _mm256_fmadd_ps(xb, w1, b[J % U][m]);
+  }
+}
+
+// acc[m][0..16) = sum over k < K of x[m][k] * w[k][0..16) for the MB rows of one block (overwritten, scaled).
+template <int MB>
+void acc_i8(const float* __restrict x, int64_t ldx, const int8_t* __restrict wp, int64_t K, float* __restrict acc) {
+  constexpr int U = MB == 1 ? 4 : MB == 2 ? 2 : 1;  // accumulator sets
+  constexpr int64_t RW = 4 * PW;                    // bytes per panel row
+  const int64_t Q = (K + 3) / 4, Qf = K / 4;
+  __m256 a[U][MB], b[U][MB];
+#pragma GCC unroll 4
+  for (int u = 0; u < U; u++)
+#pragma GCC unroll 8
+    for (int m = 0; m < MB; m++) a[u][m] = _mm256_setzero_ps(), b[u][m] = _mm256_setzero_ps();
+  for (int64_t r = 0; r < Qf; r++) {
+    const int8_t* w = wp + r * RW;
+    _mm_prefetch(reinterpret_cast<const char*>(w + PREFETCH_K * RW), _MM_HINT_T0);
+    const __m256i lo = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w));
+    const __m256i hi = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + RW / 2));
+    i8_step8<0, MB, U>(x, ldx, 4 * r, lo, hi, a, b);
+    i8_step8<1, MB, U>(x, ldx, 4 * r, lo, hi, a, b);
+    i8_step8<2, MB, U>(x, ldx, 4 * r, lo, hi, a, b);
+    i8_step8<3, MB, U>(x, ldx, 4 * r, lo, hi, a, b);
+  }
+  if (Qf < Q) {  // K % 4 weights in the last row (the rest of it is 0)
+    const int8_t* w = wp + Qf * RW;
+    const __m256i lo = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w));
+    const __m256i hi = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + RW / 2));
+    const int64_t k = 4 * Qf, n = K - k;
+    i8_step8<0, MB, U>(x, ldx, k, lo, hi, a, b);
+    if (n > 1) i8_step8<1, MB, U>(x, ldx, k, lo, hi, a, b);
+    if (n > 2) i8_step8<2, MB, U>(x, ldx, k, lo, hi, a, b);
+  }
+  const float* sc = reinterpret_cast<const float*>(wp + Q * RW);
+  const __m256 s0 = _mm256_loadu_ps(sc), s1 = _mm256_loadu_ps(sc + 8);
+#pragma GCC unroll 8
+  for (int m = 0; m < MB; m++) {
+    __m256 ta = a[0][m], tb = b[0][m];
+#pragma GCC unroll 4
+    for (int u = 1; u < U; u++) ta = _mm256_add_ps(ta, a[u][m]), tb = _mm256_add_ps(tb, b[u][m]);
+    _mm256_storeu_ps(acc + m * PW, _mm256_mul_ps(ta, s0));
+    _mm256_storeu_ps(acc + m * PW + 8, _mm256_mul_ps(tb, s1));
+  }
+}
+
+using AccI8Fn = void (*)(const float*, int64_t, const int8_t*, int64_t, float*);
+constexpr AccI8Fn acc_i8_table[MAX_MB_I8 + 1] = {nullptr, acc_i8<1>, acc_i8<2>, acc_i8<3>, acc_i8<4>};
+
+// One int8 panel (``wp``: its Q + 1 rows) for all M rows, in row blocks of near-equal size up to MAX_MB_I8.
+void panel_i8(const float* x, int64_t M, int64_t K, const int8_t* wp, float* y, int64_t ldy, int nc,
+              const float* bias, const float* res, float* acc) {
+  const int64_t nb = (M + MAX_MB_I8 - 1) / MAX_MB_I8;
+  for (int64_t blk = 0, m0 = 0; blk < nb; blk++) {
+    const int64_t m1 = M * (blk + 1) / nb;
+    acc_i8_table[m1 - m0](x + m0 * K, K, wp, K, acc + m0 * PW);
+    m0 = m1;
+  }
+  epilogue(acc, M, y, ldy, nc, bias, res);
+}
+
 // ---- AVX-512, chosen at run time (the build flags stay AVX2: these functions carry their own target) ----
 // The same panels as the AVX2 loops: a 16-column panel row is one zmm (fp32), or 32 bytes of interleaved bf16
 // that one broadcast load, a shift of the low half and a mask of the high half widen to 16 fp32 columns in
@@ -702,7 +788,6 @@ LinearOp linear_op(const torch::Tensor& wp, int64_t N, int64_t K, const c10::opt
   const bool bf16 = wp.scalar_type() == torch::kBFloat16, i8 = wp.scalar_type() == torch::kChar;
   TORCH_CHECK(bf16 || i8 || wp.scalar_type() == torch::kFloat32,
               "linear: fp32 only (x fp32; weights fp32, bf16 or int8 panels)");
-  TORCH_CHECK(!i8 || use512(), "linear: int8 panels need the AVX-512 kernels");
   const bool pairs = bf16 && wp.dim() == 3 && wp.size(2) == 4 * PW;  // ``pack(..., pairs=true)``: vdpbf16ps
   TORCH_CHECK(wp.dim() == 3 && wp.is_contiguous() && wp.size(1) == (pairs ? (K + 1) / 2 : i8 ? (K + 3) / 4 + 1 : K) &&
                   wp.size(2) == (pairs || i8 ? 4 * PW : PW) && (pairs ? 2 : 1) * wp.size(0) * PW >= N,
@@ -756,7 +841,10 @@ void linear_run(const LinearOp& op, const float* xs, const uint32_t* xp, int64_t
       float* yp = ys + s0 * N + p * PW;
       const float* bp = bs ? bs + p * PW : nullptr;
       const float* rp = rs ? rs + s0 * N + p * PW : nullptr;
-      if (op.kind == 1) panel(xr, Ms, K, static_cast<const uint16_t*>(op.w) + p * K * PW, yp, N, nc, bp, rp, acc);
+      if (op.kind == 2)
+        panel_i8(xr, Ms, K, static_cast<const int8_t*>(op.w) + p * ((K + 3) / 4 + 1) * 4 * PW, yp, N, nc, bp, rp,
+                 acc);
+      else if (op.kind == 1) panel(xr, Ms, K, static_cast<const uint16_t*>(op.w) + p * K * PW, yp, N, nc, bp, rp, acc);
       else panel(xr, Ms, K, static_cast<const float*>(op.w) + p * K * PW, yp, N, nc, bp, rp, acc);
     }
   }
@@ -873,6 +961,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("w"), py::arg("bf16") = false, py::arg("into") = py::none(), py::arg("pairs") = false);
   m.def("pack_int8", &pack_int8, "pack an (N, K) weight into int8 panels with per-column scales (acc512i8)",
         py::arg("w"));
+  m.attr("INT8_AVX2") = true;  // int8 panels run on the AVX2 loops too (``kernels.int8_ok``)
   m.def("has_dot_bf16", &cpu_avx512bf16, "whether this CPU runs vdpbf16ps (AVX-512 BF16), which paired panels need");
   m.def("isa", &isa, "the instruction set linear() runs: avx512 or avx2");
   m.def("set_isa", &set_isa, "auto (the best this CPU has) or avx2 (force the AVX2 paths, for tests and A/B runs)");
