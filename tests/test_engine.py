@@ -135,6 +135,7 @@ def test_packed_prefill_matches_one_prompt_at_a_time(pack, monkeypatch):
     monkeypatch.setattr(decoder.Block, "_attend_packed",
                         lambda self, qf, K, V, lens: segments.append(list(lens)) or real(self, qf, K, V, lens))
     eng = Engine(model, eos_ids=[])
+    eng.split_tokens = 0  # never chunked (``prefill_chunks``: its own test below)
     prompts = [torch.tensor(p) for p in PROMPTS] + [torch.tensor([5]), torch.tensor([9, 8, 7, 6, 5, 4, 3, 2, 1])]
     cache = KVCache.for_model(model.cfg, len(prompts), 16, torch.float32)
     cache.reset(len(prompts))
@@ -154,6 +155,66 @@ def test_packed_prefill_matches_one_prompt_at_a_time(pack, monkeypatch):
             torch.testing.assert_close(cache.v[:, i, :, :n], ref.v[:, 0, :, :n], atol=1e-5, rtol=1e-5)
             torch.testing.assert_close(hidden[i], h, atol=1e-5, rtol=1e-5)
             torch.testing.assert_close(logits[i], model.logits(h), atol=1e-4, rtol=1e-5)
+
+
+def test_chunked_prefill_matches_the_packed_forward():
+    """``prefill_chunks``: where row groups run (fp32 with the AVX2 kernels; forced here on any kernels) a pack of
+    more than ``max_rows()`` tokens is prefilled prompt by prompt in near-equal chunks of at most ``max_rows()``
+    tokens, each a cached forward through the one-call layer stack. It leaves the same KV cache, lengths, last
+    hidden states, logits and handed-over prompt hidden states as the packed forward; several prompts of at most
+    ``max_rows()`` tokens in all, or more than ``split_tokens``, stay packed, one such prompt is one chunk."""
+    from specroll import kernels
+    from specroll.models import decoder
+
+    if kernels.skinny() is None:
+        pytest.skip("no kernels here")
+    _, model = tiny_hf("llama", seed=4)
+    rows = kernels.max_rows()
+    lens = [rows + 7, 3, 2 * rows + 1, 1]
+    g = torch.Generator().manual_seed(4)
+    prompts = [torch.randint(0, V, (n,), generator=g) for n in lens]
+    S = max(lens) + 4
+
+    def run(split):
+        eng = Engine(model, eos_ids=[])
+        eng.split_tokens = split
+        cache = KVCache.for_model(model.cfg, len(prompts), S, torch.float32)
+        cache.reset(len(prompts))
+        keep, calls = [], []
+        real = decoder.Decoder._fused_weights
+
+        def spy(self, x, c):
+            w = real(self, x, c)
+            calls.append((tuple(x.shape[:2]), w is not None))
+            return w
+        decoder.Decoder._fused_weights = spy
+        try:
+            with torch.no_grad():
+                chunks = eng.prefill_chunks(cache, lens)
+                hidden, logits = eng.prefill(cache, prompts, keep)
+        finally:
+            decoder.Decoder._fused_weights = real
+        return eng, cache, hidden, logits, keep, chunks, calls
+
+    _, c0, h0, l0, k0, chunks0, _ = run(0)
+    assert chunks0 is None
+    eng, c1, h1, l1, k1, chunks, calls = run(5 * rows)
+    assert [len(c) for c in chunks] == [2, 1, 3, 1] and [sum(c) for c in chunks] == lens
+    assert all(max(c) - min(c) <= 1 and c == sorted(c, reverse=True) for c in chunks)  # near-equal
+    assert [n for sizes in chunks for n in sizes] == [t for (_, t), _ in calls]  # one forward per chunk, in order
+    assert all(B == 1 and t <= rows and fused for (B, t), fused in calls)  # each through the one-call stack
+    for i, n in enumerate(lens):
+        assert int(c1.lens[i]) == n
+        torch.testing.assert_close(c1.k[:, i, :, :n], c0.k[:, i, :, :n], atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(c1.v[:, i, :, :n], c0.v[:, i, :, :n], atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(k1[i], k0[i], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(h1, h0, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(l1, l0, atol=1e-4, rtol=1e-5)
+    with torch.no_grad():  # the bounds: at most max_rows() tokens, or more than split_tokens, stay packed
+        assert eng.prefill_chunks(c1, [rows]) == [[rows]] and eng.prefill_chunks(c1, [rows - 2, 2]) is None
+        assert eng.prefill_chunks(c1, [rows + 1]) == [[rows // 2 + 1, (rows + 1) // 2]]
+        assert eng.prefill_chunks(c1, [5 * rows + 1]) is None
+    assert eng.prefill_chunks(c1, [rows + 1]) is None  # autograd on: never
 
 
 def test_packed_causal_rule_is_the_block_diagonal_mask():

@@ -328,11 +328,12 @@ class EagleDrafter:
     more rows the kernel is compute-bound and bf16 panels only add work.
 
     ``int8_head`` (default True): where the head would draft with bf16 weights (above), it drafts with int8 ones
-    (``decoder.int8_weights``: per-column scales, fp32 arithmetic, a quarter of fp32's bytes) where the AVX-512
-    kernels run, else bf16. Lossless like bf16: the policy verifies against the q the head produced. SmolLM2's
+    (``decoder.int8_weights``: per-column scales, fp32 arithmetic, a quarter of fp32's bytes) wherever the kernels
+    run (AVX2 or AVX-512). Lossless like bf16: the policy verifies against the q the head produced. SmolLM2's
     head streams 6.6 MB per call instead of 13.1; batch-1 chains of z3 ran 1.86-1.87x plain decoding against
     bf16's 1.73-1.77x, side by side, at the same acceptance, and 4 / 8 rows 1.72x / 1.32x against 1.69x / 1.23x
-    (Zen 5, 2026-11-26, BENCHMARKS.md session 33). False keeps bf16.
+    (Zen 5, 2026-11-26, BENCHMARKS.md session 33); on an AVX2 Zen 3, y6's chains 2.07x against 1.97x pooled over
+    64 prompts, 49.2 against 50.9 ms a step (2026-11-27, session 42). False keeps bf16.
 
     ``chain_stop``: a sampled chain stops growing once, in every row, the product of the head's
     probabilities of its drafted tokens falls below this (0 = always the full depth). Each further

@@ -90,7 +90,10 @@ class Engine:
     # The bf16 weight mode (fp32 activations) groups its rows too: 0.69-0.70 at 33-64 x 1, 0.83 / 0.91 / 0.95 at
     # 96 / 128 / 160 x 1, 0.64 at 16 x 3 (``--dtype bfloat16``, same host and day). The logits stay whole: the
     # lm_head in 32-row groups took 1.16-1.30x oneDNN's time at 64-128 rows. Only with the AVX2 kernels
-    # (``kernels.max_rows()`` 32): the AVX-512 ones take 96 rows, and past that nothing was measured
+    # (``kernels.max_rows()`` 32): the AVX-512 ones take 96 rows, and past that nothing was measured. Prefills of
+    # up to this many tokens run as chunks per prompt the same way (``prefill_chunks``), against one packed forward:
+    # 0.62-0.77x at one prompt of 8-32 tokens, 0.51-0.64x at 33-64, 0.82-0.87x at 100-160, 0.74x at 2 x 40 and
+    # 0.99x at 4 x 40 (same host, 2026-11-27, ``python benchmarks/prefill_chunks.py``, BENCHMARKS.md session 42)
     SPLIT_TOKENS = 160
     FORWARD_OVERHEAD_AMX = 128
 
@@ -250,9 +253,13 @@ class Engine:
             while e < P and (e == s or total + lens[e] <= self.PACK_TOKENS):
                 total += lens[e]
                 e += 1
-            packed = PackedPrefill(cache.view(slice(s, e)), lens[s:e])
-            ids = torch.cat(prompts[s:e])[None]
-            h = self.forward(packed, ids, packed.slots, packed.slots, packed.mask())[0]  # (N, D)
+            chunks = self.prefill_chunks(cache, lens[s:e])
+            if chunks is not None:
+                h = self._chunked_prefill(cache, prompts, s, chunks)
+            else:
+                packed = PackedPrefill(cache.view(slice(s, e)), lens[s:e])
+                ids = torch.cat(prompts[s:e])[None]
+                h = self.forward(packed, ids, packed.slots, packed.slots, packed.mask())[0]  # (N, D)
             ends = torch.tensor(lens[s:e]).cumsum(0)
             hidden[s:e] = h[ends - 1]
             if keep is not None:
@@ -260,6 +267,40 @@ class Engine:
             s = e
         cache.lens[:P] = torch.tensor(lens)
         return hidden, self.logits(hidden)
+
+    def prefill_chunks(self, cache: KVCache, lens: list[int]) -> list[list[int]] | None:
+        """Per prompt, the sizes of the chunks to prefill it in through the one-call layer stack, one cached forward
+        of at most ``kernels.max_rows()`` tokens each; None where the packed forward runs (it then goes through the
+        Python layer loop over oneDNN). Chunks where row groups would run (``row_groups``: fp32 with the AVX2
+        kernels) and the pack holds at most ``split_tokens`` tokens, either more than ``max_rows()`` or one prompt:
+        there the one-call stack's forwards cost less than one packed forward of them all, as row groups do
+        (``SPLIT_TOKENS``). Several prompts of ``max_rows()`` tokens in all stay packed: one forward of them all
+        against a forward per prompt. A prompt's chunks are near-equal."""
+        rows, total = kernels.max_rows(), sum(lens)
+        if (not self.split_tokens or (total <= rows and len(lens) > 1) or total > self.split_tokens
+                or torch.is_grad_enabled() or not self.model.stack_takes(1, rows, self.act_dtype, cache)):
+            return None
+        out = []
+        for n in lens:
+            k = -(-n // rows)
+            out.append([n // k + (i < n % k) for i in range(k)])
+        return out
+
+    def _chunked_prefill(self, cache: KVCache, prompts, s: int, chunks: list[list[int]]) -> torch.Tensor:
+        """Prefill prompts s.. (one cache row each) chunk by chunk (``prefill_chunks``): each chunk is a cached
+        forward over its row's earlier chunks, as a verification step is. Returns their hidden states end to end,
+        (N, D), as the packed forward does."""
+        out = []
+        for i, sizes in enumerate(chunks):
+            row = cache.view(slice(s + i, s + i + 1))
+            row.lens.zero_()
+            ids, at = prompts[s + i], 0
+            for n in sizes:
+                slots = row.chain_slots(n)
+                out.append(self._forward(row, ids[None, at: at + n], slots, slots, row.causal(n))[0])
+                row.advance(n)
+                at += n
+        return torch.cat(out)
 
     # -- the loop -----------------------------------------------------------------------------
     @torch.no_grad()
