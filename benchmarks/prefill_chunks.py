@@ -7,13 +7,12 @@ the time is ``Engine.prefill`` (the forwards and the last tokens' logits).
 
 ``chunked / packed`` below 1 means the chunks are faster there."""
 import argparse
-import statistics
 import time
 
 import torch
 
 from specroll import kernels
-from specroll.bench.common import machine_info, write_json
+from specroll.bench.common import alternating_medians, machine_info, write_json
 from specroll.engine.cache import KVCache
 from specroll.engine.engine import Engine
 from specroll.models import hub
@@ -46,14 +45,8 @@ def main() -> None:
                 eng.prefill(cache, prompts)
             return time.perf_counter() - t
 
-        sides = {"packed": 0, "chunked": Engine.SPLIT_TOKENS}
-        for v in sides.values():
-            run(v)
-        ts = {k: [] for k in sides}
-        for _ in range(a.repeats):
-            for k, v in sides.items():
-                ts[k].append(run(v))
-        ms = {k: statistics.median(v) * 1e3 for k, v in ts.items()}
+        ms = {k: v * 1e3 for k, v in alternating_medians(run, {"packed": 0, "chunked": Engine.SPLIT_TOKENS},
+                                                         a.repeats).items()}
         eng.split_tokens = Engine.SPLIT_TOKENS
         with torch.no_grad():
             chunks = eng.prefill_chunks(cache, lens)

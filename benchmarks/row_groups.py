@@ -9,13 +9,12 @@ new token seeing the slots up to its own (``KVCache.causal``: a decode step, a c
 
 ``split / whole`` below 1 means the row groups are faster there."""
 import argparse
-import statistics
 import time
 
 import torch
 
 from specroll import kernels
-from specroll.bench.common import machine_info, write_json
+from specroll.bench.common import alternating_medians, machine_info, write_json
 from specroll.engine.engine import Engine
 from specroll.engine.profiler import _prefilled_cache
 from specroll.models import hub
@@ -48,14 +47,7 @@ def main() -> None:
                 eng.logits(eng.forward(cache, ids, slots, slots, cache.causal(T)).reshape(B * T, -1))
             return time.perf_counter() - t
 
-        sides = {"whole": 0, "split": 1 << 30}
-        for v in sides.values():
-            run(v)
-        ts = {k: [] for k in sides}
-        for _ in range(a.repeats):
-            for k, v in sides.items():
-                ts[k].append(run(v))
-        ms = {k: statistics.median(v) * 1e3 for k, v in ts.items()}
+        ms = {k: v * 1e3 for k, v in alternating_medians(run, {"whole": 0, "split": 1 << 30}, a.repeats).items()}
         eng.split_tokens = 1 << 30
         with torch.no_grad():
             groups = len(eng.row_groups(cache, ids))

@@ -83,6 +83,18 @@ def median_time(fn, repeats: int) -> float:
     return statistics.median(times)
 
 
+def alternating_medians(run, sides: dict, repeats: int) -> dict:
+    """Median of ``run(value)`` (a duration it returns) per side name -> value, after one warm-up call each; the
+    sides alternate call by call, so a host that drifts within a minute moves them alike."""
+    for v in sides.values():
+        run(v)
+    ts = {k: [] for k in sides}
+    for _ in range(repeats):
+        for k, v in sides.items():
+            ts[k].append(run(v))
+    return {k: statistics.median(v) for k, v in ts.items()}
+
+
 def write_json(path: str | Path, data: dict) -> None:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
