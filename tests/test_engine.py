@@ -157,7 +157,7 @@ def test_packed_prefill_matches_one_prompt_at_a_time(pack, monkeypatch):
             torch.testing.assert_close(logits[i], model.logits(h), atol=1e-4, rtol=1e-5)
 
 
-def test_chunked_prefill_matches_the_packed_forward():
+def test_chunked_prefill_matches_the_packed_forward(monkeypatch):
     """``prefill_chunks``: where row groups run (fp32 with the AVX2 kernels; forced here on any kernels) a pack of
     more than ``max_rows()`` tokens is prefilled prompt by prompt in near-equal chunks of at most ``max_rows()``
     tokens, each a cached forward through the one-call layer stack. It leaves the same KV cache, lengths, last
@@ -181,20 +181,18 @@ def test_chunked_prefill_matches_the_packed_forward():
         cache = KVCache.for_model(model.cfg, len(prompts), S, torch.float32)
         cache.reset(len(prompts))
         keep, calls = [], []
-        real = decoder.Decoder._fused_weights
 
-        def spy(self, x, c):
+        def spy(self, x, c):  # every forward's (rows, tokens) and whether the one-call stack took it
             w = real(self, x, c)
             calls.append((tuple(x.shape[:2]), w is not None))
             return w
-        decoder.Decoder._fused_weights = spy
-        try:
-            with torch.no_grad():
-                chunks = eng.prefill_chunks(cache, lens)
-                hidden, logits = eng.prefill(cache, prompts, keep)
-        finally:
-            decoder.Decoder._fused_weights = real
+        with monkeypatch.context() as m, torch.no_grad():
+            m.setattr(decoder.Decoder, "_fused_weights", spy)
+            chunks = eng.prefill_chunks(cache, lens)
+            hidden, logits = eng.prefill(cache, prompts, keep)
         return eng, cache, hidden, logits, keep, chunks, calls
+
+    real = decoder.Decoder._fused_weights
 
     _, c0, h0, l0, k0, chunks0, _ = run(0)
     assert chunks0 is None

@@ -278,7 +278,7 @@ class Engine:
         against a forward per prompt. A prompt's chunks are near-equal."""
         rows, total = kernels.max_rows(), sum(lens)
         if (not self.split_tokens or (total <= rows and len(lens) > 1) or total > self.split_tokens
-                or torch.is_grad_enabled() or not self.model.stack_takes(1, rows, self.act_dtype, cache)):
+                or not self.model.stack_takes(1, rows, self.act_dtype, cache)):  # (autograd on: it never takes)
             return None
         out = []
         for n in lens:

@@ -171,8 +171,8 @@ _INT8_WEIGHTS = contextvars.ContextVar("specroll_int8_weights", default=False)
 def int8_weights(on: bool = True):
     """Within this block, the linears that ``bf16_weights`` would stream as bf16 panels stream int8 ones instead
     (``kernels.skinny().pack_int8``: per-column scales, fp32 arithmetic; half bf16's bytes) where int8 panels
-    run (``kernels.int8_ok``: the AVX2 and AVX-512 kernels), else bf16 ones. For weights that only propose tokens the policy verifies
-    exactly: a draft head's (``EagleDrafter(int8_head=True)``), never the policy's."""
+    run (``kernels.int8_ok``: the AVX2 and AVX-512 kernels), else bf16 ones. For weights that only propose tokens
+    the policy verifies exactly: a draft head's (``EagleDrafter(int8_head=True)``), never the policy's."""
     with _switched(_INT8_WEIGHTS, on):
         yield
 
