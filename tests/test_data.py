@@ -183,6 +183,35 @@ def test_csv_and_json(tmp_path):
     assert len(load_examples(DataConfig(task="file", path=str(j), n_eval=1), "train")) == 2
 
 
+def test_csv_row_with_an_unquoted_comma_is_a_bad_row(tmp_path, caplog):
+    # csv puts a row's extra fields under the key None: it used to load and crash the reward call later
+    p = tmp_path / "d.csv"
+    p.write_text("question,answer\nWhat is 1,000 + 5?,1005\nWhat is 2+2?,4\n")
+    with pytest.raises(DataError, match=r"d\.csv:2: 3 fields but the header has 2; quote fields that contain commas; "
+                                        r".*skip_bad_rows=true"):
+        load_examples(DataConfig(task="file", path=str(p), n_eval=0), "train")
+    with caplog.at_level(logging.WARNING):
+        exs = load_examples(DataConfig(task="file", path=str(p), n_eval=0, skip_bad_rows=True), "train")
+    assert exs == [{"question": "What is 2+2?", "answer": "4"}]
+    assert any("skipped 1 malformed line(s)" in r.getMessage() for r in caplog.records)
+    p.write_text("q,a\nWhat is 1,000 + 5?,1005\nWhat is 2+2?,4\n")  # and the missing-column message still works
+    with pytest.raises(DataError, match=r"no question column 'question'; the file has columns \['a', 'q'\]"):
+        load_examples(DataConfig(task="file", path=str(p), n_eval=0, skip_bad_rows=True), "train")
+
+
+def test_utf8_files_with_a_byte_order_mark(tmp_path):
+    bom = b"\xef\xbb\xbf"
+    c, j = tmp_path / "d.csv", tmp_path / "d.jsonl"
+    c.write_bytes(bom + b"question,answer\n1+1?,2\n")
+    j.write_bytes(bom + b'{"question": "1+1?", "answer": "2"}\n')
+    for p in (c, j):
+        assert load_examples(DataConfig(task="file", path=str(p), n_eval=0), "train") == [
+            {"question": "1+1?", "answer": "2"}]
+    c.write_bytes(bom + b"question,answer\n1+1?,2\ncaf\xe9,3\n")  # a bad byte's line and value are still right
+    with pytest.raises(DataError, match=r"d\.csv:3: not UTF-8 text \(byte 0xe9\)"):
+        load_examples(DataConfig(task="file", path=str(c), n_eval=0), "train")
+
+
 def test_parquet(tmp_path):
     pa = pytest.importorskip("pyarrow")
     import pyarrow.parquet as pq

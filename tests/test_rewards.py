@@ -344,6 +344,39 @@ def test_nan_is_none_and_duplicates_get_names(tmp_path):
     assert total == [None, 2.0]
 
 
+@pytest.mark.parametrize("bad", ["float('inf')", "float('-inf')", "'-inf'"])
+def test_infinite_reward_is_an_error(tmp_path, bad):
+    # an infinite reward (e.g. math.log(0)) would make every advantage of its group 0 or 3.4e38
+    name = f"sr_infmod_{abs(hash(bad))}"
+    _write_module(tmp_path, name, f"def f(prompts, completions, **kw):\n    return [1.0, {bad}]\n")
+    reward = build_reward(RewardConfig(funcs=[f"{name}:f"]))
+    with pytest.raises(RewardError, match=f"reward '{name}:f' returned -?inf; a reward must be finite"):
+        reward(["p", "p"], ["a", "b"])
+
+
+def test_type_error_on_the_first_call_is_an_error(tmp_path, caplog):
+    # a TRL-style function without **kwargs fails on every call: the run would train on nothing
+    _write_module(tmp_path, "sr_nokw", """
+        calls = {"n": 0}
+        def strict(prompts, completions):
+            return [1.0] * len(completions)
+        def later(prompts, completions, **kw):
+            calls["n"] += 1
+            if calls["n"] == 2:
+                raise TypeError("unsupported operand")
+            return [1.0] * len(completions)
+    """)
+    reward = build_reward(RewardConfig(funcs=["sr_nokw:strict"]))
+    with pytest.raises(RewardError, match=r"reward 'sr_nokw:strict' raised TypeError on its first call: .*answer.*"
+                                          r"add \*\*kwargs to its signature"):
+        reward(["p"], ["a"], answer=["1"])
+    reward = build_reward(RewardConfig(funcs=["sr_nokw:later"]))  # after a first success: skipped, warned once
+    assert reward(["p"], ["a"], answer=["1"])[0] == [1.0]
+    with caplog.at_level(logging.WARNING, logger=R.logger.name):
+        assert reward(["p"], ["a"], answer=["1"])[0] == [None]
+    assert reward.n_failures["sr_nokw:later"] == 1 and "TypeError" in caplog.text
+
+
 def test_accuracy_without_answer_column_is_an_error():
     reward = build_reward(RewardConfig(funcs=["accuracy"]))
     with pytest.raises(RewardError, match="needs an 'answer' column; got columns \\['gold'\\]"):

@@ -143,13 +143,50 @@ def test_kl_term_is_zero_at_the_reference_and_grows():
     assert make_trainer(make_cfg()).ref is None  # no reference model when beta = 0
 
 
-def test_mu_and_mini_batches_take_more_optimizer_steps():
-    cfg = make_cfg("train.steps=1", "train.mu=2", "train.mini_batches=2", "rollout.max_new_tokens=6")
-    tr = make_trainer(cfg)
+def distinct(prompts, completions, **cols):
+    """A reward that differs within every group: every row has a nonzero advantage."""
+    return [float(i) for i in range(len(completions))]
+
+
+@pytest.mark.parametrize("groups, mu, mini_batches", [(4, 2, 2), (6, 1, 4)])  # 6 groups: chunk(4) made 3 parts
+def test_mu_and_mini_batches_take_more_optimizer_steps(groups, mu, mini_batches):
+    cfg = make_cfg("train.steps=1", f"train.prompts_per_step={groups}", f"train.mu={mu}",
+                   f"train.mini_batches={mini_batches}", "rollout.max_new_tokens=6")
+    ps = prompts()
+    tr = Trainer(cfg, tiny_model(0), ps, ps, distinct, decode, eos_ids=[0])
     m = tr.train_step()
-    assert m["actor/n_optimizer_steps"] <= 4
+    # exactly the steps the lr schedule was laid out for
+    assert m["actor/n_optimizer_steps"] == mu * mini_batches == tr.total_opt_steps == tr.sched.last_epoch
     assert tr.engine.policy_version == m["actor/n_optimizer_steps"]
-    assert m["timing/logprob"] > 0  # old logprobs were recomputed (mu > 1)
+    assert m["timing/logprob"] > 0  # old logprobs were recomputed (mu > 1 or mini_batches > 1)
+
+
+def test_reward_gets_the_columns_of_every_row():
+    from specroll.rl.trainer import call_reward
+
+    seen = {}
+
+    def reward(prompts, completions, answer=None, hint=None, **kw):
+        seen.update(answer=answer, hint=hint)
+        return [0.0] * len(completions)
+
+    cols = [{"question": "q1", "answer": "1"}, {"question": "q2", "answer": "2", "hint": "carry"}]
+    call_reward(reward, ["a", "b"], ["x", "y"], cols)
+    assert seen == {"answer": ["1", "2"], "hint": [None, "carry"]}
+
+
+def test_an_infinite_reward_stops_the_step_before_the_update():
+    from specroll.rl.rewards import RewardError
+
+    def log_reward(prompts, completions, **cols):  # e.g. math.log(0) for one sample
+        return [-math.inf] + target_fraction(prompts, completions[1:])
+
+    ps = prompts()
+    tr = Trainer(make_cfg("loss.scale_rewards=none"), tiny_model(0), ps, ps, log_reward, decode, eos_ids=[0])
+    before = [p.detach().clone() for p in tr.model.parameters()]
+    with pytest.raises(RewardError, match="reward 'log_reward' returned -inf for a completion; a reward must be finite"):
+        tr.train_step()
+    assert all(torch.equal(a, b) for a, b in zip(before, tr.model.parameters()))
 
 
 # -- checkpoints -----------------------------------------------------------------------------------
@@ -170,6 +207,35 @@ def test_resume_equals_uninterrupted_run(tmp_path):
     assert no_timing(third) == no_timing(rows[2])
     for a, b in zip(full.model.parameters(), resumed.model.parameters()):
         assert torch.equal(a, b)
+
+
+class Console:
+    def __init__(self):
+        self.lines = []
+
+    def print(self, text, **kw):
+        self.lines.append(text)
+
+
+def test_resume_applies_a_changed_lr_and_weight_decay(tmp_path):
+    # the checkpoint's optimizer and scheduler state hold its lr; config.yaml of the resumed run records the new one
+    tr = make_trainer(make_cfg("train.steps=4", "train.min_lr_ratio=0.5"), tmp_path)
+    tr.train_step()
+    path = tr.save()
+    cfg = make_cfg("train.steps=4", "train.min_lr_ratio=0.5", "train.lr=1e-5", "train.weight_decay=0.1")
+    resumed = make_trainer(cfg, tmp_path)
+    resumed.console = Console()
+    assert resumed.resume(path) == 1
+    now = 1e-5 * resumed.sched.lr_lambdas[0](1)  # the cosine schedule's lr at optimizer step 1
+    assert resumed.sched.base_lrs == [1e-5] and resumed.sched.get_last_lr() == [now]
+    assert [(g["lr"], g["initial_lr"], g["weight_decay"]) for g in resumed.opt.param_groups] == [(now, 1e-5, 0.1)]
+    assert resumed.console.lines == ["resume: train.lr changed from 0.003 to 1e-05, train.weight_decay changed "
+                                     "from 0 to 0.1 (the checkpoint's optimizer state is kept)"]
+    assert resumed.train_step()["lr"] == pytest.approx(1e-5 * resumed.sched.lr_lambdas[0](2))
+    same = make_trainer(make_cfg("train.steps=4", "train.min_lr_ratio=0.5"), tmp_path)
+    same.console = Console()
+    same.resume(path)
+    assert same.console.lines == [] and same.sched.get_last_lr() == tr.sched.get_last_lr()
 
 
 def test_interrupted_checkpoint_write_keeps_the_previous_one(tmp_path, monkeypatch):

@@ -250,12 +250,12 @@ def arithmetic(split: str, n: int, level: int, seed: int) -> list[dict]:
 
 
 def read_utf8(path: Path) -> str:
-    """The file's text; a file that is not UTF-8 is a ``DataError`` (a ``ValueError``) naming it and the line
-    (data files here, config files in ``config.load_config``)."""
-    raw = path.read_bytes()
+    """The file's text, without a leading byte order mark; a file that is not UTF-8 is a ``DataError`` (a
+    ``ValueError``) naming it and the line (data files here, config files in ``config.load_config``)."""
     try:
-        return raw.decode("utf-8")
+        return path.read_bytes().decode("utf-8-sig")
     except UnicodeDecodeError as e:
+        raw = e.object  # after the byte order mark, if any: e.start counts from there
         line = raw[: e.start].replace(b"\r\n", b"\n").replace(b"\r", b"\n").count(b"\n") + 1
         raise DataError(f"{path}:{line}: not UTF-8 text (byte 0x{raw[e.start]:02x}); save the file as UTF-8") from None
 
@@ -293,12 +293,24 @@ def _read_json(path: Path) -> list[tuple[int, dict]]:
     return [(i + 1, r) for i, r in enumerate(obj)]
 
 
-def _read_csv(path: Path) -> list[tuple[int, dict]]:
+def _read_csv(path: Path, skip: bool, advice: Advice = TRAIN_ADVICE
+              ) -> tuple[list[tuple[int, dict]], list[str]]:
+    rows, bad = [], []
     with io.StringIO(read_utf8(path), newline="") as f:
         reader = csv.DictReader(f)
         if not reader.fieldnames:
             raise DataError(f"{path}: empty CSV (no header line)")
-        return [(i + 2, dict(r)) for i, r in enumerate(reader)]  # line 1 is the header
+        for ln, r in enumerate(reader, 2):  # line 1 is the header
+            if None in r:  # more fields than the header: csv puts the rest under the key None
+                m = len(reader.fieldnames)
+                msg = (f"{path}:{ln}: {m + len(r[None])} fields but the header has {m}; "
+                       "quote fields that contain commas")
+                if not skip:
+                    raise DataError(f"{msg}; {advice.bad_line}")
+                bad.append(msg)
+                continue
+            rows.append((ln, dict(r)))
+    return rows, bad
 
 
 def _read_parquet(path: Path) -> list[tuple[int, dict]]:
@@ -328,7 +340,7 @@ def read_rows(path: str | Path, skip_bad_rows: bool = False, advice: Advice = TR
     elif suffix == ".json":
         rows = _read_json(p)
     elif suffix == ".csv":
-        rows = _read_csv(p)
+        rows, bad = _read_csv(p, skip_bad_rows, advice)
     elif suffix in (".parquet", ".pq"):
         rows = _read_parquet(p)
     else:
@@ -346,8 +358,9 @@ def _pick_field(want: str, default: str, aliases: tuple[str, ...], columns: set[
         for alt in aliases:
             if alt in columns:
                 return alt
+    names = sorted(c for c in columns if isinstance(c, str))  # a malformed CSV row can hold a None key
     raise DataError(
-        f"{path}: no {role} column {want!r}; the file has columns {sorted(columns)} "
+        f"{path}: no {role} column {want!r}; the file has columns {names} "
         f"({advice.column.format(role=role)})"
     )
 

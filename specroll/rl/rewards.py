@@ -527,11 +527,13 @@ class Reward:
     """Weighted sum of reward functions.
 
     ``reward(prompts, completions, **columns) -> (total, per_func)``. ``per_func[name]`` is each
-    function's list. A sample's total is None when any function returned None for it (or raised):
-    the trainer excludes that sample (it carries no advantage and no loss). A function that raises
-    yields None for the whole batch and logs ONE warning per function for the run; its failures are
-    counted in ``n_failures[name]``. A wrong-length or non-numeric return, or a ``RewardError`` raised by
-    the function (e.g. the built-in accuracy reward missing its ``answer`` column), propagates.
+    function's list. A sample's total is None when any function returned None (or NaN) for it (or
+    raised): the trainer excludes that sample (it carries no advantage and no loss). A function that
+    raises yields None for the whole batch and logs ONE warning per function for the run; its failures
+    are counted in ``n_failures[name]``. A wrong-length, non-numeric or infinite return, a ``TypeError``
+    on the function's first call (a signature without ``**kwargs`` refusing the dataset's columns), or a
+    ``RewardError`` raised by the function (e.g. the built-in accuracy reward missing its ``answer``
+    column), propagates as a ``RewardError``.
     """
 
     def __init__(self, funcs: dict[str, Callable], weights: list[float], checker: MathChecker | None = None):
@@ -539,6 +541,7 @@ class Reward:
         self.weights = weights
         self.checker = checker  # the math-verify worker of the built-in accuracy reward, if any
         self.n_failures = {k: 0 for k in funcs}
+        self.n_calls = {k: 0 for k in funcs}
 
     @property
     def names(self) -> list[str]:
@@ -559,11 +562,16 @@ class Reward:
         return total, per
 
     def _one(self, name, f, prompts, completions, n, columns) -> list[float | None]:
+        self.n_calls[name] += 1
         try:
             vals = f(prompts=prompts, completions=completions, **columns)
         except RewardError:
             raise  # a contract problem (e.g. a missing column): retrying cannot fix it
         except Exception as e:  # noqa: BLE001 - user code: skip the batch, keep training
+            if isinstance(e, TypeError) and self.n_calls[name] == 1:  # its signature: every call would fail
+                raise RewardError(f"reward {name!r} raised TypeError on its first call: {e}; it is called as "
+                                  "f(prompts=..., completions=..., **columns): add **kwargs to its "
+                                  "signature") from e
             if self.n_failures[name] == 0:
                 logger.warning("reward %r raised %s: %s; its samples score None (excluded) until it "
                                "succeeds (warned once)", name, type(e).__name__, e)
@@ -587,6 +595,9 @@ def _check_values(name: str, vals, n: int) -> list[float | None]:
             x = float(v)
         except (TypeError, ValueError):
             raise RewardError(f"reward {name!r} returned {v!r}; expected a float or None") from None
+        if math.isinf(x):
+            raise RewardError(f"reward {name!r} returned {x}; a reward must be finite "
+                              "(None or NaN excludes a sample)")
         out.append(None if math.isnan(x) else x)
     return out
 

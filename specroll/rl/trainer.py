@@ -46,6 +46,7 @@ from .distributed import Dist
 from .logprobs import token_logprobs
 from .losses import group_advantages, policy_loss, token_weights, zero_variance_groups
 from .metrics import MetricsWriter, step_line
+from .rewards import RewardError
 
 
 @dataclass
@@ -67,9 +68,10 @@ def call_reward(reward: Callable, prompts: list[str], completions: list[str], co
     """Run a reward on a batch. Returns (totals as a float tensor with NaN = None, per-function means).
 
     ``reward`` may be an ``rl.rewards.Reward`` (returns ``(totals, per_func)``) or a plain TRL-style
-    function returning one value per completion.
+    function returning one value per completion. Every column of any row is passed (None in the rows
+    without it). An infinite total is a ``RewardError`` (NaN, like None, excludes the sample).
     """
-    keys = columns[0].keys() if columns else []
+    keys = dict.fromkeys(k for c in columns for k in c)  # in first-seen order
     cols = {k: [c.get(k) for c in columns] for k in keys}
     out = reward(prompts, completions, **cols)
     per: dict = {}
@@ -77,7 +79,13 @@ def call_reward(reward: Callable, prompts: list[str], completions: list[str], co
         out, per = out
     if len(out) != len(completions):
         raise ValueError(f"reward returned {len(out)} values for {len(completions)} completions")
-    totals = torch.tensor([float("nan") if v is None else float(v) for v in out])
+    values = [float("nan") if v is None else float(v) for v in out]
+    totals = torch.tensor(values)
+    if torch.isinf(totals).any():  # also a float beyond float32's range
+        bad = values[int(torch.isinf(totals).nonzero()[0, 0])]
+        name = getattr(reward, "__name__", None) or ",".join(getattr(reward, "names", ())) or repr(reward)
+        raise RewardError(f"reward {name!r} returned {bad} for a completion; a reward must be finite "
+                          "(None or NaN excludes a sample)")
     means = {}
     for name, vals in per.items():
         good = [float(v) for v in vals if v is not None]
@@ -491,7 +499,7 @@ class Trainer:
             ref[all_rows] = self._logprobs_nograd(self.ref, batch, all_rows)
         m["timing/logprob"] = time.perf_counter() - t
         t = time.perf_counter()
-        groups = torch.arange(len(rollouts) // G).chunk(cfg.train.mini_batches)
+        groups = torch.arange(len(rollouts) // G).tensor_split(cfg.train.mini_batches)  # exactly this many
         acc = {"clip": 0.0, "kl": 0.0, "w": 0.0, "ent": 0.0, "ntok": 0.0, "loss": 0.0, "gn": [], "n_opt": 0, "rows": 0}
         for _ in range(cfg.train.mu):
             for grp in groups:
@@ -628,9 +636,27 @@ class Trainer:
         info, rng = ckpt.load_training_state(path, model=self.model, optimizer=self.opt, scheduler=self.sched,
                                              drafter=self.drafter)
         ckpt.restore_rng(rng)
+        self._apply_optimizer_config()
         self.step = info.step
         self.engine.policy_version = int(info.state.get("policy_version", info.step))
         return info.step
+
+    def _apply_optimizer_config(self) -> None:
+        """After a resume: the optimizer and scheduler state hold the checkpoint's train.lr and
+        train.weight_decay; this run's config (the one its config.yaml records) wins, at the schedule's
+        current step. A change is announced in one line."""
+        tc = self.cfg.train
+        groups = self.opt.param_groups
+        old_lr, old_wd = self.sched.base_lrs[0], groups[0]["weight_decay"]
+        self.sched.base_lrs = [tc.lr] * len(groups)
+        for g, f in zip(groups, self.sched.lr_lambdas):
+            g["initial_lr"], g["weight_decay"] = tc.lr, tc.weight_decay
+            g["lr"] = tc.lr * f(self.sched.last_epoch)
+        self.sched._last_lr = [g["lr"] for g in groups]  # what get_last_lr() reports until the next step
+        changes = [f"train.{k} changed from {a:g} to {b:g}" for k, a, b in
+                   (("lr", old_lr, tc.lr), ("weight_decay", old_wd, tc.weight_decay)) if a != b]
+        if changes:
+            self._say(f"resume: {', '.join(changes)} (the checkpoint's optimizer state is kept)")
 
     # -- the loop -----------------------------------------------------------------------------
     def _log(self, m: dict) -> None:
