@@ -107,9 +107,11 @@ def _bench_spec(s):
                    help="sampled chains stop once every row's product of draft probabilities is below this "
                         "(comma list for side-by-side rows; 0 = full depth)")
     b.add_argument("--head-weights", default="auto", help="weights the draft head drafts with: fp32, bf16 "
-                   "(bf16 weight panels, fp32 arithmetic), int8 (int8 panels with per-column scales, fp32 arithmetic; "
-                   "AVX-512 CPUs, else bf16), auto (int8 up to 8 live rows, the rollout's precision beyond); lossless "
-                   "in every case; a comma list runs them side by side: bf16,int8")
+                   "(bf16 weight panels, fp32 arithmetic), int8 (int8 panels with per-column scales, fp32 arithmetic), "
+                   "auto (int8 up to 8 live rows, the rollout's precision beyond); lossless in every case; a comma "
+                   "list runs them side by side: bf16,int8")
+    b.add_argument("--verify", default="block", help="how sampled chains are verified: block (jointly) or token "
+                   "(token by token); both exact; a comma list runs them side by side: token,block")
     b.add_argument("--repeats", type=int, default=1, help="timed repetitions per system and batch (summed)")
     b.add_argument("--force-length", action="store_true", help="ignore stop tokens: every row emits max-new-tokens")
     b.add_argument("--seed", type=int, default=0)

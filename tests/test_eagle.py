@@ -29,7 +29,7 @@ from specroll.drafters.eagle import (
     save_head,
 )
 from specroll.drafters.reuse import prompt_key
-from specroll.drafters.verify import Verdict, match_walk, rejection_chain
+from specroll.drafters.verify import Verdict, block_chain, match_walk, rejection_chain
 from specroll.engine.engine import Engine
 from specroll.engine.sampling import SamplingParams, processed_logprobs, sample
 from specroll.models.decoder import Decoder
@@ -112,16 +112,17 @@ S = 2000
 
 @pytest.mark.parametrize("kind", ["random", "trained", "adversarial"])
 @pytest.mark.parametrize("pname", ["t1", "t07", "t07p09"])
-@pytest.mark.parametrize("mode", ["tree", "chain"])
+@pytest.mark.parametrize("mode", ["tree", "chain", "chain-token"])
 def test_speculation_is_lossless(small, kind, pname, mode):
-    """Top-K trees verified by sampler-match, and chains drawn from the head verified by rejection sampling,
-    both follow plain sampling's distribution, whatever the head."""
+    """Top-K trees verified by sampler-match, and chains drawn from the head verified jointly (block verification,
+    the default) or token by token (rejection sampling), all follow plain sampling's distribution, whatever the
+    head."""
     model, trained = small
     params = PARAMS[pname]
     head = head_for(model, seed=5) if kind == "random" else trained
     cls = AdversarialDrafter if kind == "adversarial" else EagleDrafter
     plan = Plan(n_verify=7, k=3, depth=3) if mode == "tree" else Plan(n_verify=4, k=1, depth=3)
-    drafter = cls(head, plan, sampled=mode == "chain")
+    drafter = cls(head, plan, sampled=mode != "tree", verify="token" if mode == "chain-token" else "block")
     counts = sample_counts(Engine(model), params, S, drafter)
     p = chi2_gof(counts, exact_probs(model, PROMPT, params, M_SMALL))
     assert p > 1e-3, f"{kind} draft, {mode}, at {pname}: chi-square p = {p:.2e}"
@@ -1035,7 +1036,8 @@ def test_bench_batch_takes_fresh_prompts_every_repeat(small):
     orig = engine.generate
 
     def spy(prompts, params, n=1, drafter=None):
-        seen.append(([list(p) for p in prompts], params.seed, None if drafter is None else drafter.chain_stop))
+        seen.append(([list(p) for p in prompts], params.seed, None if drafter is None else drafter.chain_stop,
+                     None if drafter is None else drafter.chain_rule))
         return orig(prompts, params, n=n, drafter=drafter)
 
     engine.generate = spy
@@ -1048,10 +1050,12 @@ def test_bench_batch_takes_fresh_prompts_every_repeat(small):
     assert [s[:2] for s in seen[1::2]] == [s[:2] for s in seen[::2]] and [s[2] for s in seen] == [None, 0.0] * 3
     seen.clear()
     rows = bench_batch(engine, head, pool, SamplingParams(max_new_tokens=2, seed=3), "chain", lambda b: plan, plan,
-                       repeats=2, variants=[("fp32", 0.0), ("bf16", 0.5)], batch=1)
+                       repeats=2, variants=[("fp32", 0.0, "token"), ("bf16", 0.5, "block")], batch=1)
     assert [s[2] for s in seen] == [None, 0.0, 0.5, None, 0.5, 0.0]  # vanilla, then the variants, rotating
+    assert [s[3] for s in seen] == [None, rejection_chain, block_chain, None, block_chain, rejection_chain]
     assert [s[:2] for s in seen] == [([pool[0]], 3)] * 3 + [([pool[1]], 4)] * 3
-    assert [(r["head_weights"], r["chain_stop"]) for r in rows] == [("fp32", 0.0), ("bf16", 0.5)]
+    assert [(r["head_weights"], r["chain_stop"], r["verify"]) for r in rows] == [("fp32", 0.0, "token"),
+                                                                                 ("bf16", 0.5, "block")]
     assert rows[0]["vanilla_s"] == rows[1]["vanilla_s"] and rows[0]["spec_s"] != rows[1]["spec_s"]
     assert all(r["spec_tokens"] == 2 * 2 for r in rows)  # two runs of one row of 2 tokens each
 
@@ -1089,6 +1093,10 @@ def test_cli_draft_train_then_bench_spec(tmp_path, monkeypatch, capsys):
                           "--out", str(out)]) == 0
     rows = json.loads(out.read_text())["rows"]
     assert [(r["plan"], r["head_weights"]) for r in rows] == [("chain", "fp32"), ("chain", "bf16"), ("chain", "int8")]
+    assert main(common + ["--plan", "chain", "--batch-sizes", "1", "--verify", "token,block", "--out", str(out)]) == 0
+    assert [r["verify"] for r in json.loads(out.read_text())["rows"]] == ["token", "block"]
+    assert main(common + ["--verify", "joint", "--out", str(out)]) == 2
+    assert "--verify 'joint': choose from token, block" in capsys.readouterr().err
     assert main(common + ["--head-weights", "fp16", "--out", str(out)]) == 2
     assert "choose from auto, fp32, bf16, int8" in capsys.readouterr().err
     assert main(common + ["--plan", "chain", "--batch-sizes", "1", "--chain-stop", "0,0.3", "--out", str(out)]) == 0

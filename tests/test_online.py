@@ -292,6 +292,12 @@ def test_trainer_with_a_sampled_chain_drafter():
                               log=None).int8_head is False
     with pytest.raises(ValueError, match="draft.int8_head"):
         make_cfg("draft.int8_head=2")
+    from specroll.drafters.verify import block_chain, rejection_chain
+    assert rule is block_chain  # draft.verify=block, the default
+    assert build_spec_drafter(make_cfg("draft.head=random", "draft.vocab=0", "draft.chain=true", "draft.verify=token"),
+                              model, ps.ids, log=None).chain_rule is rejection_chain
+    with pytest.raises(ValueError, match="draft.verify must be one of"):
+        make_cfg("draft.verify=joint")
 
 
 def test_frozen_head_reports_acceptance_and_does_not_change():

@@ -100,9 +100,9 @@ def _timed(fn, *args, **kw):
 
 
 def bench_batch(engine: Engine, head, prompts, params: SamplingParams, plan_name: str, plan_fn, max_plan,
-                repeats: int, variants=(("auto", 0.0),), batch: int | None = None) -> list[dict]:
+                repeats: int, variants=(("auto", 0.0, "block"),), batch: int | None = None) -> list[dict]:
     """Vanilla and speculative generation interleaved, ``repeats`` times with seeds seed..seed+repeats-1; one
-    speculative run per variant, a (head weights, chain stop) pair, in every repeat, their order rotating from
+    speculative run per variant, a (head weights, chain stop, chain verification) triple, in every repeat, their order rotating from
     repeat to repeat, so the variants are compared side by side on the same prompts and seeds against the same
     vanilla runs. Repeat r takes the ``batch`` prompts from r * batch on (cycling through ``prompts``; ``batch``
     None = all of them every time), so small batches are not measured on one prompt only. One row per variant."""
@@ -118,16 +118,16 @@ def bench_batch(engine: Engine, head, prompts, params: SamplingParams, plan_name
         van_t, van_n = van_t + dt, van_n + sum(len(o.completion_ids) for o in outs)
         for j in range(len(variants)):
             v = (j + r) % len(variants)
-            hw, cs = variants[v]
+            hw, cs, vf = variants[v]
             drafter = EagleDrafter(head, plan_fn=plan_fn, max_plan=max_plan, sampled=plan_name in SAMPLED,
-                                   chain_stop=cs, **HEAD_WEIGHTS[hw])
+                                   chain_stop=cs, verify=vf, **HEAD_WEIGHTS[hw])
             dt, outs = _timed(engine.generate, prompts_r, p, drafter=drafter)
             a = acc[v]
             a["t"], a["n"] = a["t"] + dt, a["n"] + sum(len(o.completion_ids) for o in outs)
             a["totals"] += drafter.totals
             a["by_depth"] += drafter.by_depth
     rows = []
-    for (hw, cs), a in zip(variants, acc):
+    for (hw, cs, vf), a in zip(variants, acc):
         steps, emitted, drafted, accepted = (int(x) for x in a["totals"])
         reached, hit = a["by_depth"].tolist()
         v, s = van_n / van_t, a["n"] / a["t"]
@@ -135,7 +135,7 @@ def bench_batch(engine: Engine, head, prompts, params: SamplingParams, plan_name
                      "accept_length": emitted / max(steps, 1), "accept_rate": accepted / max(drafted, 1),
                      "accept_by_depth": [round(h / n, 4) if n else None for h, n in zip(hit, reached)],
                      "vanilla_tokens": van_n, "spec_tokens": a["n"], "vanilla_s": van_t, "spec_s": a["t"],
-                     "head_weights": hw, "chain_stop": cs, "plan_max": max_plan.__dict__,
+                     "head_weights": hw, "chain_stop": cs, "verify": vf, "plan_max": max_plan.__dict__,
                      **({"tuned": plan_fn.choices()} if hasattr(plan_fn, "choices") else {})})
     return rows
 
@@ -153,6 +153,10 @@ def run_bench(args) -> dict:
     for w in head_weights:
         if w not in HEAD_WEIGHTS:
             raise CliError(f"--head-weights {w!r}: choose from {', '.join(HEAD_WEIGHTS)}")
+    verifies = [v.strip() for v in args.verify.split(",") if v.strip()]
+    for v in verifies:
+        if v not in EagleDrafter.VERIFY:
+            raise CliError(f"--verify {v!r}: choose from {', '.join(EagleDrafter.VERIFY)}")
     stops = parse_float_list(args.chain_stop, "--chain-stop", lambda x: 0 <= x < 1, "numbers in [0, 1), e.g. 0,0.15")
     dtype = DTYPES[args.dtype]
     model, tok = hub.load(args.model, torch.float32)
@@ -168,12 +172,13 @@ def run_bench(args) -> dict:
     rows = []
     for name in plans:
         plan_fn, max_plan = PLANS[name](args)
-        variants = [(hw, cs) for hw in head_weights for cs in stops]  # side by side in every repeat
+        variants = [(hw, cs, vf) for hw in head_weights for cs in stops for vf in verifies]  # side by side
         for B in batches:
             for row in bench_batch(engine, head, prompts, params, name, plan_fn, max_plan, args.repeats, variants,
                                    batch=B):
-                hw, cs = row["head_weights"], row["chain_stop"]
-                tag = (f" head {hw}" if len(head_weights) > 1 else "") + (f" stop {cs:g}" if len(stops) > 1 else "")
+                hw, cs, vf = row["head_weights"], row["chain_stop"], row["verify"]
+                tag = ((f" head {hw}" if len(head_weights) > 1 else "") + (f" stop {cs:g}" if len(stops) > 1 else "")
+                       + (f" verify {vf}" if len(verifies) > 1 else ""))
                 print(f"batch {B:3d} {name:8s}{tag} vanilla {row['vanilla_tok_s']:7.1f} tok/s  spec "
                       f"{row['spec_tok_s']:7.1f} tok/s  x{row['speedup']:.2f}  accept_length {row['accept_length']:.2f}"
                       "  by depth " + "/".join("-" if a is None else f"{a:.2f}" for a in row["accept_by_depth"]),

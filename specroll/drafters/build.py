@@ -28,6 +28,7 @@ from pathlib import Path
 from ..device import check_bf16_switch
 
 PLANS = ("static", "adaptive", "tuned")
+VERIFY = ("block", "token")  # EagleDrafter.VERIFY's keys
 
 
 @dataclass
@@ -42,6 +43,7 @@ class DraftConfig:
     depth: int = 5  # static plan: draft levels
     chain: bool = False  # draft a chain sampled from the head (k = 1), verified by rejection sampling
     chain_stop: float = 0.15  # a chain stops once every row's product of draft probabilities is below this
+    verify: str = "block"  # a chain's verification: block (jointly: keeps more, exact) | token (token by token, exact)
     online: bool = False  # train the head during GRPO on the pairs the rollouts already computed
     lr: float | str = "auto"  # AdamW lr of the online updates; auto = 3e-4 for a random head, 1e-4 for a distilled one
     update_steps: int = 4  # AdamW steps per online update
@@ -84,6 +86,8 @@ class DraftConfig:
         for k in ("chain", "int8_head"):
             if not isinstance(getattr(self, k), bool):
                 raise ValueError(f"draft.{k} must be true or false, got {getattr(self, k)!r}")
+        if self.verify not in VERIFY:
+            raise ValueError(f"draft.verify must be one of {list(VERIFY)}, got {self.verify!r}")
         if isinstance(self.chain_stop, bool) or not (isinstance(self.chain_stop, (int, float))
                                                      and 0 <= self.chain_stop < 1):
             raise ValueError(f"draft.chain_stop must be a number in [0, 1), got {self.chain_stop!r}")
@@ -210,7 +214,8 @@ def build_eagle(cfg, model, prompt_ids=None, eos_ids=(), log=print):
             log(note)
     plan, plan_fn, max_plan = make_plan(cfg, model, log)
     return OnlineDrafter(head, dc, policy=model, plan=plan, plan_fn=plan_fn, max_plan=max_plan, seed=cfg.train.seed,
-                         sampled=dc.chain, chain_stop=float(dc.chain_stop), int8_head=dc.int8_head)
+                         sampled=dc.chain, chain_stop=float(dc.chain_stop), int8_head=dc.int8_head,
+                         verify=dc.verify)
 
 
 def build_spec_drafter(cfg, model, prompt_ids=None, eos_ids=(), log=print):

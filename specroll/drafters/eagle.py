@@ -69,7 +69,7 @@ from ..models.decoder import (
     rope_tables,
     skinny_kind,
 )
-from .verify import rejection_chain, sampler_match
+from .verify import block_chain, rejection_chain, sampler_match
 
 HEAD_WEIGHTS = "draft_head.safetensors"
 HEAD_CONFIG = "draft_head.json"
@@ -343,22 +343,31 @@ class EagleDrafter:
     ``fused``: run a sampled chain's drafting (feeding the pending pairs, then every draft's head call,
     logits and draw) as one call of the ``draft_chain`` kernel where it applies (``_fusable``: plain
     temperature, fp32, kernels built, few rows); False keeps the step-by-step PyTorch path, its reference.
+
+    ``verify``: how a sampled chain is verified. "block" (the default): jointly (``verify.block_chain``, block
+    verification), which keeps at least as many tokens in expectation from the same chain; "token": token by
+    token (``verify.rejection_chain``, the first rejection ends the walk). Both are exact.
     """
+
+    VERIFY = {"token": rejection_chain, "block": block_chain}
 
     wants_prompt_hidden = True  # the engine's prefill hands over the prompt hidden states (no second pass)
 
     def __init__(self, head: DraftHead, plan: Plan = DEFAULT_PLAN, plan_fn=None, max_plan: Plan | None = None,
                  rule=sampler_match, on_pairs=None, trace: bool = False, sampled: bool = False,
-                 bf16_head: bool | None = None, chain_stop: float = 0.0, fused: bool = True, int8_head: bool = True):
+                 bf16_head: bool | None = None, chain_stop: float = 0.0, fused: bool = True, int8_head: bool = True,
+                 verify: str = "block"):
         if not 0.0 <= chain_stop < 1.0:
             raise ValueError(f"chain_stop must be in [0, 1), got {chain_stop}")
+        if verify not in self.VERIFY:
+            raise ValueError(f"verify must be one of {sorted(self.VERIFY)}, got {verify!r}")
         self.head = head.eval()
         self.chain_stop = chain_stop
         self.fused = fused
         self.sampled = sampled
         self.bf16_head = bf16_head
         self.int8_head = int8_head
-        self.chain_rule = rejection_chain  # the rule for sampled chains
+        self.chain_rule = self.VERIFY[verify]  # the rule for sampled chains
         self.plan_fn = plan_fn or (lambda b: plan)
         self.max_plan = max_plan or plan
         self.rule = rule

@@ -19,6 +19,8 @@ with probability p(child), the most any rule can give a token the draft did not 
 *samples* its tokens from a distribution q can do better: ``rejection_chain`` (speculative sampling
 over a chain) keeps a token with probability min(1, p/q), i.e. sum_x min(p(x), q(x)) per position,
 which approaches 1 as the head's q approaches the policy's p, even where p is spread out (T = 1).
+``block_chain`` verifies the same chain jointly (block verification, Sun et al., ICLR 2025): it keeps
+every token ``rejection_chain`` keeps and more, still exactly.
 """
 
 from __future__ import annotations
@@ -146,6 +148,74 @@ def rejection_chain(tree, logits: torch.Tensor, params: SamplingParams, gen: tor
     if params.unfiltered:
         policy_lp = sample_lp
     else:  # the policy's own (T = 1, unfiltered) log-prob
+        lg = logits.float()
+        policy_lp = lg[bi, path, toks] - torch.logsumexp(lg, dim=-1)[bi, path]
+    return Verdict(path, n_acc, toks, policy_lp, sample_lp)
+
+
+def block_chain(tree, logits: torch.Tensor, params: SamplingParams, gen: torch.Generator | None,
+                fast: bool = True) -> Verdict:
+    """Block verification of a sampled chain (Sun et al., "Block verification accelerates speculative
+    decoding", ICLR 2025): the same inputs, draws and output as ``rejection_chain``, and the same exactness, but
+    the chain is judged as a whole, which keeps at least as many tokens in expectation (never fewer).
+
+    With p_i / q_i the policy's processed / the head's distribution at node i (over token i + 1) and x_i the
+    i-th draft, a weight carries along the chain: w_0 = 1, w_i = min(1, w_{i-1} p_{i-1}(x_i) / q_{i-1}(x_i)).
+    A rejected draft no longer ends the walk: its shortfall lowers the weight, and a later draft the policy
+    likes more than the head can bring it back to 1. With R_i = sum_x max(w_i p_i(x) - q_i(x), 0), node i
+    (0 < i < L) is a valid stopping point with probability h_i = R_i / (R_i + 1 - w_i), node L with h_L = w_L;
+    the accepted prefix is x_1..x_tau for the deepest i whose uniform falls below h_i (tau = 0 if none), and the
+    emitted token after it is drawn from the residual max(w_tau p_tau - q_tau, 0) (from p_L when tau = L).
+    With w = 1 at every node this is ``rejection_chain``'s rule. ``tests/test_verify.py`` checks the output
+    distribution exactly, by enumeration, and against plain sampling by chi-square.
+
+    The chain's nodes must all be valid (``EagleDrafter._chain_tree`` makes them so).
+
+    ``fast``: at a plain temperature with fp32 logits, run the ``block_chain`` kernel of
+    ``specroll/kernels/draft.cpp`` (the same verdict from the same uniforms); False keeps these PyTorch ops, its
+    reference."""
+    B, N = tree.tokens.shape
+    L = N - 1
+    if not bool(tree.valid.all()):
+        raise ValueError("block_chain: every node of a sampled chain must be valid")
+    if (fast and not (params.greedy or params.top_k or params.top_p < 1.0) and logits.dtype == torch.float32
+            and not torch.is_grad_enabled() and kernels.skinny() is not None):
+        u, u_final = torch.rand(B, L, generator=gen), torch.rand(B, 1, generator=gen)  # the draws below, in order
+        return Verdict(*kernels.skinny().block_chain(logits, tree.tokens, tree.q_logp.float(), tree.q_vocab, u,
+                                                     u_final[:, 0], float(params.temperature)))
+    x = tree.tokens[:, 1:]
+    bi, ar = torch.arange(B)[:, None], torch.arange(B)
+    logp = processed_logprobs(logits, params)  # (B, N, V): the distribution each emitted token is drawn from
+    p = logp.exp()
+    q = torch.zeros_like(p[:, :L])  # the head's distribution over the full vocabulary (0 outside its own)
+    q[:, :, tree.q_vocab] = tree.q_logp.float().exp()
+    inv = torch.full((logits.shape[-1],), -1, dtype=torch.long)  # token id -> column of q_logp
+    inv[tree.q_vocab] = torch.arange(tree.q_vocab.numel())
+    step = logp[bi, torch.arange(L)[None], x] - tree.q_logp.float()[bi, torch.arange(L)[None], inv[x]]  # (B, L)
+    lw = [torch.zeros(B)]  # log w_i, i = 0..L
+    for i in range(L):
+        lw.append(torch.clamp(lw[-1] + step[:, i], max=0.0))
+    w = torch.stack(lw, 1).exp()  # (B, L + 1)
+    r = (w[:, :L, None] * p[:, :L] - q).clamp_(min=0)  # (B, L, V): the residual weights at nodes 0..L-1
+    R = r.sum(-1)
+    den = R + 1 - w[:, :L]
+    h = torch.where(den > 0, R / den.clamp(min=1e-30), torch.ones_like(R))  # den = 0 only if p == q with w = 1
+    h = torch.cat([h, w[:, L:]], 1)  # (B, L + 1); h[:, 0] is unused: tau = 0 needs no draw
+    u = torch.rand(B, L, generator=gen)
+    stop_ok = u < h[:, 1:]  # node i = 1..L is a stopping point
+    idx = torch.arange(1, L + 1)[None]
+    n_acc = torch.where(stop_ok, idx, torch.zeros_like(idx)).amax(1)  # the deepest; 0 if none
+    res = torch.cat([r, p[:, L:]], 1)[ar, n_acc]  # (B, V): the residual at the cut, p at the end of the chain
+    z = res.sum(-1, keepdim=True)
+    res = torch.where(z > 0, res, p[ar, n_acc])  # an empty residual only where p == q exactly: draw from p
+    final = sample_from_probs(res, gen)
+    j = torch.arange(N)[None]
+    path = torch.minimum(j, n_acc[:, None])
+    toks = torch.where(j < n_acc[:, None], torch.cat([x, x[:, -1:]], 1), final[:, None])
+    sample_lp = logp[bi, path, toks]
+    if params.unfiltered:
+        policy_lp = sample_lp
+    else:
         lg = logits.float()
         policy_lp = lg[bi, path, toks] - torch.logsumexp(lg, dim=-1)[bi, path]
     return Verdict(path, n_acc, toks, policy_lp, sample_lp)

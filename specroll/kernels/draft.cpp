@@ -439,4 +439,131 @@ std::vector<torch::Tensor> rejection_chain(const torch::Tensor& logits_in, const
   return {path, n_acc, out, plp, slp};
 }
 
+// Block verification of sampled chains at a plain temperature: ``verify.block_chain``'s math (its reference; the
+// same uniforms give the same verdict). The arguments and outputs are ``rejection_chain``'s; every node must be
+// valid. Per row: the weights w_0 = 1, w_i = min(1, w_{i-1} p(x_i) / q(x_i)) along the chain; R_i = sum_x
+// max(w_i p_i(x) - q_i(x), 0), computed as w_i (1 - p_i(draft vocabulary)) + the sum over the draft vocabulary
+// (q is 0 elsewhere); node i is a stopping point with probability h_i = R_i / (R_i + 1 - w_i) (h_L = w_L); the
+// deepest node whose uniform falls below h_i is the cut; the draw there is from max(w p - q, 0) (p at node L).
+std::vector<torch::Tensor> block_chain(const torch::Tensor& logits_in, const torch::Tensor& tokens_in,
+                                       const torch::Tensor& q_in, const torch::Tensor& q_vocab,
+                                       const torch::Tensor& u_in, const torch::Tensor& u_final_in,
+                                       double temperature) {
+  TORCH_CHECK(logits_in.scalar_type() == torch::kFloat32 && q_in.scalar_type() == torch::kFloat32 && temperature > 0,
+              "block_chain: fp32 logits and q, temperature > 0");
+  auto logits = logits_in.contiguous();
+  auto tokens = tokens_in.to(torch::kLong).contiguous();
+  auto q = q_in.contiguous();
+  auto vocab = q_vocab.to(torch::kLong).contiguous();
+  auto u = u_in.to(torch::kFloat32).contiguous();
+  auto uf = u_final_in.to(torch::kFloat32).contiguous();
+  const int64_t B = logits.size(0), N = logits.size(1), V = logits.size(2), L = N - 1, Vd = vocab.numel();
+  TORCH_CHECK(L >= 1 && tokens.size(0) == B && tokens.size(1) == N && q.size(0) == B && q.size(1) == L &&
+                  q.size(2) == Vd && u.size(0) == B && u.size(1) == L && uf.numel() == B,
+              "block_chain: inconsistent shapes");
+  const float* lg = logits.data_ptr<float>();
+  const int64_t* tk = tokens.data_ptr<int64_t>();
+  const float* qs = q.data_ptr<float>();
+  const int64_t* ids = vocab.data_ptr<int64_t>();
+  std::vector<int32_t> ids32(Vd);
+  for (int64_t c = 0; c < Vd; c++) {
+    TORCH_CHECK(ids[c] >= 0 && ids[c] < V, "block_chain: q_vocab ids outside the vocabulary");
+    ids32[c] = (int32_t)ids[c];
+  }
+  auto path = torch::empty({B, N}, torch::kLong), n_acc = torch::empty({B}, torch::kLong);
+  auto out = torch::empty({B, N}, torch::kLong);
+  auto slp = torch::empty({B, N}, torch::kFloat32), plp = torch::empty({B, N}, torch::kFloat32);
+  const float T = (float)temperature;
+  const bool t1 = temperature == 1.0;
+  const __m256 t8 = _mm256_set1_ps(T), zero8 = _mm256_setzero_ps();
+  at::parallel_for(0, B, 1, [&](int64_t b0, int64_t b1) {
+    std::vector<float> r(V), eq(Vd), w(N), h(N), R(L);
+    std::vector<float> lse(N), lse1(N);
+    for (int64_t b = b0; b < b1; b++) {
+      const float* lb = lg + b * N * V;
+      const int64_t* xb = tk + b * N;
+      float lw = 0.f;  // log w_i
+      w[0] = 1.f;
+      for (int64_t i = 0; i < L; i++) {
+        lse[i] = lse_scaled(lb + i * V, V, T);
+        const int64_t x = xb[i + 1];
+        const int64_t c = std::find(ids, ids + Vd, x) - ids;  // x's column of q (drawn from q: present)
+        const float lq = c == Vd ? -std::numeric_limits<float>::infinity() : qs[(b * L + i) * Vd + c];
+        lw = std::min(lw + (lb[i * V + x] / T - lse[i]) - lq, 0.f);
+        w[i + 1] = std::exp(lw);
+      }
+      for (int64_t i = 1; i < L; i++) {  // R_i and h_i (R_0 is needed only as the residual at a cut at 0)
+        const float* li = lb + i * V;
+        const float* qi = qs + (b * L + i) * Vd;
+        const __m256 l8 = _mm256_set1_ps(lse[i]), w8 = _mm256_set1_ps(w[i]);
+        __m256 pin = zero8, pos = zero8;  // p over the draft vocabulary; sum of max(w p - q, 0) there
+        int64_t c = 0;
+        for (; c + 8 <= Vd; c += 8) {
+          const __m256i idx = _mm256_loadu_si256((const __m256i*)(ids32.data() + c));
+          __m256 z = _mm256_i32gather_ps(li, idx, 4);
+          if (!t1) z = _mm256_div_ps(z, t8);
+          const __m256 p8 = exp8_nonpos(_mm256_min_ps(_mm256_sub_ps(z, l8), zero8));
+          const __m256 q8 = exp8_nonpos(_mm256_loadu_ps(qi + c));
+          pin = _mm256_add_ps(pin, p8);
+          pos = _mm256_add_ps(pos, _mm256_max_ps(_mm256_sub_ps(_mm256_mul_ps(w8, p8), q8), zero8));
+        }
+        alignas(32) float a[8], bq[8];
+        _mm256_store_ps(a, pin);
+        _mm256_store_ps(bq, pos);
+        double sp = 0.0, sr = 0.0;
+        for (int k = 0; k < 8; k++) sp += a[k], sr += bq[k];
+        for (; c < Vd; c++) {
+          const float p1 = std::exp(std::min(li[ids[c]] / T - lse[i], 0.f));
+          sp += p1;
+          sr += std::max(w[i] * p1 - std::exp(qi[c]), 0.f);
+        }
+        R[i] = (float)(sr + (double)w[i] * std::max(1.0 - sp, 0.0));
+        const float den = R[i] + 1.f - w[i];
+        h[i] = den > 0.f ? R[i] / den : 1.f;
+      }
+      h[L] = w[L];
+      const float* ub = u.data_ptr<float>() + b * L;
+      int64_t n = 0;
+      for (int64_t i = L; i >= 1; i--)
+        if (ub[i - 1] < h[i]) {
+          n = i;
+          break;
+        }
+      if (n == L) lse[L] = lse_scaled(lb + L * V, V, T);
+      // the draw at node n: from max(w_n p - q, 0) after a cut inside the chain, from p at its end
+      const float* ln = lb + n * V;
+      probs(ln, V, T, lse[n], r.data());
+      double z;
+      if (n < L) {
+        const float* qn = qs + (b * L + n) * Vd;
+        const float wn = w[n];
+        int64_t i = 0;
+        if (wn != 1.f)
+          for (; i < V; i++) r[i] *= wn;
+        for (i = 0; i + 8 <= Vd; i += 8) _mm256_storeu_ps(eq.data() + i, exp8_nonpos(_mm256_loadu_ps(qn + i)));
+        for (; i < Vd; i++) eq[i] = std::exp(qn[i]);
+        for (i = 0; i < Vd; i++) r[ids[i]] = std::max(r[ids[i]] - eq[i], 0.f);
+        z = sum_all(r.data(), V);
+        if (!(z > 0.0)) {  // p == q with w = 1: any draw from p
+          probs(ln, V, T, lse[n], r.data());
+          z = sum_all(r.data(), V);
+        }
+      } else {
+        z = sum_all(r.data(), V);
+      }
+      const int64_t pick = inverse_cdf(r.data(), V, (double)uf.data_ptr<float>()[b] * z);
+      n_acc.data_ptr<int64_t>()[b] = n;
+      for (int64_t j = 0; j <= n; j++) lse1[j] = t1 ? lse[j] : lse_scaled(lb + j * V, V, 1.f);
+      for (int64_t jj = 0; jj < N; jj++) {
+        const int64_t node = std::min(jj, n), tok = jj < n ? xb[jj + 1] : pick;
+        path.data_ptr<int64_t>()[b * N + jj] = node;
+        out.data_ptr<int64_t>()[b * N + jj] = tok;
+        slp.data_ptr<float>()[b * N + jj] = lb[node * V + tok] / T - lse[node];
+        plp.data_ptr<float>()[b * N + jj] = lb[node * V + tok] - lse1[node];
+      }
+    }
+  });
+  return {path, n_acc, out, plp, slp};
+}
+
 }  // namespace specroll

@@ -936,6 +936,9 @@ std::vector<torch::Tensor> rejection_chain(const torch::Tensor& logits, const to
                                            const torch::Tensor& valid, const torch::Tensor& q_logp,
                                            const torch::Tensor& q_vocab, const torch::Tensor& u,
                                            const torch::Tensor& u_final, double temperature);  // draft.cpp
+std::vector<torch::Tensor> block_chain(const torch::Tensor& logits, const torch::Tensor& tokens,
+                                       const torch::Tensor& q_logp, const torch::Tensor& q_vocab, const torch::Tensor& u,
+                                       const torch::Tensor& u_final, double temperature);  // draft.cpp
 std::vector<torch::Tensor> emit_rows(torch::Tensor& tokens, torch::Tensor& policy_lp, torch::Tensor& sample_lp,
                                      torch::Tensor& n_gen, const torch::Tensor& rows, const torch::Tensor& toks,
                                      const torch::Tensor& plp, const torch::Tensor& slp,
@@ -983,6 +986,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rejection_chain", &specroll::rejection_chain,
         "speculative sampling of sampled chains at a plain temperature (verify.rejection_chain)", py::arg("logits"),
         py::arg("tokens"), py::arg("valid"), py::arg("q_logp"), py::arg("q_vocab"), py::arg("u"), py::arg("u_final"),
+        py::arg("temperature"));
+  m.def("block_chain", &specroll::block_chain,
+        "block verification of sampled chains at a plain temperature (verify.block_chain)", py::arg("logits"),
+        py::arg("tokens"), py::arg("q_logp"), py::arg("q_vocab"), py::arg("u"), py::arg("u_final"),
         py::arg("temperature"));
   m.def("emit_rows", &specroll::emit_rows,
         "append each live row's accepted run of tokens to the output buffers, cut at a stop token and max_new "
