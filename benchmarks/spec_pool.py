@@ -7,7 +7,8 @@ leave-one-run-out jackknife of the pooled ratio gives its standard error, the tw
 one-sided 95% lower bound take Student's t with n - 1 degrees of freedom (few runs), and the per-run
 ratios are printed beside it. Only rows of the given batch size (and ``--plan``) are read, a file named twice
 counts once, and runs of different settings (plan, head, dtype, chain stop, head weights, plan size) are
-refused rather than pooled.
+refused rather than pooled (``--verify`` picks one chain verification's rows of a side-by-side run; rows from
+before ``bench spec --verify`` were verified token by token).
 """
 import argparse
 import json
@@ -48,6 +49,7 @@ def main(argv=None):
     ap.add_argument("files", nargs="+")
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--plan", default=None, help="the plan whose rows to pool (needed when the files hold several)")
+    ap.add_argument("--verify", default=None, help="the chain verification whose rows to pool (block or token)")
     a = ap.parse_args(argv)
     rows = []
     for f in dict.fromkeys(a.files):
@@ -56,19 +58,21 @@ def main(argv=None):
                 data = json.load(fh)
         except (OSError, json.JSONDecodeError) as e:
             sys.exit(f"{f}: cannot read a bench spec JSON ({e})")
-        got = [r for r in data.get("rows", []) if r.get("batch") == a.batch and a.plan in (None, r.get("plan"))]
+        got = [r for r in data.get("rows", []) if r.get("batch") == a.batch and a.plan in (None, r.get("plan"))
+               and a.verify in (None, r.get("verify", "token"))]
         if not got:
-            sys.exit(f"{f}: no row with batch {a.batch}" + (f" and plan {a.plan}" if a.plan else ""))
+            sys.exit(f"{f}: no row with batch {a.batch}" + (f" and plan {a.plan}" if a.plan else "")
+                     + (f" and verify {a.verify}" if a.verify else ""))
         for r in got:
             missing = [k for k in NEEDED if k not in r]
             if missing:
                 sys.exit(f"{f}: a batch-{a.batch} row lacks {', '.join(missing)} (written by an older bench spec?)")
             rows.append((f, {**r, "draft": data.get("draft"), "dtype": data.get("dtype")}))
     settings = {(r.get("plan"), r["draft"], r["dtype"], r.get("chain_stop"), r.get("head_weights"),
-                 json.dumps(r.get("plan_max"), sort_keys=True)) for _, r in rows}
+                 r.get("verify", "token"), json.dumps(r.get("plan_max"), sort_keys=True)) for _, r in rows}
     if len(settings) > 1:
-        sys.exit("rows of several settings (plan, head, dtype, chain stop, head weights, plan size): "
-                 "pool one setting's files at a time (--plan picks one plan's rows)")
+        sys.exit("rows of several settings (plan, head, dtype, chain stop, head weights, verification, plan size): "
+                 "pool one setting's files at a time (--plan / --verify pick one plan's / verification's rows)")
     for f, r in rows:
         print(f"{f}: {r['speedup']:.3f}x  accept {r['accept_length']:.2f}")
     runs = [r for _, r in rows]

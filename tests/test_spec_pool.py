@@ -42,13 +42,32 @@ def test_pooled_ratio_and_jackknife_match_a_direct_computation(tmp_path, capsys)
     assert f"lower bound {ratio - 2.353 * se:.3f}" in out
 
 
-@pytest.mark.parametrize("change", [{"plan": "adaptive-chain"}, {"chain_stop": 0.05}, {"draft": "T5"}])
+@pytest.mark.parametrize("change", [{"plan": "adaptive-chain"}, {"chain_stop": 0.05}, {"draft": "T5"},
+                                    {"verify": "block"}])
 def test_unlike_runs_are_refused(tmp_path, change):
     a = _write(tmp_path, "a.json", [_row(*RUNS[0])])
     draft = change.pop("draft", "T6")
     b = _write(tmp_path, "b.json", [_row(*RUNS[1], **change)], draft=draft)
     with pytest.raises(SystemExit, match="several settings"):
         spec_pool.main([a, b])
+
+
+def test_verify_picks_one_verifications_rows(tmp_path, capsys):
+    """A side-by-side ``--verify token,block`` run holds a row of each; ``--verify`` pools one of them (rows
+    without the field were verified token by token), and an absent one is named."""
+    files = [_write(tmp_path, f"r{i}.json", [_row(*r, verify="token"), _row(r[0], r[1], 2 * r[2], r[3], verify="block")])
+             for i, r in enumerate(RUNS[:3])]
+    with pytest.raises(SystemExit, match="several settings"):
+        spec_pool.main(files)
+    spec_pool.main(files + [_write(tmp_path, "old.json", [_row(*RUNS[3])]), "--verify", "token"])
+    assert "pooled over 4 runs" in capsys.readouterr().out
+    spec_pool.main(files + ["--verify", "block"])
+    out = capsys.readouterr().out
+    ratio = (sum(2 * r[2] for r in RUNS[:3]) / sum(r[3] for r in RUNS[:3])) / (sum(r[0] for r in RUNS[:3])
+                                                                          / sum(r[1] for r in RUNS[:3]))
+    assert "pooled over 3 runs" in out and f"{ratio:.3f}x" in out
+    with pytest.raises(SystemExit, match="no row with batch 1 and verify block"):
+        spec_pool.main([_write(tmp_path, "old2.json", [_row(*RUNS[0])]), "--verify", "block"])
 
 
 def test_bad_files_are_named(tmp_path):
