@@ -10,10 +10,29 @@ import argparse
 import importlib
 import os
 import sys
+from pathlib import Path
 
 
 class CliError(Exception):
     """A user-facing error: printed as one line, exit code 2, no traceback."""
+
+
+def check_output(path, option: str, kind: str = "file") -> None:
+    """Refuse, before any work, an output the command could only fail to write at its end: ``kind`` "file" that is
+    an existing directory, "dir" that is an existing file, or a parent folder that cannot be created (the nearest
+    existing ancestor is a file or not writable). ``option`` (e.g. "--out") names it in the ``CliError``."""
+    p = Path(path)
+    if kind == "file" and p.is_dir():
+        raise CliError(f"{option} {path} is a directory; give a file path")
+    if kind == "dir" and p.exists() and not p.is_dir():
+        raise CliError(f"{option} {path} is a file; give a directory (new, or existing)")
+    at = p.absolute() if kind == "dir" else p.absolute().parent
+    while not at.exists() and at != at.parent:
+        at = at.parent
+    if not at.is_dir():
+        raise CliError(f"{option} {path}: cannot create its folder, {at} is a file; pick another path")
+    if not os.access(at, os.W_OK | os.X_OK):
+        raise CliError(f"{option} {path}: {at} is not writable; pick another path")
 
 
 def _run(target: str):
@@ -345,14 +364,27 @@ def expand_paths(args: argparse.Namespace) -> argparse.Namespace:
     return args
 
 
+def debug() -> bool:
+    """SPECROLL_DEBUG is set to something other than '', 0, false, no or off: errors raise with their traceback."""
+    return os.environ.get("SPECROLL_DEBUG", "").strip().lower() not in ("", "0", "false", "no", "off")
+
+
+def _os_message(e: OSError) -> str:
+    """An OSError in one line naming its path(s): "out.json: Is a directory" (else the error's own text)."""
+    if e.filename is None or not e.strerror:
+        return str(e)
+    both = f"{e.filename} -> {e.filename2}" if e.filename2 is not None else f"{e.filename}"
+    return f"{both}: {e.strerror}"
+
+
 def main(argv: list[str] | None = None) -> int:
     args = expand_paths(build_parser().parse_args(argv))
     try:
         rc = args.func(args)
-    except (CliError, ValueError, FileNotFoundError) as e:
-        if os.environ.get("SPECROLL_DEBUG"):
+    except (CliError, ValueError, OSError) as e:  # OSError: FileNotFoundError, IsADirectoryError, disk full, ...
+        if debug():
             raise
-        print(f"specroll: error: {e}", file=sys.stderr)
+        print(f"specroll: error: {_os_message(e) if isinstance(e, OSError) else e}", file=sys.stderr)
         if not isinstance(e, CliError):
             print("(set SPECROLL_DEBUG=1 for the traceback)", file=sys.stderr)
         return 2

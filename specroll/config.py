@@ -12,7 +12,9 @@ suggests close matches. Every value is checked against its field's annotation as
 anything is built or loaded: numbers must be finite (nan / inf only where a field gives inf a meaning,
 ``reuse.lenience=inf``), ``X | None`` fields take ``null``, list fields take a YAML list or a comma list
 (``reward.funcs=accuracy,format reward.weights=1,0.5``; a single value is a one-item list), and string
-fields read an override's text as written (``train.out_dir=2024-01-01``, ``data.system_prompt=Answer: 42``).
+fields read an override's text as written (``train.out_dir=2024-01-01``, ``data.system_prompt=Answer: 42``, a
+``#`` or ``true`` included; quotes come off as in YAML, ``null`` / ``~`` is null). A key written twice in a YAML
+file is an error naming it.
 Presets live here as small override dicts; ``configs/<name>.yaml`` in the repository are full dumps
 of them (a test keeps them in sync).
 """
@@ -186,7 +188,23 @@ def _suggest(key: str, options) -> str:
 
 class _Loader(yaml.SafeLoader):
     """YAML with 1.2-style booleans: only true/false are booleans, so ``reuse.mode=off`` stays the
-    string "off" (YAML 1.1 would read off/on/yes/no as booleans)."""
+    string "off" (YAML 1.1 would read off/on/yes/no as booleans). A key repeated in one mapping (a section
+    written twice) is an error naming it and both lines: PyYAML would keep the last and drop the others."""
+
+    def construct_mapping(self, node, deep=False):
+        first: dict = {}
+        for k, _ in node.value if isinstance(node, yaml.MappingNode) else ():
+            if k.tag == "tag:yaml.org,2002:merge":  # `<<: *base` may be overridden by the keys beside it
+                continue
+            key = self.construct_object(k, deep=True)
+            try:
+                line = first.setdefault(key, k.start_mark.line + 1)
+            except TypeError:  # an unhashable key: the base class says so
+                continue
+            if line != k.start_mark.line + 1:
+                raise yaml.constructor.ConstructorError(
+                    None, None, f"duplicate key {key!r}, first at line {line}; keep one", k.start_mark)
+        return super().construct_mapping(node, deep)
 
 
 _Loader.yaml_implicit_resolvers = {
@@ -416,15 +434,29 @@ def parse_override(text: str) -> dict:
     parts = key.strip().split(".")
     if len(parts) != 2 or not all(parts):
         raise ValueError(f"override key {key!r} must be section.key, e.g. train.lr (sections: {sorted(SECTIONS)})")
+    fld = _field(*parts)
+    if fld is not None and set(_members(fld[0])) <= {str, type(None)} and not raw.strip().startswith(("[", "{")):
+        return {parts[0]: {parts[1]: _string_override(raw.strip())}}
     try:
         value = yaml.load(raw, Loader=_Loader) if raw.strip() else ""
     except yaml.YAMLError:
         value = raw
-    fld = _field(*parts)
-    if (fld is not None and set(_members(fld[0])) <= {str, type(None)} and value is not None
-            and not isinstance(value, (str, bool, list)) and not raw.strip().startswith(("[", "{"))):
-        value = raw.strip()  # a string field takes the text as written: "2024-01-01", "Answer: 42", "1e-3"
     return {parts[0]: {parts[1]: value}}
+
+
+def _string_override(text: str) -> str | None:
+    """A string field's override value: the text as written ("2024-01-01", "Answer: 42", "true", "end with ####
+    42": no YAML comment), unquoted as YAML would if quoted ('"a # b"' -> "a # b"), None for null / ~."""
+    if text in ("null", "Null", "NULL", "~"):
+        return None
+    if len(text) >= 2 and text[0] == text[-1] and text[0] in "'\"":
+        try:
+            value = yaml.load(text, Loader=_Loader)
+        except yaml.YAMLError:
+            return text
+        if isinstance(value, str):
+            return value
+    return text
 
 
 def build(merged: dict) -> Config:

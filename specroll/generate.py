@@ -28,8 +28,10 @@ from .engine.sampling import SamplingParams
 def encode_chat(tokenizer, user: str, system: str | None = None, raw: bool = False) -> list[int]:
     if raw or not getattr(tokenizer, "chat_template", None):
         return tokenizer(user).input_ids
+    from .models.hub import chat_text
+
     messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": user}]
-    text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    text = chat_text(tokenizer, messages, " or pass --raw to skip it")
     return tokenizer(text, add_special_tokens=False).input_ids
 
 
@@ -63,7 +65,13 @@ def cli(args) -> int:
         drafter = build_drafter(args, model, engine, name)
     ids = [encode_chat(tok, p, args.system, args.raw) for p in prompts_text]
     t = time.perf_counter()
-    outs = engine.generate(ids, params, n=args.n, drafter=drafter)
+    try:
+        outs = engine.generate(ids, params, n=args.n, drafter=drafter)
+    except RuntimeError as e:  # the KV cache of every row at once: "DefaultCPUAllocator: can't allocate memory"
+        if "allocate" not in str(e):
+            raise
+        raise CliError(f"not enough memory for {len(ids) * args.n} rows ({len(ids)} prompts x -n {args.n}) of up to "
+                       f"{max(map(len, ids)) + args.max_new_tokens} tokens each; lower -n or --max-new-tokens") from None
     dt = time.perf_counter() - t
     n_tok = sum(len(o.completion_ids) for o in outs)
     if args.json:
@@ -92,8 +100,11 @@ def build_drafter(args, model, engine: Engine, model_name: str):
     live rows and C_peak (``adaptive``, ``engine.profiler.adaptive_planner``)."""
     from .drafters.eagle import EagleDrafter, Plan, load_head_as
 
+    limit = model.cfg.max_position
     if args.draft_depth < 1:
         raise CliError(f"--draft-depth must be >= 1, got {args.draft_depth}")
+    if args.draft_depth >= limit:
+        raise CliError(f"--draft-depth must be below the model's context of {limit} tokens, got {args.draft_depth}")
     head = load_head_as(f"--draft {args.draft}", args.draft, model)
     if args.draft_plan == "chain":
         plan = Plan(args.draft_depth + 1, 1, args.draft_depth)

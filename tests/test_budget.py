@@ -312,6 +312,38 @@ def test_profile_cli_prints_c_peak(tmp_path, monkeypatch, capsys):
     assert "--batches" in capsys.readouterr().err
 
 
+def test_profile_cli_with_a_cached_profile_still_writes_out_dir_and_applies_delta(tmp_path, monkeypatch, capsys):
+    """A cached full profile is not measured again, but --out-dir still gets the JSON and the PNG, --delta is
+    applied to the cached points (the cached profile updated), and a --max-tokens / --batches / --context other than
+    the cached grid's is said to be ignored (--force measures it) rather than ignored silently."""
+    from specroll.cli import main
+
+    monkeypatch.setattr(profiler, "profiles_dir", lambda: tmp_path / "profiles")
+    grid = ["--max-tokens", "8", "--batches", "1,2", "--context", "4"]
+    argv = ["profile", "--model", "tiny-llama", "--dtype", "float32", "--repeats", "2", "--quiet"]
+    assert main([*argv, *grid]) == 0
+    cached = profiler.load_profile("tiny-llama", "float32")
+    capsys.readouterr()
+    monkeypatch.setattr(profiler, "run_profile", lambda *a, **k: pytest.fail("measured again"))
+    out = tmp_path / "out"
+    assert main([*argv, *grid, "--out-dir", str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert "cached:" in printed and "grid" not in printed and "--delta" not in printed
+    (j,) = out.glob("*.json")
+    assert json.loads(j.read_text()) == cached and len(list(out.glob("*.png"))) == 1
+    assert main([*argv, "--delta", "0.05", "--out-dir", str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert "the cached grid is used (--max-tokens 8 --batches 1,2 --context 4); --force measures --max-tokens 512 " \
+           "--batches 1,4,16 --context 64" in printed
+    assert "--delta 0.05 applied to the cached points" in printed
+    again = json.loads(j.read_text())
+    assert again["delta"] == 0.05 and again["points"] == cached["points"]
+    assert {k: again[k] for k in ("c_peak", "knee")} == {k: profiler.summarise(cached["points"], 0.05)[k]
+                                                        for k in ("c_peak", "knee")}
+    assert profiler.load_profile("tiny-llama", "float32") == again
+    assert f"C_peak = {again['c_peak']} tokens" in printed
+
+
 def test_summary_flags_a_noisy_profile():
     grid = profiler.token_grid(64)
     lat = _flat_then_linear(grid, 8, slope=10.0)

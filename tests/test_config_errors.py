@@ -10,8 +10,9 @@ import json
 import math
 
 import pytest
+import yaml
 
-from specroll.config import RolloutConfig, TrainConfig, load_config
+from specroll.config import RolloutConfig, TrainConfig, _Loader, load_config
 from specroll.rl.data import DataConfig, DataError, build_prompts, load_examples, prompt_text
 from specroll.rl.rewards import RewardConfig, RewardError
 
@@ -57,6 +58,15 @@ def test_string_fields_take_the_override_text_as_written():
     cfg = load_config(overrides=["train.out_dir=2024-01-01", "data.system_prompt=Answer: 42"])
     assert cfg.train.out_dir == "2024-01-01" and cfg.data.system_prompt == "Answer: 42"
     assert load_config(overrides=["data.system_prompt=null"]).data.system_prompt is None
+    # no YAML comment, no YAML boolean: the text as written; quotes come off as in YAML; null / ~ is null
+    prompt = "Think, then end with #### and the number"
+    assert load_config(overrides=[f"data.system_prompt={prompt}"]).data.system_prompt == prompt
+    assert load_config(overrides=["data.system_prompt=true"]).data.system_prompt == "true"
+    assert load_config(overrides=["data.system_prompt= a # b "]).data.system_prompt == "a # b"
+    assert load_config(overrides=['data.system_prompt=" a # b "']).data.system_prompt == " a # b "
+    assert load_config(overrides=["data.system_prompt='it''s'"]).data.system_prompt == "it's"
+    assert load_config(overrides=["data.system_prompt=~"]).data.system_prompt is None
+    assert load_config(overrides=["train.out_dir=runs/#3"]).train.out_dir == "runs/#3"
 
 
 def test_yaml_values_are_checked_with_file_and_line(tmp_path):
@@ -72,6 +82,20 @@ def test_yaml_values_are_checked_with_file_and_line(tmp_path):
     f.write_text("rollout:\n  temperature: .nan\n")
     with pytest.raises(ValueError, match=f"^{f}:2: rollout.temperature must be a finite number, got nan$"):
         load_config(f)
+
+
+@pytest.mark.parametrize("body, line, key, first", [
+    ("train:\n  steps: 3\nrollout:\n  G: 4\ntrain:\n  lr: 1.0e-3\n", 5, "train", 1),  # a section written twice
+    ("train:\n  lr: 1.0e-5\n  steps: 2\n  lr: 1.0e-3\n", 4, "lr", 2),
+], ids=["section", "key"])
+def test_a_repeated_key_in_a_yaml_file_is_named_not_dropped(tmp_path, body, line, key, first):
+    f = tmp_path / "run.yaml"
+    f.write_text(body)
+    with pytest.raises(ValueError) as e:
+        load_config(f)
+    assert str(e.value) == f"{f}:{line}: invalid YAML (duplicate key {key!r}, first at line {first}; keep one)"
+    f.write_text("base: &b\n  p: 1\n  q: 2\nother:\n  <<: *b\n  p: 3\n")  # a merge key's values may be
+    assert yaml.load(f.read_text(), Loader=_Loader)["other"] == {"p": 3, "q": 2}  # overridden beside it: no repeat
 
 
 def test_sections_built_directly_reject_bad_values_with_their_key():

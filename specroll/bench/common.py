@@ -99,8 +99,12 @@ def write_json(path: str | Path, data: dict) -> None:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(path.suffix + ".tmp")
-    tmp.write_text(json.dumps(data, indent=2))
-    os.replace(tmp, path)
+    try:
+        tmp.write_text(json.dumps(data, indent=2))
+        os.replace(tmp, path)
+    except OSError:  # a full disk, or ``path`` a directory: no stray .tmp left beside it
+        tmp.unlink(missing_ok=True)
+        raise
 
 
 def parse_int_list(s: str, name: str) -> list[int]:
@@ -140,11 +144,11 @@ BENCH_QUESTIONS = [
 
 def chat_prompts(tokenizer, n: int) -> list[list[int]]:
     """``n`` chat-templated prompts (cycled from a fixed list), as token ids."""
+    from ..models.hub import chat_text
+
     out = []
     for i in range(n):
-        text = tokenizer.apply_chat_template(
-            [{"role": "user", "content": BENCH_QUESTIONS[i % len(BENCH_QUESTIONS)]}],
-            add_generation_prompt=True, tokenize=False,
-        )
+        text = chat_text(tokenizer, [{"role": "user", "content": BENCH_QUESTIONS[i % len(BENCH_QUESTIONS)]}],
+                         " or benchmark another model")
         out.append(tokenizer(text, add_special_tokens=False).input_ids)
     return out

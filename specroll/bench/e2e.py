@@ -482,7 +482,10 @@ def check_args(args) -> None:
 
 
 def cli(args) -> int:
+    from ..cli import check_output
+
     check_args(args)
+    check_output(args.out, "--out")
     _config(args, spec_modes(args.spec)[-1])  # a bad override fails here, before any row runs
     res = run_bench(args)
     res["figure"] = str(figure_path(args.out))

@@ -113,11 +113,14 @@ def run_bench(model_name: str, batch_sizes: list[int], M: int, dtype_name: str, 
 
 
 def cli(args) -> int:
+    from ..cli import CliError, check_output
+
     batch_sizes = parse_int_list(args.batch_sizes, "--batch-sizes")
     if args.max_new_tokens < 1:
-        from ..cli import CliError
-
         raise CliError("--max-new-tokens must be >= 1")
+    if args.repeats < 1:
+        raise CliError(f"--repeats must be >= 1, got {args.repeats}")
+    check_output(args.out, "--out")
     res = run_bench(args.model, batch_sizes, args.max_new_tokens, args.dtype, args.repeats, not args.no_hf)
     write_json(args.out, res)
     print(f"wrote {args.out}")

@@ -252,7 +252,7 @@ def run(args, say=print) -> dict:
 
 
 def cli(args) -> int:
-    from ..cli import CliError
+    from ..cli import CliError, check_output
 
     if args.design not in DESIGNS:
         raise CliError(f"--design must be one of {', '.join(DESIGNS)}, got {args.design!r}")
@@ -263,6 +263,7 @@ def cli(args) -> int:
     if args.draft != "random" and not Path(args.draft).is_dir():
         raise CliError(f"--draft {args.draft}: no such directory; pass a `specroll draft train --out DIR` "
                        "directory or random")
+    check_output(args.out, "--out")
     res = run(args)
     png, latest = run_figure(args.out, "accept_length_vs_step.png")
     res["figure"] = str(png)

@@ -196,10 +196,13 @@ def summarize(rows: list[dict], epoch: int) -> list[dict]:
 
 
 def cli(args) -> int:
-    from ..cli import CliError
+    from ..cli import CliError, check_output
 
     if args.epochs < 2:
         raise CliError(f"--epochs must be >= 2 (epoch 1 has nothing to reuse), got {args.epochs}")
+    if args.prompts_per_step < 1:
+        raise CliError(f"--prompts-per-step must be >= 1, got {args.prompts_per_step}")
+    check_output(args.out, "--out")
     res = run(args)
     write_json(args.out, res)
     for s in res["summary"]:

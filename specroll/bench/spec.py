@@ -145,6 +145,8 @@ def run_bench(args) -> dict:
     from ..models import hub
 
     batches = parse_int_list(args.batch_sizes, "--batch-sizes")
+    if args.repeats < 1:
+        raise CliError(f"--repeats must be >= 1, got {args.repeats}")
     plans = [p.strip() for p in args.plan.split(",") if p.strip()]
     for p in plans:
         if p not in PLANS:
@@ -212,6 +214,9 @@ def plot_speedup_vs_batch(rows: list[dict], png, latest=None) -> Path:
 
 
 def cli(args) -> int:
+    from ..cli import check_output
+
+    check_output(args.out, "--out")
     out = run_bench(args)
     plots = len({r["plan"] for r in out["rows"]}) > 1
     png, latest = run_figure(args.out, "speedup_vs_batch.png")

@@ -566,11 +566,14 @@ def _prompts(args, tokenizer, loaded=None) -> list[list[int]]:
 
 
 def cli(args) -> int:
-    from ..cli import CliError
+    from ..cli import CliError, check_output
     from ..models import hub
 
     if args.steps < 0:
         raise CliError(f"--steps must be >= 0, got {args.steps}")
+    check_output(args.out, "--out", "dir")  # before the generations and the training, not after them
+    if args.data_cache:
+        check_output(args.data_cache, "--data-cache")
     loaded = _examples(args)  # bad --data / --prompts fail before the model loads
     torch.manual_seed(args.seed)
     policy, tok = hub.load(args.model, torch.float32)

@@ -226,9 +226,10 @@ class Engine:
             if t.numel() == 0:
                 raise ValueError(f"prompt {i} is empty")
             if t.numel() + params.max_new_tokens + extra > limit:
+                drafts = f" + {extra - 1} draft tokens" if extra > 1 else ""  # a step verifies extra - 1 drafts
                 raise ValueError(
-                    f"prompt {i} has {t.numel()} tokens; with max_new_tokens={params.max_new_tokens} it exceeds "
-                    f"the model's context of {limit} tokens"
+                    f"prompt {i} has {t.numel()} tokens; with max_new_tokens={params.max_new_tokens}{drafts} it "
+                    f"exceeds the model's context of {limit} tokens"
                 )
             if int(t.max()) >= self.model.cfg.vocab_size or int(t.min()) < 0:
                 raise ValueError(f"prompt {i} has token ids outside the vocabulary [0, {self.model.cfg.vocab_size})")

@@ -376,30 +376,51 @@ def describe(result: dict) -> str:
     return s
 
 
+def _options(values: dict, keys) -> str:
+    """``--max-tokens 8 --batches 1,2``: the options of ``keys`` with their ``values``."""
+    return " ".join(f"--{k.replace('_', '-')} " + (",".join(map(str, v)) if isinstance(v := values.get(k), list)
+                                                   else str(v)) for k in keys)
+
+
 def cli(args) -> int:
     from ..bench.common import parse_int_list
-    from ..cli import CliError
+    from ..cli import CliError, check_output
 
     if args.max_tokens < 1:
         raise CliError(f"--max-tokens must be >= 1, got {args.max_tokens}")
+    if args.context < 1:
+        raise CliError(f"--context must be >= 1 (cached tokens per row), got {args.context}")
     if not args.delta > 0:
         raise CliError(f"--delta must be > 0, got {args.delta}")
     batches = tuple(parse_int_list(args.batches, "--batches"))
+    if args.out_dir:
+        check_output(args.out_dir, "--out-dir", "dir")
     cached = None if args.force else load_profile(args.model, args.dtype)
     if cached is not None and cached.get("mode") == "full":
-        print(describe(cached))
-        print(f"cached: {profile_path(args.model, args.dtype)} (use --force to measure again)")
-        return 0
-    result = run_profile(args.model, args.dtype, max_tokens=args.max_tokens, batches=batches, context=args.context,
-                         repeats=args.repeats, delta=args.delta, log=None if args.quiet else print)
-    path = save_profile(result)
+        result, path, wrote = cached, profile_path(args.model, args.dtype), []
+        print(f"cached: {path} (use --force to measure again)")
+        asked = {"max_tokens": args.max_tokens, "batches": list(batches), "context": args.context}
+        differ = [k for k, v in asked.items() if cached.get(k) != v]
+        if differ:  # said, rather than ignored silently
+            print(f"the cached grid is used ({_options(cached, differ)}); --force measures {_options(asked, differ)}")
+        if args.delta != cached.get("delta"):  # the knee rule again on the cached points: no measuring
+            result = {**cached, "delta": args.delta, **summarise(cached["points"], args.delta)}
+            wrote.append(save_profile(result, path))
+            print(f"--delta {args.delta:g} applied to the cached points (the profile had --delta "
+                  f"{cached.get('delta')}; updated, no re-measuring)")
+    else:
+        result = run_profile(args.model, args.dtype, max_tokens=args.max_tokens, batches=batches,
+                             context=args.context, repeats=args.repeats, delta=args.delta,
+                             log=None if args.quiet else print)
+        path = save_profile(result)
+        wrote = [path]
     out_dir = Path(args.out_dir) if args.out_dir else path.parent
     if args.out_dir:
-        save_profile(result, out_dir / path.name)
-    png = plot_profile(result, out_dir / f"{path.stem}.png")
+        wrote.append(save_profile(result, out_dir / path.name))
+    wrote.append(plot_profile(result, out_dir / f"{path.stem}.png"))
     print(describe(result))
     print(f"by batch (total tokens): {result['c_peak_by_batch']}")
-    print(f"wrote {path} and {png}")
+    print(f"wrote {', '.join(map(str, wrote[:-1]))}{' and ' if len(wrote) > 1 else ''}{wrote[-1]}")
     return 0
 
 

@@ -137,6 +137,22 @@ def eos_ids(tokenizer, hf_dir: str | Path | None = None) -> list[int]:
     return list(dict.fromkeys(ids))
 
 
+def chat_text(tokenizer, messages: list[dict], advice: str = "") -> str:
+    """``messages`` through the tokenizer's chat template (generation prompt added). A template that does not
+    parse or render is a ``HubError`` naming the file it came from; ``advice``: what the command can do instead."""
+    import jinja2
+
+    try:
+        return tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    except jinja2.TemplateError as e:
+        d = Path(str(getattr(tokenizer, "name_or_path", "") or "."))
+        f = next((d / n for n in ("chat_template.jinja", "chat_template.json", "tokenizer_config.json")
+                  if (d / n).is_file()), None)
+        line = f", line {e.lineno}" if getattr(e, "lineno", None) else ""
+        raise HubError(f"{f or 'the tokenizer'}: the model's chat template is broken ({type(e).__name__}: {e}{line}); "
+                       f"fix the template{advice}") from e
+
+
 def validate_hf_dir(path: Path) -> Path:
     """Check that ``path`` is an HF directory the decoder supports; return it."""
     cfg = path / "config.json"

@@ -54,10 +54,29 @@ def _clean(v):
 
 
 def read_metrics(run_dir: str | Path) -> list[dict]:
+    """The rows of ``<run_dir>/metrics.jsonl``. A damaged line is a ``ValueError`` naming the file and line; a
+    partial last line (a run killed while writing it: no newline after it) is skipped with a warning."""
     p = Path(run_dir) / "metrics.jsonl"
     if not p.is_file():
         raise FileNotFoundError(f"{p} does not exist; is {run_dir} a specroll run directory?")
-    return [json.loads(line) for line in p.read_text().splitlines() if line.strip()]
+    text = p.read_text()
+    lines = text.splitlines()
+    rows = []
+    for i, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as e:
+            if i == len(lines) and not text.endswith("\n"):
+                print(f"specroll: warning: {p}:{i}: skipped a partial last line (the run stopped while writing it)",
+                      file=sys.stderr)
+                break
+            raise ValueError(f"{p}:{i}: not valid JSON ({e.msg} at column {e.colno}); fix or delete the line") from None
+        if not isinstance(row, dict):
+            raise ValueError(f"{p}:{i}: not a JSON object; fix or delete the line")
+        rows.append(row)
+    return rows
 
 
 def step_line(step: int, total: int, m: dict) -> str:

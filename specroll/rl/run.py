@@ -332,10 +332,12 @@ def _train_ranks(args, d) -> int:
 
 
 def eval_cli(args) -> int:
-    from ..cli import CliError
+    from ..cli import CliError, check_output
     from .data import load_examples
     from .rewards import build_reward
 
+    if args.json:
+        check_output(args.json, "--json")  # before the eval, not after it
     console = _console()
     base = None
     if args.checkpoint:
@@ -390,6 +392,8 @@ def report_cli(args) -> int:
     for a in ax:
         a.set_xlabel("step")
     out = Path(args.out) if args.out else Path(args.run_dir) / "curves.png"
+    if not out.suffix:  # matplotlib would add .png itself: name the file it writes
+        out = out.with_name(out.name + ".png")
     from ..bench.common import save_figure
 
     save_figure(fig, out, dpi=100)

@@ -1,0 +1,209 @@
+"""The commands' own options fail early and in one line: an output path that cannot be written is refused before
+any work (not after a training or a benchmark), an OSError names its path, numeric options out of range name the
+option (not a traceback, not an option of another command), a broken chat template names its file, a damaged
+metrics.jsonl names its line, and SPECROLL_DEBUG=0 means off."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from specroll.cli import CliError, main
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+@pytest.fixture(autouse=True)
+def no_debug(monkeypatch):
+    monkeypatch.delenv("SPECROLL_DEBUG", raising=False)
+
+
+@pytest.fixture
+def no_work(monkeypatch):
+    """Loading or resolving a model (the start of every command's work) fails the test."""
+    from specroll.models import hub
+
+    def work(*a, **k):
+        raise AssertionError("the command started its work")
+
+    monkeypatch.setattr(hub, "load", work)
+    monkeypatch.setattr(hub, "resolve", work)
+
+
+def cli_error(capsys, argv: list[str]) -> str:
+    """Run the CLI, expect exit code 2 and return its one error line."""
+    capsys.readouterr()
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    lines = [ln for ln in err.splitlines() if ln.startswith("specroll: error: ")]
+    assert len(lines) == 1 and "Traceback" not in err, err
+    return lines[0]
+
+
+def fake_run(d, lines: list[str], end: str = "\n"):
+    d.mkdir()
+    (d / "metrics.jsonl").write_text("\n".join(lines) + end)
+    return d
+
+
+ROW = json.dumps({"step": 1, "reward/mean": 0.5, "timing/rollout": 1.0})
+
+# --- output paths -----------------------------------------------------------------------------------
+
+DIR_AS_FILE = [  # (argv, option): a directory given where the command writes a file
+    (["draft", "train", "--model", "tiny-llama", "--out", "{tmp}/head", "--data-cache", "{d}"], "--data-cache"),
+    (["eval", "--model", "tiny-llama", "--json", "{d}"], "--json"),
+    (["bench", "engine", "--model", "tiny-llama", "--out", "{d}"], "--out"),
+    (["bench", "spec", "--model", "tiny-llama", "--draft", "{tmp}/head", "--out", "{d}"], "--out"),
+    (["bench", "reuse", "--model", "tiny-llama", "--out", "{d}"], "--out"),
+    (["bench", "e2e", "--model", "tiny-llama", "--systems", "specroll", "--out", "{d}"], "--out"),
+    (["bench", "online", "--model", "tiny-llama", "--out", "{d}"], "--out"),
+]
+
+
+@pytest.mark.parametrize("argv, option", DIR_AS_FILE, ids=lambda x: x if isinstance(x, str) else "-".join(x[:2]))
+def test_an_output_file_that_is_a_directory_is_refused_before_any_work(tmp_path, capsys, no_work, argv, option):
+    d = tmp_path / "taken"
+    d.mkdir()
+    line = cli_error(capsys, [a.format(tmp=tmp_path, d=d) for a in argv])
+    assert line == f"specroll: error: {option} {d} is a directory; give a file path"
+    assert not (tmp_path / "head").exists() and list(d.iterdir()) == []
+
+
+@pytest.mark.parametrize("argv, option", [
+    (["draft", "train", "--model", "tiny-llama", "--out", "{f}"], "--out"),
+    (["profile", "--model", "tiny-llama", "--out-dir", "{f}"], "--out-dir"),
+], ids=["draft-train", "profile"])
+def test_an_output_directory_that_is_a_file_is_refused_before_any_work(tmp_path, capsys, no_work, monkeypatch,
+                                                                        argv, option):
+    from specroll.engine import profiler
+
+    monkeypatch.setattr(profiler, "run_profile", lambda *a, **k: pytest.fail("measured"))
+    f = tmp_path / "file.txt"
+    f.write_text("keep me\n")
+    line = cli_error(capsys, [a.format(f=f) for a in argv])
+    assert line == f"specroll: error: {option} {f} is a file; give a directory (new, or existing)"
+    assert f.read_text() == "keep me\n"
+
+
+def test_an_output_whose_folder_cannot_be_created_is_refused(tmp_path, capsys, no_work):
+    f = tmp_path / "file.txt"
+    f.write_text("keep me\n")
+    line = cli_error(capsys, ["bench", "engine", "--model", "tiny-llama", "--out", f"{f}/sub/b.json"])
+    assert line == f"specroll: error: --out {f}/sub/b.json: cannot create its folder, {f} is a file; pick another path"
+    line = cli_error(capsys, ["draft", "train", "--model", "tiny-llama", "--out", f"{f}/head"])
+    assert f"--out {f}/head: cannot create its folder, {f} is a file" in line
+
+
+def test_an_os_error_is_one_line_naming_the_path(tmp_path, capsys):
+    from specroll.bench.common import write_json
+
+    run = fake_run(tmp_path / "run", [ROW])
+    d = tmp_path / "curves.png"
+    d.mkdir()  # a directory where report writes its PNG
+    line = cli_error(capsys, ["report", str(run), "--out", str(d)])
+    assert line == f"specroll: error: {d}: Is a directory"
+    with pytest.raises(IsADirectoryError):
+        write_json(d, {"rows": []})
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["curves.png", "run"]  # no curves.png.tmp left
+
+
+@pytest.mark.parametrize("value, raises", [("0", False), ("", False), ("off", False), ("False", False),
+                                           ("no", False), ("1", True), ("yes", True)])
+def test_specroll_debug_off_values_mean_off(monkeypatch, capsys, value, raises):
+    monkeypatch.setenv("SPECROLL_DEBUG", value)
+    argv = ["profile", "--model", "tiny-llama", "--batches", "0"]
+    if raises:
+        with pytest.raises(CliError, match="--batches"):
+            main(argv)
+    else:
+        assert "--batches must be" in cli_error(capsys, argv)
+
+
+# --- numeric options --------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("argv, msg", [
+    (["bench", "engine", "--repeats", "0", "--out", "{tmp}/b.json"], "--repeats must be >= 1, got 0"),
+    (["bench", "spec", "--draft", "{tmp}/head", "--repeats", "0", "--out", "{tmp}/b.json"],
+     "--repeats must be >= 1, got 0"),  # not "set data.n_eval >= 1", an option bench spec does not have
+    (["bench", "reuse", "--prompts-per-step", "0", "--out", "{tmp}/b.json"], "--prompts-per-step must be >= 1, got 0"),
+    (["profile", "--context", "0"], "--context must be >= 1 (cached tokens per row), got 0"),
+    (["profile", "--context", "-5"], "--context must be >= 1 (cached tokens per row), got -5"),
+], ids=lambda x: x if isinstance(x, str) else "-".join(x[:3]))
+def test_numeric_options_out_of_range_name_the_option(tmp_path, capsys, no_work, monkeypatch, argv, msg):
+    from specroll.engine import profiler
+
+    monkeypatch.setattr(profiler, "run_profile", lambda *a, **k: pytest.fail("measured"))
+    line = cli_error(capsys, [*[a.format(tmp=tmp_path) for a in argv], "--model", "tiny-llama"])
+    assert line == f"specroll: error: {msg}"
+    assert not (tmp_path / "b.json").exists()
+
+
+def test_generate_that_cannot_allocate_its_rows_says_what_to_lower(capsys, monkeypatch):
+    from specroll.engine.engine import Engine
+
+    def oom(self, prompts, params, n=1, drafter=None):
+        raise RuntimeError("[enforce fail at alloc_cpu.cpp:117] data. DefaultCPUAllocator: not enough memory: "
+                           "you tried to allocate 78643200000 bytes.")
+
+    monkeypatch.setattr(Engine, "generate", oom)
+    line = cli_error(capsys, ["generate", "--model", "tiny-llama", "--prompt", "hi", "--prompt", "ho", "-n", "100000",
+                              "--max-new-tokens", "4", "--raw"])
+    assert line.startswith("specroll: error: not enough memory for 200000 rows (2 prompts x -n 100000) of up to ")
+    assert line.endswith(" tokens each; lower -n or --max-new-tokens")
+
+
+def test_prompt_too_long_counts_the_draft_tokens(tmp_path, capsys):
+    from specroll.drafters.eagle import head_for, save_head
+    from specroll.models import hub
+
+    model, _ = hub.load("tiny-llama")
+    save_head(head_for(model), tmp_path / "head")
+    limit = model.cfg.max_position
+    argv = ["generate", "--model", "tiny-llama", "--prompt", "hi", "--raw", "--max-new-tokens", "4", "--dtype",
+            "float32", "--draft", str(tmp_path / "head"), "--draft-plan", "chain", "--draft-depth"]
+    line = cli_error(capsys, [*argv, str(limit)])
+    assert line == f"specroll: error: --draft-depth must be below the model's context of {limit} tokens, got {limit}"
+    line = cli_error(capsys, [*argv, str(limit - 2)])
+    assert f"; with max_new_tokens=4 + {limit - 2} draft tokens it exceeds the model's context of {limit}" in line
+    line = cli_error(capsys, ["generate", "--model", "tiny-llama", "--prompt", "hi", "--raw", "--max-new-tokens",
+                              str(limit)])
+    assert f"; with max_new_tokens={limit} it exceeds the model's context of {limit} tokens" in line
+
+
+# --- files the commands read ------------------------------------------------------------------------
+
+def test_a_broken_chat_template_names_its_file(tmp_path, capsys):
+    import shutil
+
+    from specroll.bench.common import chat_prompts
+    from specroll.models import hub
+
+    d = tmp_path / "model"
+    shutil.copytree(hub.resolve("tiny-llama", quiet=True), d)
+    (d / hub.MARKER).unlink()
+    (d / "chat_template.jinja").write_text("{% if %}\n")
+    argv = ["generate", "--model", str(d), "--prompt", "hi", "--max-new-tokens", "2"]
+    line = cli_error(capsys, argv)
+    assert line.startswith(f"specroll: error: {d / 'chat_template.jinja'}: the model's chat template is broken "
+                           "(TemplateSyntaxError: ")
+    assert line.endswith("; fix the template or pass --raw to skip it")
+    assert main([*argv, "--raw"]) == 0
+    with pytest.raises(hub.HubError, match="or benchmark another model$"):
+        chat_prompts(hub.load(d)[1], 2)
+
+
+def test_a_damaged_metrics_line_is_named_and_a_partial_last_line_skipped(tmp_path, capsys):
+    from specroll.rl.metrics import read_metrics
+
+    run = fake_run(tmp_path / "bad", [ROW, "{broken", ROW])
+    line = cli_error(capsys, ["report", str(run)])
+    assert line.startswith(f"specroll: error: {run / 'metrics.jsonl'}:2: not valid JSON (")
+    assert line.endswith("fix or delete the line")
+    run = fake_run(tmp_path / "killed", [ROW, ROW, '{"step": 3, "rew'], end="")  # killed mid-write
+    assert len(read_metrics(run)) == 2
+    assert "metrics.jsonl:3: skipped a partial last line" in capsys.readouterr().err
+    assert main(["report", str(run), "--out", str(tmp_path / "curves")]) == 0  # no suffix: a .png is written
+    assert capsys.readouterr().out.strip() == f"wrote {tmp_path / 'curves.png'}"
+    assert (tmp_path / "curves.png").read_bytes()[:4] == b"\x89PNG"
