@@ -14,7 +14,15 @@ import pytest
 import torch
 
 from specroll.engine import profiler
-from specroll.engine.budget import PLAIN, BudgetPlanner, Plan, plan, tree_capacity
+from specroll.engine.budget import (
+    DEFAULT_K_MAX,
+    DEFAULT_L_MAX,
+    PLAIN,
+    BudgetPlanner,
+    Plan,
+    plan,
+    tree_capacity,
+)
 
 # --- the plan ---------------------------------------------------------------------------------------
 
@@ -99,10 +107,27 @@ def test_depth_follows_log2_of_n_over_alpha_inside_the_clamp():
     (dict(b_active=1, c_peak=16, k_max=0), "k_max"),
     (dict(b_active=1, c_peak=16, l_min=0), "l_min"),
     (dict(b_active=1, c_peak=16, l_min=4, l_max=3), "l_min"),
+    (dict(b_active=float("inf"), c_peak=16), "b_active"),
+    (dict(b_active=1.5, c_peak=16), "b_active"),
+    (dict(b_active=True, c_peak=16), "b_active"),
+    (dict(b_active=1, c_peak=16, l_max=float("inf")), "l_min"),
+    (dict(b_active=1, c_peak=16, k_max=2.5), "k_max"),
 ])
 def test_invalid_arguments_raise_one_clear_error(kw, match):
     with pytest.raises(ValueError, match=match):
         plan(**kw)
+
+
+def test_extreme_valid_arguments_give_a_plan_with_integer_fields():
+    """Every valid input yields a plan: a tiny alpha or a huge budget, where n / alpha overflows a float, is
+    bounded by l_max; whole floats (l_max=3.0) give integer fields, as a drafter sizes tensors with them."""
+    for kw in (dict(c_peak=64, alpha=1e-307), dict(c_peak=1e308, alpha=0.5), dict(c_peak=64, alpha=5e-324)):
+        p = plan(1, **kw)
+        assert p.depth == DEFAULT_L_MAX and p.k == DEFAULT_K_MAX
+        assert BudgetPlanner(**kw).max_plan == p
+    p = plan(1.0, 64, l_min=2.0, l_max=3.0, k_max=4.0)
+    assert p == plan(1, 64, l_min=2, l_max=3, k_max=4)
+    assert all(type(v) is int for v in (p.n_verify, p.k, p.depth))
 
 
 def test_plan_record_rejects_inconsistent_shapes():

@@ -11,6 +11,7 @@ from __future__ import annotations
 import functools
 import json
 from dataclasses import replace
+from pathlib import Path
 
 import pytest
 import torch
@@ -622,6 +623,26 @@ def test_save_load_roundtrip_and_mismatch(tmp_path, mid):
         load_head(tmp_path / "h", other)
     with pytest.raises(FileNotFoundError, match="draft_head.json"):
         load_head(tmp_path / "missing", model)
+
+
+def test_save_head_over_an_old_head_keeps_it_whole_when_the_write_fails(tmp_path, mid, monkeypatch):
+    """A head saved into a directory that holds one (a head continued into its own directory): a write that fails
+    partway leaves the old head's files whole and loadable, and no temporary file behind."""
+    import safetensors.torch
+
+    model, head = mid
+    save_head(head, tmp_path / "h", {"note": "old"})
+    before = {f.name: f.read_bytes() for f in (tmp_path / "h").iterdir()}
+
+    def fail(sd, path, *a, **k):
+        Path(path).write_bytes(b"partial")
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(safetensors.torch, "save_file", fail)
+    with pytest.raises(OSError, match="No space"):
+        save_head(head_for(model, seed=9), tmp_path / "h", {"note": "new"})
+    assert {f.name: f.read_bytes() for f in (tmp_path / "h").iterdir()} == before
+    torch.testing.assert_close(load_head(tmp_path / "h", model).fc.weight, head.fc.weight)
 
 
 def test_hidden_states_match_a_per_sequence_forward_and_report_progress(mid):

@@ -39,6 +39,7 @@ order (a prefix drafter reports its pairs through ``start_chain(..., rows=)``).
 from __future__ import annotations
 
 import json
+import os
 import time
 import weakref
 from contextlib import nullcontext
@@ -142,15 +143,28 @@ class DraftVocab(nn.Module):
 
 
 def save_head(head: DraftHead, out_dir: str | Path, meta: dict | None = None) -> Path:
+    """Write the head's weights and config into ``out_dir``. Both files are written in full under temporary
+    names first, then renamed over the old ones back to back: a crash never leaves a half-written file (a head
+    continued into its own directory keeps its old, complete files until the renames)."""
     from safetensors.torch import save_file
 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     sd = {k: v.detach().contiguous() for k, v in head.state_dict().items()}
-    save_file(sd, str(out / HEAD_WEIGHTS))
     cfg = {"format": FORMAT, "policy": asdict(replace(head.cfg, num_layers=0)),
            "draft_vocab": head.draft_vocab, "meta": meta or {}}
-    (out / HEAD_CONFIG).write_text(json.dumps(cfg, indent=2))
+    tmp_w, tmp_c = (out / f".{name}.tmp-{os.getpid()}" for name in (HEAD_WEIGHTS, HEAD_CONFIG))
+    try:
+        save_file(sd, str(tmp_w))
+        tmp_c.write_text(json.dumps(cfg, indent=2))
+        for f in (tmp_w, tmp_c):
+            with open(f, "rb") as fh:
+                os.fsync(fh.fileno())
+        os.replace(tmp_w, out / HEAD_WEIGHTS)
+        os.replace(tmp_c, out / HEAD_CONFIG)
+    finally:
+        for f in (tmp_w, tmp_c):
+            f.unlink(missing_ok=True)
     return out
 
 

@@ -93,6 +93,11 @@ def tree_capacity(k: int, depth: int) -> int:
     return k + (depth - 1) * k * k
 
 
+def _whole(x) -> bool:
+    """An integer, or a finite float holding one (3.0); never a bool."""
+    return (isinstance(x, int) and not isinstance(x, bool)) or (isinstance(x, float) and x.is_integer())
+
+
 def check_budget_args(c_peak: float, alpha: float, k_max: int, l_min: int, l_max: int) -> None:
     """Raise a one-line ValueError naming the bad argument."""
     if not (isinstance(c_peak, (int, float)) and math.isfinite(c_peak) and c_peak >= 1):
@@ -100,9 +105,9 @@ def check_budget_args(c_peak: float, alpha: float, k_max: int, l_min: int, l_max
                          "measure it with `specroll profile`")
     if not (isinstance(alpha, (int, float)) and math.isfinite(alpha) and alpha > 0):
         raise ValueError(f"alpha must be a finite number > 0, got {alpha!r}")
-    if int(k_max) != k_max or k_max < 1:
+    if not _whole(k_max) or k_max < 1:
         raise ValueError(f"k_max must be an integer >= 1, got {k_max!r}")
-    if int(l_min) != l_min or int(l_max) != l_max or not 1 <= l_min <= l_max:
+    if not (_whole(l_min) and _whole(l_max)) or not 1 <= l_min <= l_max:
         raise ValueError(f"need integers 1 <= l_min <= l_max, got l_min={l_min!r}, l_max={l_max!r}")
 
 
@@ -110,16 +115,17 @@ def plan(b_active: int, c_peak: float, alpha: float = DEFAULT_ALPHA, k_max: int 
          l_min: int = DEFAULT_L_MIN, l_max: int = DEFAULT_L_MAX) -> Plan:
     """The plan for ``b_active`` live rows under a budget of ``c_peak`` tokens per forward."""
     check_budget_args(c_peak, alpha, k_max, l_min, l_max)
-    if int(b_active) != b_active or b_active < 1:
+    if not _whole(b_active) or b_active < 1:
         raise ValueError(f"b_active must be an integer >= 1 (live rows), got {b_active!r}")
+    k_max, l_min, l_max = int(k_max), int(l_min), int(l_max)  # 3.0 -> 3: a Plan's fields size tensors
     n = int(c_peak // b_active)
     if n <= 1:
         return PLAIN
-    k = min(n - 1, int(k_max))
+    k = min(n - 1, k_max)
     if k == 1:  # a chain (k_max = 1, e.g. chains sampled from the head): all N tokens lie on one path
-        depth = min(n - 1, int(l_max))
-    else:
-        depth = min(max(math.floor(math.log2(n / alpha)), l_min), l_max, n - 1)
+        depth = min(n - 1, l_max)
+    else:  # log2(n) - log2(alpha): finite where n / alpha would overflow (a tiny alpha, a huge c_peak)
+        depth = min(max(math.floor(math.log2(n) - math.log2(alpha)), l_min), l_max, n - 1)
     return Plan(min(n, 1 + tree_capacity(k, depth)), k, depth)
 
 
