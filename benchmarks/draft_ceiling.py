@@ -58,10 +58,7 @@ def main():
     a = ap.parse_args()
     policy, _ = hub.load(a.model, torch.float32)
     policy.requires_grad_(False)
-    seqs, hid, plen = [], [], []
-    for path in a.data.split(","):
-        s, h, p_, _ = Dl.load_extra(path, {"model": a.model, "dtype": a.dtype})
-        seqs, hid, plen = seqs + s, hid + h, plen + p_
+    seqs, hid, plen = Dl.load_caches(a.data.split(","), {"model": a.model, "dtype": a.dtype})
     h_idx, t_idx = Dl.held_out_by_key([prompt_key(s[:p]) for s, p in zip(seqs, plen)], 0.05)
     h_idx = h_idx[: a.held_out]
     head = load_head_as("--head", a.head, policy)

@@ -89,10 +89,7 @@ def main():
     policy, _ = hub.load(a.model, torch.float32)
     policy.requires_grad_(False)
     layers = [int(x) for x in a.layers.split(",")]
-    seqs, hid, plen = [], [], []
-    for path in a.data.split(","):
-        s, h, p_, _ = Dl.load_extra(path, {"model": a.model, "dtype": "torch.bfloat16"})
-        seqs, hid, plen = seqs + s, hid + h, plen + p_
+    seqs, hid, plen = Dl.load_caches(a.data.split(","), {"model": a.model, "dtype": "torch.bfloat16"})
     D = policy.cfg.hidden_size
     if a.states and Path(a.states).exists():
         from safetensors.torch import load_file

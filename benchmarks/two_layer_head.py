@@ -68,10 +68,7 @@ def main():
     torch.manual_seed(a.seed)
     policy, _ = hub.load(a.model, torch.float32)
     policy.requires_grad_(False)
-    seqs, hid, plen = [], [], []
-    for path in a.data.split(","):
-        s, h, p_, _ = Dl.load_extra(path, {"model": a.model, "dtype": a.dtype})
-        seqs, hid, plen = seqs + s, hid + h, plen + p_
+    seqs, hid, plen = Dl.load_caches(a.data.split(","), {"model": a.model, "dtype": a.dtype})
     cfg = Dl.DistillConfig(lr=a.lr, batch=16, w_feat=2.0, w_ce=0.5, w_tv=1.0, unroll=3, seed=a.seed)
     head = load_head_as("--init", a.init, policy)
     if a.arm == "two":

@@ -92,3 +92,28 @@ def chi2_pvalue(counts: dict, probs: dict, n: int) -> float:
     cells = list(probs)
     assert sum(counts.values()) == n, f"counts sum to {sum(counts.values())}, not {n}"
     return chi2_gof(torch.tensor([counts.get(k, 0) for k in cells]), torch.tensor([probs[k] for k in cells]))
+
+
+def random_chains(B: int, L: int, V: int, temperature: float, seed: int = 0):
+    """(tree, logits, params): B sampled chains of L drafts over a draft vocabulary of every third token, for
+    checking a chain rule's kernel against its PyTorch reference. Rows cycle through q = p, q near p and q
+    unrelated to p (p the policy restricted to the draft vocabulary); in two rows of three the policy has
+    almost no mass outside the draft vocabulary."""
+    from specroll.drafters.eagle import DraftTree
+
+    torch.manual_seed(seed)
+    params = SamplingParams(temperature=temperature)
+    logits = torch.randn(B, L + 1, V) * 2
+    ids = torch.arange(1, V, 3)
+    outside = torch.ones(V, dtype=torch.bool).index_fill_(0, ids, False)
+    logits[0::3, :, outside] -= 30
+    logits[1::3, :, outside] -= 30
+    p = processed_logprobs(logits[:, :L, ids], params)
+    kind = torch.arange(B)[:, None, None] % 3
+    near = torch.log_softmax(p + 0.3 * torch.randn_like(p), -1)
+    q = torch.where(kind == 0, p, torch.where(kind == 1, near, torch.log_softmax(torch.randn_like(p), -1)))
+    toks = torch.cat([torch.zeros(B, 1, dtype=torch.long), ids[torch.multinomial(q.exp().flatten(0, 1), 1).view(B, L)]], 1)
+    ar = torch.arange(L + 1)
+    tree = DraftTree.build(toks, (ar - 1).clamp(min=0).expand(B, L + 1), ar.expand(B, L + 1))
+    tree.q_logp, tree.q_vocab = q, ids
+    return tree, logits, params

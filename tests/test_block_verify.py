@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import chi2_gof
+from helpers import chi2_gof, random_chains
 
 from specroll import kernels
 from specroll.drafters.eagle import DraftTree
@@ -151,23 +151,8 @@ def test_block_chain_kernel_gives_the_reference_verdict(temperature, Vfull):
     the draft vocabulary."""
     if kernels.skinny() is None:
         pytest.skip("the kernels are not available here")
-    torch.manual_seed(0)
     B, Lc = 64, 5
-    params = SamplingParams(temperature=temperature)
-    logits = torch.randn(B, Lc + 1, Vfull) * 2
-    ids = torch.arange(1, Vfull, 3)
-    outside = torch.ones(Vfull, dtype=torch.bool).index_fill_(0, ids, False)
-    logits[0::3, :, outside] -= 30
-    logits[1::3, :, outside] -= 30
-    p = processed_logprobs(logits[:, :Lc, ids], params)
-    kind = torch.arange(B)[:, None, None] % 3
-    near = torch.log_softmax(p + 0.3 * torch.randn_like(p), -1)
-    q = torch.where(kind == 0, p, torch.where(kind == 1, near, torch.log_softmax(torch.randn_like(p), -1)))
-    toks = torch.cat([torch.zeros(B, 1, dtype=torch.long),
-                      ids[torch.multinomial(q.exp().flatten(0, 1), 1).view(B, Lc)]], 1)
-    ar = torch.arange(Lc + 1)
-    tree = DraftTree.build(toks, (ar - 1).clamp(min=0).expand(B, Lc + 1), ar.expand(B, Lc + 1))
-    tree.q_logp, tree.q_vocab = q, ids
+    tree, logits, params = random_chains(B, Lc, Vfull, temperature)
     seen = set()
     for seed in range(4):
         ref = block_chain(tree, logits, params, torch.Generator().manual_seed(seed), fast=False)

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import bf16_rounded, chi2_gof, tiny_decoder
+from helpers import bf16_rounded, chi2_gof, random_chains, tiny_decoder
 
 from specroll import kernels
 from specroll.drafters.distill import DistillConfig, distill, head_loss, hidden_states, train_head
@@ -184,23 +184,9 @@ def test_rejection_chain_kernel_gives_the_reference_verdict(temperature, V):
     (q equal to p), or cut by an invalid node."""
     if kernels.skinny() is None:
         pytest.skip("the kernels are not available here")
-    torch.manual_seed(0)
     B, L = 64, 5
-    params = SamplingParams(temperature=temperature)
-    logits = torch.randn(B, L + 1, V) * 2
-    ids = torch.arange(1, V, 3)
-    outside = torch.ones(V, dtype=torch.bool).index_fill_(0, ids, False)
-    logits[0::3, :, outside] -= 30  # rows 0, 3, ...: the policy's mass on the draft vocabulary
-    logits[1::3, :, outside] -= 30
-    p = processed_logprobs(logits[:, :L, ids], params)  # the policy restricted to the draft vocabulary
-    kind = torch.arange(B)[:, None, None] % 3  # q = p, q near p, q unrelated to p
-    near = torch.log_softmax(p + 0.3 * torch.randn_like(p), -1)
-    q = torch.where(kind == 0, p, torch.where(kind == 1, near, torch.log_softmax(torch.randn_like(p), -1)))
-    toks = torch.cat([torch.zeros(B, 1, dtype=torch.long), ids[torch.multinomial(q.exp().flatten(0, 1), 1).view(B, L)]], 1)
-    ar = torch.arange(L + 1)
-    tree = DraftTree.build(toks, (ar - 1).clamp(min=0).expand(B, L + 1), ar.expand(B, L + 1))
+    tree, logits, params = random_chains(B, L, V, temperature)
     tree.valid[5::7, 3] = False
-    tree.q_logp, tree.q_vocab = q, ids
     n_seen = set()
     for seed in range(4):
         ref = rejection_chain(tree, logits, params, torch.Generator().manual_seed(seed), fast=False)
@@ -1010,6 +996,10 @@ def test_extra_data_caches_join_the_training_data_by_prompt(tmp_path, mid, monke
         D.load_extra(other, key)
     with pytest.raises(ValueError, match="does not exist"):
         D.load_extra(tmp_path / "missing.safetensors", key)
+    both = D.load_caches([main, more], key)  # the caches in order, concatenated
+    parts = [D.load_extra(c, key) for c in (main, more)]
+    assert [len(x) for x in both] == [sum(len(p[i]) for p in parts) for i in range(3)]
+    assert both[2] == parts[0][2] + parts[1][2] and torch.equal(both[1][-1], parts[1][1][-1])
     # a bad extra cache fails before any generation (which can take half an hour)
     monkeypatch.setattr(D, "generate_sequences", lambda *a, **k: pytest.fail("generated before checking extra data"))
     with pytest.raises(ValueError, match="model differ"):

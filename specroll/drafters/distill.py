@@ -522,6 +522,15 @@ def load_extra(path: str | Path, key: dict) -> tuple[list[torch.Tensor], list[to
     return seqs, hid, plen, int(stored.get("n", 1))
 
 
+def load_caches(paths, key: dict) -> tuple[list[torch.Tensor], list[torch.Tensor], list[int]]:
+    """``load_extra`` over several caches, concatenated: (sequences, hidden states, prompt lengths)."""
+    seqs, hid, plen = [], [], []
+    for path in paths:
+        s, h, p, _ = load_extra(path, key)
+        seqs, hid, plen = seqs + s, hid + h, plen + p
+    return seqs, hid, plen
+
+
 DATA_FORMAT = "specroll-distill-data/2"
 _DATA_FORMAT_1 = "specroll-distill-data/1"  # no prompt lengths: read with the prompts
 

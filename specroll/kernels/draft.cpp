@@ -352,158 +352,171 @@ std::vector<torch::Tensor> emit_rows(torch::Tensor& tokens, torch::Tensor& polic
   return {finished, stopped};
 }
 
+namespace {
+
+// A sampled chain's verification inputs and verdict (``verify.rejection_chain`` / ``verify.block_chain``): logits
+// (B, N, V) fp32, the policy at every node; tokens (B, N) long (node 0 the root); q_logp (B, L, Vd) with L = N - 1
+// and q_vocab (Vd,) long: the distributions the drafts were drawn from; u (B, L) and u_final (B,) uniforms in
+// [0, 1): the rule's tests, then the draw at the cut. The verdict (path, n_accept, tokens, policy_lp, sample_lp) as
+// ``verify.Verdict``: path (B, N) = min(j, n), tokens the drafts then the final draw (repeated), sample_lp /
+// policy_lp their log-probs at T and at 1.
+struct Chains {
+  torch::Tensor logits, tokens, q, vocab, u, uf, path, n_acc, out, slp, plp;
+  int64_t B, N, V, L, Vd;
+  float T;
+  bool t1;
+
+  Chains(const char* name, const torch::Tensor& logits_in, const torch::Tensor& tokens_in, const torch::Tensor& q_in,
+         const torch::Tensor& q_vocab, const torch::Tensor& u_in, const torch::Tensor& u_final_in, double temperature) {
+    TORCH_CHECK(logits_in.scalar_type() == torch::kFloat32 && q_in.scalar_type() == torch::kFloat32 && temperature > 0,
+                name, ": fp32 logits and q, temperature > 0");
+    logits = logits_in.contiguous();
+    tokens = tokens_in.to(torch::kLong).contiguous();
+    q = q_in.contiguous();
+    vocab = q_vocab.to(torch::kLong).contiguous();
+    u = u_in.to(torch::kFloat32).contiguous();
+    uf = u_final_in.to(torch::kFloat32).contiguous();
+    B = logits.size(0), N = logits.size(1), V = logits.size(2), L = N - 1, Vd = vocab.numel();
+    TORCH_CHECK(L >= 1 && tokens.size(0) == B && tokens.size(1) == N && q.size(0) == B && q.size(1) == L &&
+                    q.size(2) == Vd && u.size(0) == B && u.size(1) == L && uf.numel() == B,
+                name, ": inconsistent shapes");
+    path = torch::empty({B, N}, torch::kLong), n_acc = torch::empty({B}, torch::kLong);
+    out = torch::empty({B, N}, torch::kLong);
+    slp = torch::empty({B, N}, torch::kFloat32), plp = torch::empty({B, N}, torch::kFloat32);
+    T = (float)temperature;
+    t1 = temperature == 1.0;
+  }
+  const float* row_logits(int64_t b) const { return logits.data_ptr<float>() + b * N * V; }
+  const int64_t* row_tokens(int64_t b) const { return tokens.data_ptr<int64_t>() + b * N; }
+  const float* q_at(int64_t b, int64_t i) const { return q.data_ptr<float>() + (b * L + i) * Vd; }
+  const int64_t* ids() const { return vocab.data_ptr<int64_t>(); }
+  // log p(x_{i+1}) - log q(x_{i+1}) at node i, with lse the node's normalizer at T
+  float log_ratio(int64_t b, int64_t i, float lse) const {
+    const int64_t x = row_tokens(b)[i + 1];
+    const int64_t c = std::find(ids(), ids() + Vd, x) - ids();  // x's column of q (drawn from q: present)
+    const float lq = c == Vd ? -std::numeric_limits<float>::infinity() : q_at(b, i)[c];
+    return row_logits(b)[i * V + x] / T - lse - lq;
+  }
+  std::vector<torch::Tensor> verdict() const { return {path, n_acc, out, plp, slp}; }
+
+  // Row b's cut at node n: the draw there, from max(w p - q, 0) inside the chain (p when that is empty: p == q with
+  // w = 1), from p at its end (n = L); then the verdict's row. ``lse`` holds node 0..n's normalizers at T; r (V) and
+  // eq (Vd) are scratch.
+  void cut(int64_t b, int64_t n, float w, const std::vector<float>& lse, std::vector<float>& r,
+           std::vector<float>& eq) {
+    const float* lb = row_logits(b);
+    const int64_t* xb = row_tokens(b);
+    const float* ln = lb + n * V;
+    probs(ln, V, T, lse[n], r.data());
+    double z;
+    if (n < L) {
+      const float* qn = q_at(b, n);
+      const int64_t* id = ids();
+      int64_t i = 0;
+      if (w != 1.f)
+        for (; i < V; i++) r[i] *= w;
+      for (i = 0; i + 8 <= Vd; i += 8) _mm256_storeu_ps(eq.data() + i, exp8_nonpos(_mm256_loadu_ps(qn + i)));
+      for (; i < Vd; i++) eq[i] = std::exp(qn[i]);
+      for (i = 0; i < Vd; i++) r[id[i]] = std::max(r[id[i]] - eq[i], 0.f);
+      z = sum_all(r.data(), V);
+      if (!(z > 0.0)) {
+        probs(ln, V, T, lse[n], r.data());
+        z = sum_all(r.data(), V);
+      }
+    } else {
+      z = sum_all(r.data(), V);
+    }
+    const int64_t pick = inverse_cdf(r.data(), V, (double)uf.data_ptr<float>()[b] * z);
+    n_acc.data_ptr<int64_t>()[b] = n;
+    std::vector<float> lse1(lse.begin(), lse.begin() + n + 1);  // the policy's own normalizers (T = 1)
+    if (!t1)
+      for (int64_t j = 0; j <= n; j++) lse1[j] = lse_scaled(lb + j * V, V, 1.f);
+    for (int64_t j = 0; j < N; j++) {
+      const int64_t node = std::min(j, n), tok = j < n ? xb[j + 1] : pick;
+      path.data_ptr<int64_t>()[b * N + j] = node;
+      out.data_ptr<int64_t>()[b * N + j] = tok;
+      slp.data_ptr<float>()[b * N + j] = lb[node * V + tok] / T - lse[node];
+      plp.data_ptr<float>()[b * N + j] = lb[node * V + tok] - lse1[node];
+    }
+  }
+};
+
+}  // namespace
+
 // Speculative sampling over sampled chains at a plain temperature: ``verify.rejection_chain``'s math (its
-// reference; the same uniforms give the same verdict), computing the policy's normalizer only at the nodes
-// the walk reaches. logits (B, N, V) fp32: the policy at every node; tokens (B, N) long (node 0 the root),
-// valid (B, N) bool; q_logp (B, L, Vd) with L = N - 1 and q_vocab (Vd,) long: the distributions the drafts
-// were drawn from; u (B, L) and u_final (B,) uniforms in [0, 1): the acceptance tests, then the draw at the
-// cut (from the residual max(p - q, 0) after a rejection, from p when every draft is accepted).
-// Returns (path, n_accept, tokens, policy_lp, sample_lp) as ``verify.Verdict``: path (B, N) = min(j, n),
-// tokens the drafts then the final draw (repeated), sample_lp / policy_lp their log-probs at T and at 1.
+// reference; the same uniforms give the same verdict), computing the policy's normalizer only at the nodes the walk
+// reaches. Arguments as ``Chains``, plus valid (B, N) bool: an invalid node ends the walk like a rejection. The
+// draw at the cut is from the residual max(p - q, 0) after a rejection, from p when every draft is accepted.
 std::vector<torch::Tensor> rejection_chain(const torch::Tensor& logits_in, const torch::Tensor& tokens_in,
                                            const torch::Tensor& valid_in, const torch::Tensor& q_in,
                                            const torch::Tensor& q_vocab, const torch::Tensor& u_in,
                                            const torch::Tensor& u_final_in, double temperature) {
-  TORCH_CHECK(logits_in.scalar_type() == torch::kFloat32 && q_in.scalar_type() == torch::kFloat32 && temperature > 0,
-              "rejection_chain: fp32 logits and q, temperature > 0");
-  auto logits = logits_in.contiguous();
-  auto tokens = tokens_in.to(torch::kLong).contiguous();
+  Chains c("rejection_chain", logits_in, tokens_in, q_in, q_vocab, u_in, u_final_in, temperature);
   auto valid = valid_in.to(torch::kBool).contiguous();
-  auto q = q_in.contiguous();
-  auto vocab = q_vocab.to(torch::kLong).contiguous();
-  auto u = u_in.to(torch::kFloat32).contiguous();
-  auto uf = u_final_in.to(torch::kFloat32).contiguous();
-  const int64_t B = logits.size(0), N = logits.size(1), V = logits.size(2), L = N - 1, Vd = vocab.numel();
-  TORCH_CHECK(L >= 1 && tokens.size(0) == B && tokens.size(1) == N && q.size(0) == B && q.size(1) == L &&
-                  q.size(2) == Vd && u.size(0) == B && u.size(1) == L && uf.numel() == B,
-              "rejection_chain: inconsistent shapes");
-  const float* lg = logits.data_ptr<float>();
-  const int64_t* tk = tokens.data_ptr<int64_t>();
+  TORCH_CHECK(valid.size(0) == c.B && valid.size(1) == c.N, "rejection_chain: inconsistent shapes");
   const bool* vd = valid.data_ptr<bool>();
-  const float* qs = q.data_ptr<float>();
-  const int64_t* ids = vocab.data_ptr<int64_t>();
-  auto path = torch::empty({B, N}, torch::kLong), n_acc = torch::empty({B}, torch::kLong);
-  auto out = torch::empty({B, N}, torch::kLong);
-  auto slp = torch::empty({B, N}, torch::kFloat32), plp = torch::empty({B, N}, torch::kFloat32);
-  const float T = (float)temperature;
-  const bool t1 = temperature == 1.0;
-  at::parallel_for(0, B, 1, [&](int64_t b0, int64_t b1) {
-    std::vector<float> r(V), eq(Vd);
+  const int64_t N = c.N, V = c.V, L = c.L;
+  at::parallel_for(0, c.B, 1, [&](int64_t b0, int64_t b1) {
+    std::vector<float> r(V), eq(c.Vd), lse(N);
     for (int64_t b = b0; b < b1; b++) {
-      const float* lb = lg + b * N * V;
-      const int64_t* xb = tk + b * N;
-      std::vector<float> lse(N), lse1(N);
-      auto at = [&](int64_t j) {  // the normalizers at node j
-        lse[j] = lse_scaled(lb + j * V, V, T);
-        lse1[j] = t1 ? lse[j] : lse_scaled(lb + j * V, V, 1.f);
-      };
+      const float* lb = c.row_logits(b);
+      const float* ub = c.u.data_ptr<float>() + b * L;
       int64_t n = 0;
       for (; n < L; n++) {
-        at(n);
-        const int64_t x = xb[n + 1];
-        const float lp = lb[n * V + x] / T - lse[n];
-        const int64_t c = std::find(ids, ids + Vd, x) - ids;  // x's column of q (drawn from q: present)
-        const float lq = c == Vd ? -std::numeric_limits<float>::infinity() : qs[(b * L + n) * Vd + c];
-        if (!(vd[b * N + n + 1] && std::log(u.data_ptr<float>()[b * L + n]) < lp - lq)) break;
+        lse[n] = lse_scaled(lb + n * V, V, c.T);
+        if (!(vd[b * N + n + 1] && std::log(ub[n]) < c.log_ratio(b, n, lse[n]))) break;
       }
-      if (n == L) at(L);
-      // the draw at node n: from max(p - q, 0) after a rejection, from p after a full acceptance
-      const float* ln = lb + n * V;
-      probs(ln, V, T, lse[n], r.data());
-      double z;
-      if (n < L) {
-        const float* qn = qs + (b * L + n) * Vd;
-        int64_t i = 0;
-        for (; i + 8 <= Vd; i += 8) _mm256_storeu_ps(eq.data() + i, exp8_nonpos(_mm256_loadu_ps(qn + i)));
-        for (; i < Vd; i++) eq[i] = std::exp(qn[i]);
-        for (i = 0; i < Vd; i++) r[ids[i]] = std::max(r[ids[i]] - eq[i], 0.f);
-        z = sum_all(r.data(), V);
-        if (!(z > 0.0)) {  // p == q: any draw from p
-          probs(ln, V, T, lse[n], r.data());
-          z = sum_all(r.data(), V);
-        }
-      } else {
-        z = sum_all(r.data(), V);
-      }
-      const int64_t pick = inverse_cdf(r.data(), V, (double)uf.data_ptr<float>()[b] * z);
-      n_acc.data_ptr<int64_t>()[b] = n;
-      for (int64_t jj = 0; jj < N; jj++) {
-        const int64_t node = std::min(jj, n), tok = jj < n ? xb[jj + 1] : pick;
-        path.data_ptr<int64_t>()[b * N + jj] = node;
-        out.data_ptr<int64_t>()[b * N + jj] = tok;
-        slp.data_ptr<float>()[b * N + jj] = lb[node * V + tok] / T - lse[node];
-        plp.data_ptr<float>()[b * N + jj] = lb[node * V + tok] - lse1[node];
-      }
+      if (n == L) lse[L] = lse_scaled(lb + L * V, V, c.T);
+      c.cut(b, n, 1.f, lse, r, eq);
     }
   });
-  return {path, n_acc, out, plp, slp};
+  return c.verdict();
 }
 
 // Block verification of sampled chains at a plain temperature: ``verify.block_chain``'s math (its reference; the
-// same uniforms give the same verdict). The arguments and outputs are ``rejection_chain``'s; every node must be
-// valid. Per row: the weights w_0 = 1, w_i = min(1, w_{i-1} p(x_i) / q(x_i)) along the chain; R_i = sum_x
-// max(w_i p_i(x) - q_i(x), 0), computed as w_i (1 - p_i(draft vocabulary)) + the sum over the draft vocabulary
-// (q is 0 elsewhere); node i is a stopping point with probability h_i = R_i / (R_i + 1 - w_i) (h_L = w_L); the
-// deepest node whose uniform falls below h_i is the cut; the draw there is from max(w p - q, 0) (p at node L).
+// same uniforms give the same verdict). Arguments as ``Chains``; every node must be valid. Per row: the weights
+// w_0 = 1, w_i = min(1, w_{i-1} p(x_i) / q(x_i)) along the chain; R_i = sum_x max(w_i p_i(x) - q_i(x), 0), computed
+// as w_i (1 - p_i(draft vocabulary)) + the sum over the draft vocabulary (q is 0 elsewhere); node i is a stopping
+// point with probability h_i = R_i / (R_i + 1 - w_i) (h_L = w_L); the deepest node whose uniform falls below h_i is
+// the cut; the draw there is from max(w p - q, 0) (p at node L).
 std::vector<torch::Tensor> block_chain(const torch::Tensor& logits_in, const torch::Tensor& tokens_in,
                                        const torch::Tensor& q_in, const torch::Tensor& q_vocab,
                                        const torch::Tensor& u_in, const torch::Tensor& u_final_in,
                                        double temperature) {
-  TORCH_CHECK(logits_in.scalar_type() == torch::kFloat32 && q_in.scalar_type() == torch::kFloat32 && temperature > 0,
-              "block_chain: fp32 logits and q, temperature > 0");
-  auto logits = logits_in.contiguous();
-  auto tokens = tokens_in.to(torch::kLong).contiguous();
-  auto q = q_in.contiguous();
-  auto vocab = q_vocab.to(torch::kLong).contiguous();
-  auto u = u_in.to(torch::kFloat32).contiguous();
-  auto uf = u_final_in.to(torch::kFloat32).contiguous();
-  const int64_t B = logits.size(0), N = logits.size(1), V = logits.size(2), L = N - 1, Vd = vocab.numel();
-  TORCH_CHECK(L >= 1 && tokens.size(0) == B && tokens.size(1) == N && q.size(0) == B && q.size(1) == L &&
-                  q.size(2) == Vd && u.size(0) == B && u.size(1) == L && uf.numel() == B,
-              "block_chain: inconsistent shapes");
-  const float* lg = logits.data_ptr<float>();
-  const int64_t* tk = tokens.data_ptr<int64_t>();
-  const float* qs = q.data_ptr<float>();
-  const int64_t* ids = vocab.data_ptr<int64_t>();
+  Chains c("block_chain", logits_in, tokens_in, q_in, q_vocab, u_in, u_final_in, temperature);
+  const int64_t N = c.N, V = c.V, L = c.L, Vd = c.Vd;
+  const int64_t* ids = c.ids();
   std::vector<int32_t> ids32(Vd);
-  for (int64_t c = 0; c < Vd; c++) {
-    TORCH_CHECK(ids[c] >= 0 && ids[c] < V, "block_chain: q_vocab ids outside the vocabulary");
-    ids32[c] = (int32_t)ids[c];
+  for (int64_t i = 0; i < Vd; i++) {
+    TORCH_CHECK(ids[i] >= 0 && ids[i] < V, "block_chain: q_vocab ids outside the vocabulary");
+    ids32[i] = (int32_t)ids[i];
   }
-  auto path = torch::empty({B, N}, torch::kLong), n_acc = torch::empty({B}, torch::kLong);
-  auto out = torch::empty({B, N}, torch::kLong);
-  auto slp = torch::empty({B, N}, torch::kFloat32), plp = torch::empty({B, N}, torch::kFloat32);
-  const float T = (float)temperature;
-  const bool t1 = temperature == 1.0;
+  const float T = c.T;
+  const bool t1 = c.t1;
   const __m256 t8 = _mm256_set1_ps(T), zero8 = _mm256_setzero_ps();
-  at::parallel_for(0, B, 1, [&](int64_t b0, int64_t b1) {
-    std::vector<float> r(V), eq(Vd), w(N), h(N), R(L);
-    std::vector<float> lse(N), lse1(N);
+  at::parallel_for(0, c.B, 1, [&](int64_t b0, int64_t b1) {
+    std::vector<float> r(V), eq(Vd), w(N), h(N), lse(N);
     for (int64_t b = b0; b < b1; b++) {
-      const float* lb = lg + b * N * V;
-      const int64_t* xb = tk + b * N;
+      const float* lb = c.row_logits(b);
       float lw = 0.f;  // log w_i
       w[0] = 1.f;
       for (int64_t i = 0; i < L; i++) {
         lse[i] = lse_scaled(lb + i * V, V, T);
-        const int64_t x = xb[i + 1];
-        const int64_t c = std::find(ids, ids + Vd, x) - ids;  // x's column of q (drawn from q: present)
-        const float lq = c == Vd ? -std::numeric_limits<float>::infinity() : qs[(b * L + i) * Vd + c];
-        lw = std::min(lw + (lb[i * V + x] / T - lse[i]) - lq, 0.f);
+        lw = std::min(lw + c.log_ratio(b, i, lse[i]), 0.f);
         w[i + 1] = std::exp(lw);
       }
-      for (int64_t i = 1; i < L; i++) {  // R_i and h_i (R_0 is needed only as the residual at a cut at 0)
+      for (int64_t i = 1; i < L; i++) {  // h_i (node 0 needs none: a cut there is the fallback)
         const float* li = lb + i * V;
-        const float* qi = qs + (b * L + i) * Vd;
+        const float* qi = c.q_at(b, i);
         const __m256 l8 = _mm256_set1_ps(lse[i]), w8 = _mm256_set1_ps(w[i]);
         __m256 pin = zero8, pos = zero8;  // p over the draft vocabulary; sum of max(w p - q, 0) there
-        int64_t c = 0;
-        for (; c + 8 <= Vd; c += 8) {
-          const __m256i idx = _mm256_loadu_si256((const __m256i*)(ids32.data() + c));
+        int64_t k = 0;
+        for (; k + 8 <= Vd; k += 8) {
+          const __m256i idx = _mm256_loadu_si256((const __m256i*)(ids32.data() + k));
           __m256 z = _mm256_i32gather_ps(li, idx, 4);
           if (!t1) z = _mm256_div_ps(z, t8);
           const __m256 p8 = exp8_nonpos(_mm256_min_ps(_mm256_sub_ps(z, l8), zero8));
-          const __m256 q8 = exp8_nonpos(_mm256_loadu_ps(qi + c));
+          const __m256 q8 = exp8_nonpos(_mm256_loadu_ps(qi + k));
           pin = _mm256_add_ps(pin, p8);
           pos = _mm256_add_ps(pos, _mm256_max_ps(_mm256_sub_ps(_mm256_mul_ps(w8, p8), q8), zero8));
         }
@@ -511,18 +524,18 @@ std::vector<torch::Tensor> block_chain(const torch::Tensor& logits_in, const tor
         _mm256_store_ps(a, pin);
         _mm256_store_ps(bq, pos);
         double sp = 0.0, sr = 0.0;
-        for (int k = 0; k < 8; k++) sp += a[k], sr += bq[k];
-        for (; c < Vd; c++) {
-          const float p1 = std::exp(std::min(li[ids[c]] / T - lse[i], 0.f));
+        for (int j = 0; j < 8; j++) sp += a[j], sr += bq[j];
+        for (; k < Vd; k++) {
+          const float p1 = std::exp(std::min(li[ids[k]] / T - lse[i], 0.f));
           sp += p1;
-          sr += std::max(w[i] * p1 - std::exp(qi[c]), 0.f);
+          sr += std::max(w[i] * p1 - std::exp(qi[k]), 0.f);
         }
-        R[i] = (float)(sr + (double)w[i] * std::max(1.0 - sp, 0.0));
-        const float den = R[i] + 1.f - w[i];
-        h[i] = den > 0.f ? R[i] / den : 1.f;
+        const float R = (float)(sr + (double)w[i] * std::max(1.0 - sp, 0.0));
+        const float den = R + 1.f - w[i];
+        h[i] = den > 0.f ? R / den : 1.f;
       }
       h[L] = w[L];
-      const float* ub = u.data_ptr<float>() + b * L;
+      const float* ub = c.u.data_ptr<float>() + b * L;
       int64_t n = 0;
       for (int64_t i = L; i >= 1; i--)
         if (ub[i - 1] < h[i]) {
@@ -530,40 +543,10 @@ std::vector<torch::Tensor> block_chain(const torch::Tensor& logits_in, const tor
           break;
         }
       if (n == L) lse[L] = lse_scaled(lb + L * V, V, T);
-      // the draw at node n: from max(w_n p - q, 0) after a cut inside the chain, from p at its end
-      const float* ln = lb + n * V;
-      probs(ln, V, T, lse[n], r.data());
-      double z;
-      if (n < L) {
-        const float* qn = qs + (b * L + n) * Vd;
-        const float wn = w[n];
-        int64_t i = 0;
-        if (wn != 1.f)
-          for (; i < V; i++) r[i] *= wn;
-        for (i = 0; i + 8 <= Vd; i += 8) _mm256_storeu_ps(eq.data() + i, exp8_nonpos(_mm256_loadu_ps(qn + i)));
-        for (; i < Vd; i++) eq[i] = std::exp(qn[i]);
-        for (i = 0; i < Vd; i++) r[ids[i]] = std::max(r[ids[i]] - eq[i], 0.f);
-        z = sum_all(r.data(), V);
-        if (!(z > 0.0)) {  // p == q with w = 1: any draw from p
-          probs(ln, V, T, lse[n], r.data());
-          z = sum_all(r.data(), V);
-        }
-      } else {
-        z = sum_all(r.data(), V);
-      }
-      const int64_t pick = inverse_cdf(r.data(), V, (double)uf.data_ptr<float>()[b] * z);
-      n_acc.data_ptr<int64_t>()[b] = n;
-      for (int64_t j = 0; j <= n; j++) lse1[j] = t1 ? lse[j] : lse_scaled(lb + j * V, V, 1.f);
-      for (int64_t jj = 0; jj < N; jj++) {
-        const int64_t node = std::min(jj, n), tok = jj < n ? xb[jj + 1] : pick;
-        path.data_ptr<int64_t>()[b * N + jj] = node;
-        out.data_ptr<int64_t>()[b * N + jj] = tok;
-        slp.data_ptr<float>()[b * N + jj] = lb[node * V + tok] / T - lse[node];
-        plp.data_ptr<float>()[b * N + jj] = lb[node * V + tok] - lse1[node];
-      }
+      c.cut(b, n, w[n], lse, r, eq);
     }
   });
-  return {path, n_acc, out, plp, slp};
+  return c.verdict();
 }
 
 }  // namespace specroll
