@@ -157,7 +157,8 @@ def block_chain(tree, logits: torch.Tensor, params: SamplingParams, gen: torch.G
                 fast: bool = True) -> Verdict:
     """Block verification of a sampled chain (Sun et al., "Block verification accelerates speculative
     decoding", ICLR 2025): the same inputs, draws and output as ``rejection_chain``, and the same exactness, but
-    the chain is judged as a whole, which keeps at least as many tokens in expectation (never fewer).
+    the chain is judged as a whole, which keeps at least as many tokens in expectation over the draws (on a given
+    chain it may keep fewer).
 
     With p_i / q_i the policy's processed / the head's distribution at node i (over token i + 1) and x_i the
     i-th draft, a weight carries along the chain: w_0 = 1, w_i = min(1, w_{i-1} p_{i-1}(x_i) / q_{i-1}(x_i)).
@@ -166,8 +167,9 @@ def block_chain(tree, logits: torch.Tensor, params: SamplingParams, gen: torch.G
     (0 < i < L) is a valid stopping point with probability h_i = R_i / (R_i + 1 - w_i), node L with h_L = w_L;
     the accepted prefix is x_1..x_tau for the deepest i whose uniform falls below h_i (tau = 0 if none), and the
     emitted token after it is drawn from the residual max(w_tau p_tau - q_tau, 0) (from p_L when tau = L).
-    With w = 1 at every node this is ``rejection_chain``'s rule. ``tests/test_verify.py`` checks the output
-    distribution exactly, by enumeration, and against plain sampling by chi-square.
+    ``tests/test_block_verify.py`` checks the output distribution by chi-square against the exact, enumerated
+    joint distribution of a toy policy, and ``tests/test_eagle.py`` through the engine against plain sampling.
+    For drafts that are not sampled (q one-hot, as reuse's) the two rules keep the same number of tokens.
 
     The chain's nodes must all be valid (``EagleDrafter._chain_tree`` makes them so).
 
