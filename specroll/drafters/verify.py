@@ -20,7 +20,7 @@ with probability p(child), the most any rule can give a token the draft did not 
 over a chain) keeps a token with probability min(1, p/q), i.e. sum_x min(p(x), q(x)) per position,
 which approaches 1 as the head's q approaches the policy's p, even where p is spread out (T = 1).
 ``block_chain`` verifies the same chain jointly (block verification, Sun et al., ICLR 2025): it keeps
-every token ``rejection_chain`` keeps and more, still exactly.
+at least as many tokens as ``rejection_chain`` in expectation, still exactly.
 """
 
 from __future__ import annotations
