@@ -496,24 +496,33 @@ def test_bench_online_probe_only_measures(tmp_path, monkeypatch, design):
     assert main(["bench", "online", "--probe", "-1", "--out", str(tmp_path / "x.json")]) == 2
 
 
-def test_probe_measures_the_given_heads_drafts_and_feeds_no_learner(mid):
+def test_probe_measures_the_given_heads_drafts_and_feeds_no_learner(mid, monkeypatch):
     """``bench.online.probe``: the accept length of the drafter's own head (a distilled head beats a fresh one on
-    the same prompts and seed), the same on a repeat, with nothing reaching the drafter's learner or its totals."""
+    the same prompts and seed: 32 rows, as 4 rows of 16 tokens are one noisy draw), verified by the drafter's own
+    rule, the same on a repeat, with nothing reaching the drafter's learner or its totals."""
     from types import SimpleNamespace
 
     from specroll.bench.online import probe
+    from specroll.drafters.eagle import EagleDrafter
+    from specroll.drafters.verify import rejection_chain
 
     model, head = mid
     tr = SimpleNamespace(engine=Engine(model, eos_ids=EOS))
     params = SamplingParams(temperature=1.0, max_new_tokens=16, min_new_tokens=16, seed=3)
     plan = Plan(4, 1, 3)
+    rows = PROMPTS * 8
     trained = OnlineDrafter(clone_head(model, head), online_cfg(), policy=model, plan=plan, sampled=True)
     fresh = OnlineDrafter(head_for(model, head.vocab_ids, seed=5), online_cfg(), policy=model, plan=plan, sampled=True)
-    a, b = probe(tr, trained, PROMPTS, params), probe(tr, fresh, PROMPTS, params)
+    a, b = probe(tr, trained, rows, params), probe(tr, fresh, rows, params)
     assert a > b >= 1.0, (a, b)
-    assert probe(tr, trained, PROMPTS, params) == a  # fixed prompts and seed: a repeat measures the same
+    assert probe(tr, trained, rows, params) == a  # fixed prompts and seed: a repeat measures the same
     for d in (trained, fresh):
         assert not d.learner._chunks and not d.learner._prompt and int(d.totals.sum()) == 0
+    calls = []
+    monkeypatch.setitem(EagleDrafter.VERIFY, "token", lambda *x: calls.append(1) or rejection_chain(*x))
+    token = OnlineDrafter(clone_head(model, head), online_cfg(), policy=model, plan=plan, sampled=True, verify="token")
+    probe(tr, token, PROMPTS, params)
+    assert calls  # the probe verifies as the drafter does
 
 
 def test_online_lr_auto_is_lower_for_a_distilled_head(mid):

@@ -75,7 +75,7 @@ PROBE_SEED = 1234
 
 def probe(trainer, drafter, prompts, params) -> float:
     """Accept length of ``drafter``'s head on the fixed probe prompts: one completion each, sampled with the step's
-    params but a fixed seed, by an ``EagleDrafter`` over the same head, plan and chain settings that reports to no
+    params but a fixed seed, by an ``EagleDrafter`` over the same head, plan and chain settings (verification included) that reports to no
     learner (a learning planner's state is not touched: its largest plan is used instead)."""
     from ..drafters.build import eagle_of
     from ..drafters.eagle import EagleDrafter
@@ -84,7 +84,7 @@ def probe(trainer, drafter, prompts, params) -> float:
     learns = hasattr(d.plan_fn, "observe")
     m = EagleDrafter(d.head, plan=d.max_plan, plan_fn=None if learns else d.plan_fn, max_plan=d.max_plan,
                      sampled=d.sampled, chain_stop=d.chain_stop, bf16_head=d.bf16_head, fused=d.fused,
-                     int8_head=d.int8_head)
+                     int8_head=d.int8_head, verify=d.verify)
     trainer.engine.generate(prompts, dataclasses.replace(params, seed=PROBE_SEED), n=1, drafter=m)
     return m.summary()["accept_length"]
 

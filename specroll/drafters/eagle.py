@@ -381,6 +381,7 @@ class EagleDrafter:
         self.sampled = sampled
         self.bf16_head = bf16_head
         self.int8_head = int8_head
+        self.verify = verify
         self.chain_rule = self.VERIFY[verify]  # the rule for sampled chains
         self.plan_fn = plan_fn or (lambda b: plan)
         self.max_plan = max_plan or plan
