@@ -99,15 +99,19 @@ RULES = {"block": lambda *a: block_chain(*a, fast=False), "block-kernel": block_
          "token": lambda *a: rejection_chain(*a, fast=False), "biased": biased}
 
 
-@pytest.mark.parametrize("params", [SamplingParams(temperature=1.0), SamplingParams(temperature=0.7),
-                                    SamplingParams(temperature=0.8, top_p=0.9)], ids=["t1", "t07", "t08p09"])
-@pytest.mark.parametrize("close", [0.0, 0.8])
-@pytest.mark.parametrize("rule", list(RULES))
-def test_block_verification_gives_the_policys_joint_distribution(rule, close, params):
+SETTINGS = {"t1": SamplingParams(temperature=1.0), "t07": SamplingParams(temperature=0.7),
+            "t08p09": SamplingParams(temperature=0.8, top_p=0.9)}
+CASES = ([(rule, close, name) for rule in ("block", "block-kernel") for close in (0.0, 0.8) for name in SETTINGS]
+         + [("token", 0.8, "t1"), ("biased", 0.8, "t1"), ("biased", 0.8, "t07")])
+
+
+@pytest.mark.parametrize("rule,close,setting", CASES)
+def test_block_verification_gives_the_policys_joint_distribution(rule, close, setting):
     """Chains drawn from q and verified, then continued from p: the sequences follow p's joint distribution
     (chi-square over all V ** (L + 1) = 625 sequences). The same statistic rejects the biased rule."""
     if rule == "block-kernel" and kernels.skinny() is None:
         pytest.skip("the kernels are not available here")
+    params = SETTINGS[setting]
     p_lg, q_lp = toy(seed=7, close=close)
     g = torch.Generator().manual_seed(1)
     tree = draw_chains(p_lg, q_lp, 60000, g)
