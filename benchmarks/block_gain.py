@@ -18,29 +18,20 @@ from specroll.bench.spec import bench_prompts
 from specroll.drafters import verify as Vf
 from specroll.drafters.eagle import EagleDrafter, Plan, load_head_as
 from specroll.engine.engine import Engine
-from specroll.engine.sampling import SamplingParams, processed_logprobs
+from specroll.engine.sampling import SamplingParams
 from specroll.models import hub
 
 
 def expected_accepts(tree, logits, params) -> tuple[torch.Tensor, torch.Tensor]:
     """(token-by-token, block) expected accepted drafts per row of one chain."""
-    B, N = tree.tokens.shape
-    L = N - 1
-    logp = processed_logprobs(logits, params)
-    p = logp.exp()
-    q = torch.zeros_like(p[:, :L])
-    q[:, :, tree.q_vocab] = tree.q_logp.float().exp()
+    L = tree.tokens.shape[1] - 1
+    logp, _, _, _, h = Vf.block_terms(tree, logits, params)
+    B = tree.tokens.shape[0]
     inv = torch.full((logits.shape[-1],), -1, dtype=torch.long)
     inv[tree.q_vocab] = torch.arange(tree.q_vocab.numel())
     x, bi, j = tree.tokens[:, 1:], torch.arange(B)[:, None], torch.arange(L)[None]
-    step = logp[bi, j, x] - tree.q_logp.float()[bi, j, inv[x]]  # log p(x_i) / q(x_i)
-    token = step.clamp(max=0).exp().cumprod(1).sum(1)
-    lw = [torch.zeros(B)]
-    for i in range(L):
-        lw.append(torch.clamp(lw[-1] + step[:, i], max=0.0))
-    w = torch.stack(lw, 1).exp()
-    R = (w[:, :L, None] * p[:, :L] - q).clamp(min=0).sum(-1)
-    h = torch.cat([R / (R + 1 - w[:, :L]).clamp(min=1e-30), w[:, L:]], 1)  # h[:, 0] unused
+    ratio = (logp[bi, j, x] - tree.q_logp.float()[bi, j, inv[x]]).clamp(max=0).exp()  # min(1, p / q)
+    token = ratio.cumprod(1).sum(1)
     block = torch.zeros(B)
     for i in range(1, L + 1):
         block += i * h[:, i] * torch.prod(1 - h[:, i + 1:], 1)

@@ -187,22 +187,7 @@ def block_chain(tree, logits: torch.Tensor, params: SamplingParams, gen: torch.G
                                                      u_final[:, 0], float(params.temperature)))
     x = tree.tokens[:, 1:]
     bi, ar = torch.arange(B)[:, None], torch.arange(B)
-    logp = processed_logprobs(logits, params)  # (B, N, V): the distribution each emitted token is drawn from
-    p = logp.exp()
-    q = torch.zeros_like(p[:, :L])  # the head's distribution over the full vocabulary (0 outside its own)
-    q[:, :, tree.q_vocab] = tree.q_logp.float().exp()
-    inv = torch.full((logits.shape[-1],), -1, dtype=torch.long)  # token id -> column of q_logp
-    inv[tree.q_vocab] = torch.arange(tree.q_vocab.numel())
-    step = logp[bi, torch.arange(L)[None], x] - tree.q_logp.float()[bi, torch.arange(L)[None], inv[x]]  # (B, L)
-    lw = [torch.zeros(B)]  # log w_i, i = 0..L
-    for i in range(L):
-        lw.append(torch.clamp(lw[-1] + step[:, i], max=0.0))
-    w = torch.stack(lw, 1).exp()  # (B, L + 1)
-    r = (w[:, :L, None] * p[:, :L] - q).clamp_(min=0)  # (B, L, V): the residual weights at nodes 0..L-1
-    R = r.sum(-1)
-    den = R + 1 - w[:, :L]
-    h = torch.where(den > 0, R / den.clamp(min=1e-30), torch.ones_like(R))  # den = 0 only if p == q with w = 1
-    h = torch.cat([h, w[:, L:]], 1)  # (B, L + 1); h[:, 0] is unused: tau = 0 needs no draw
+    logp, p, _, r, h = block_terms(tree, logits, params)
     u = torch.rand(B, L, generator=gen)
     stop_ok = u < h[:, 1:]  # node i = 1..L is a stopping point
     idx = torch.arange(1, L + 1)[None]
@@ -221,3 +206,29 @@ def block_chain(tree, logits: torch.Tensor, params: SamplingParams, gen: torch.G
         lg = logits.float()
         policy_lp = lg[bi, path, toks] - torch.logsumexp(lg, dim=-1)[bi, path]
     return Verdict(path, n_acc, toks, policy_lp, sample_lp)
+
+
+def block_terms(tree, logits: torch.Tensor, params: SamplingParams):
+    """``block_chain``'s quantities for a chain (L drafts): (logp (B, N, V) the policy's processed log-probs,
+    p = exp(logp), w (B, L + 1) the weights, r (B, L, V) the residual weights max(w_i p_i - q_i, 0) at nodes
+    0..L-1, h (B, L + 1) the stopping probabilities, h[:, 0] unused). ``benchmarks/block_gain.py`` reads them too."""
+    B, N = tree.tokens.shape
+    L = N - 1
+    x = tree.tokens[:, 1:]
+    bi = torch.arange(B)[:, None]
+    logp = processed_logprobs(logits, params)  # (B, N, V): the distribution each emitted token is drawn from
+    p = logp.exp()
+    q = torch.zeros_like(p[:, :L])  # the head's distribution over the full vocabulary (0 outside its own)
+    q[:, :, tree.q_vocab] = tree.q_logp.float().exp()
+    inv = torch.full((logits.shape[-1],), -1, dtype=torch.long)  # token id -> column of q_logp
+    inv[tree.q_vocab] = torch.arange(tree.q_vocab.numel())
+    step = logp[bi, torch.arange(L)[None], x] - tree.q_logp.float()[bi, torch.arange(L)[None], inv[x]]  # (B, L)
+    lw = [torch.zeros(B)]  # log w_i, i = 0..L
+    for i in range(L):
+        lw.append(torch.clamp(lw[-1] + step[:, i], max=0.0))
+    w = torch.stack(lw, 1).exp()  # (B, L + 1)
+    r = (w[:, :L, None] * p[:, :L] - q).clamp_(min=0)
+    R = r.sum(-1)
+    den = R + 1 - w[:, :L]
+    h = torch.where(den > 0, R / den.clamp(min=1e-30), torch.ones_like(R))  # den = 0 only if p == q with w = 1
+    return logp, p, w, r, torch.cat([h, w[:, L:]], 1)
