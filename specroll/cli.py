@@ -159,6 +159,9 @@ def _draft(sub):
                    help="weight of the soft cross-entropy to the policy's distribution (FastGRPO: 0.1)")
     t.add_argument("--w-tv", type=float, default=0.0,
                    help="weight of 1 - sum min(p, q), the rejection probability of a sampled draft token")
+    t.add_argument("--w-block", type=float, default=0.0,
+                   help="weight of 1 - P(block verification keeps a sampled chain's depth-j draft), per trained depth "
+                        "(the expected kept drafts of the verification rule chains use by default)")
     t.add_argument("--eval-frac", type=float, default=0.05,
                    help="share of the prompts held out and scored (accept = sum min(p, q)) every 100 steps; "
                         "chosen by a hash of the prompt's tokens, so the same prompts in every run and cache")
@@ -169,6 +172,9 @@ def _draft(sub):
                    help="chain depths trained per position: 1 = teacher-forced; K > 1 also trains depths 2..K on "
                         "the head's own drafted features, as a sampled chain feeds them (held-out scored per depth)")
     t.add_argument("--unroll-decay", type=float, default=0.8, help="loss weight of depth j: decay ** (j - 1)")
+    t.add_argument("--eval-depth", type=int, default=3,
+                   help="chain depths the held-out score reports (at least --unroll), with the expected kept drafts of "
+                        "a chain that deep under token-by-token and block verification")
     t.add_argument("--data-cache", default=None,
                    help="safetensors file for the generated sequences and hidden states: reused when it exists "
                         "and matches the model, prompts and generation settings, written otherwise")

@@ -124,6 +124,57 @@ def test_block_verification_gives_the_policys_joint_distribution(rule, close, se
         assert pval > 1e-4, f"{rule} at close={close}: chi-square p = {pval:.2e}"
 
 
+@pytest.mark.parametrize("close", [0.0, 0.8])
+def test_reach_gives_each_rules_expected_kept_drafts_over_the_policys_draws(close):
+    """``distill.reach`` (the head's training and held-out score) writes P(depth j's draft is kept) over p's draws,
+    with no draw from q. Summed over the depths and over every p-path (weighted by p), it equals each rule's
+    expected kept drafts over every q-chain (weighted by q), exactly: token by token sum_k prod_{i<=k} min(1, p_i/q_i);
+    block verification sum_i i h_i prod_{j>i} (1 - h_j) from ``block_terms``' stopping probabilities."""
+    import itertools
+
+    from specroll.drafters.distill import reach
+    from specroll.drafters.verify import block_terms
+
+    p_lg, q_lp = toy(seed=5, close=close)
+    params = SamplingParams(temperature=1.0)
+    chains = torch.tensor(list(itertools.product(Q_VOCAB.tolist(), repeat=L)))  # every q-chain
+    toks = torch.cat([torch.zeros(len(chains), 1, dtype=torch.long), chains], 1)
+    ar = torch.arange(L + 1)
+    tree = DraftTree.build(toks, (ar - 1).clamp(min=0).expand(len(toks), L + 1), ar.expand(len(toks), L + 1))
+    col = torch.full((V,), -1, dtype=torch.long)
+    col[Q_VOCAB] = torch.arange(len(Q_VOCAB))
+    tree.q_logp = torch.stack([at(q_lp[i], chains, i) for i in range(L)], 1)
+    tree.q_vocab = Q_VOCAB
+    logp, _, _, _, h = block_terms(tree, node_logits(p_lg, tree), params)
+    qx = tree.q_logp.gather(2, col[chains][..., None])[..., 0].double()  # log q of each chain's own drafts
+    px = logp[:, :L].gather(2, chains[..., None])[..., 0].double()
+    weight = qx.sum(1).exp()
+    assert float(weight.sum()) == pytest.approx(1.0, abs=1e-6)
+    token = (px - qx).clamp(max=0).exp().cumprod(1).sum(1)
+    h = h.double()
+    block = sum(i * h[:, i] * torch.prod(1 - h[:, i + 1:], 1) for i in range(1, L + 1))
+    exact = {"token": float((weight * token).sum()), "block": float((weight * block).sum())}
+
+    paths = torch.tensor(list(itertools.product(range(V), repeat=L)))  # every p-path
+    lp = [torch.log_softmax(at(p_lg[i], paths, i).double(), -1) for i in range(L)]  # (P, V) at node i
+    lq = [at(q_lp[i], paths, i).double() for i in range(L)]  # (P, |Q_VOCAB|)
+    pw = sum(lp[i].gather(1, paths[:, i: i + 1])[:, 0] for i in range(L)).exp()
+    logr = []
+    for j in range(L):  # depth j + 1 sits at target j of a chain that starts at target 0
+        x = paths[:, j]
+        r = torch.where(col[x] >= 0, lq[j].gather(1, col[x].clamp(min=0)[:, None])[:, 0], torch.tensor(-50.0).double())
+        dense = torch.full((len(paths), L), -50.0, dtype=torch.float64)
+        dense[:, j] = r - lp[j].gather(1, x[:, None])[:, 0]
+        logr.append(dense)
+    for rule in ("token", "block"):
+        got = 0.0
+        for j, (la, lb) in enumerate(reach(logr, block=rule == "block")):
+            keep = torch.minimum(la[:, j, None].exp() * lp[j].exp()[:, Q_VOCAB], lb[:, j, None].exp() * lq[j].exp()).sum(1)
+            got += float((pw * keep).sum())
+        assert got == pytest.approx(exact[rule], abs=1e-6), rule
+    assert exact["block"] > exact["token"] + 1e-3
+
+
 @pytest.mark.parametrize("close", [0.0, 0.5, 0.8])
 def test_block_verification_keeps_more_than_token_verification(close):
     """On the same chains, block verification accepts more drafts on average than token-by-token verification

@@ -861,6 +861,54 @@ def test_unrolled_loss_and_held_out_depths_match_per_position_references(mid):
         DistillConfig(unroll=0)
 
 
+def test_block_keep_loss_and_held_out_kept_drafts_match_a_per_chain_loop(mid):
+    """``head_loss``'s ``w_block`` term and ``HeldOut``'s ``eval_kept_token`` / ``eval_kept_block`` against a loop over
+    chains: for the chain started at pair c, depth j's draft (pair t = c + j - 1, token t + 2) is kept with
+    probability prod_{k<j} min(1, r_k) sum_x min(p, q_j) token by token, and sum_x min(v p(x), V q_j(x)) by block
+    verification, V = prod_{k<j} r_k, v = min(1, its prefix products), r_k = q_k / p of the chain's own tokens
+    (0 outside the draft vocabulary), p normalised over the full vocabulary."""
+    from specroll.drafters.distill import HeldOut, _batch
+
+    model, head = mid
+    seqs = [torch.tensor(p + naive_greedy(model, p, n)) for p, n in zip(PROMPTS[:2], (7, 5))]
+    starts = [len(p) for p in PROMPTS[:2]]
+    hid = hidden_states(model, seqs)
+    lm = DraftVocab(model, head.vocab_ids)
+    col = {int(v): i for i, v in enumerate(head.vocab_ids)}
+    cfg = DistillConfig(w_feat=0.0, w_ce=0.0, w_block=1.0, unroll=3, unroll_decay=0.5)
+    with torch.no_grad():
+        got, info = head_loss(head, lm, model.embed, *_batch(seqs, hid, [0, 1], starts), cfg)
+        held = HeldOut(model, lm, seqs, hid, starts).evaluate(head, lm, model.embed, depth=3)
+    kept = {"token": {1: [], 2: [], 3: []}, "block": {1: [], 2: [], 3: []}}
+    for x, h, P in zip(seqs, hid, starts):
+        for c in range(P - 1, len(x) - 1):
+            V, v, tok = 1.0, 1.0, 1.0
+            for j in (1, 2, 3):
+                t = c + j - 1
+                if t > len(x) - 2:
+                    break
+                with torch.no_grad():
+                    logp = torch.log_softmax(model.logits(h[t + 1]).double(), -1)
+                    q = torch.softmax(lm(naive_chain_feature(head, model, x, h, t, j)).double(), -1)
+                pv = logp.exp()[head.vocab_ids]
+                kept["token"][j].append(tok * float(torch.minimum(pv, q).sum()))
+                kept["block"][j].append(float(torch.minimum(v * pv, V * q).sum()))
+                if t + 2 < len(x):
+                    nx = int(x[t + 2])
+                    r = float(q[col[nx]]) / float(logp[nx].exp()) if nx in col else 0.0
+                    V, tok = V * r, tok * min(1.0, r)
+                    v = min(v, V)
+    means = {k: {j: sum(d[j]) / len(d[j]) for j in d} for k, d in kept.items()}
+    assert len(kept["block"][3]) == len(kept["block"][1]) - 4  # two chain starts per sequence are too late for depth 3
+    want = ((1 - means["block"][1]) + 0.5 * (1 - means["block"][2]) + 0.25 * (1 - means["block"][3])) / 1.75
+    assert float(got) == pytest.approx(want, rel=1e-5)
+    for j in (1, 2, 3):
+        assert info[f"keep_d{j}"] == pytest.approx(means["block"][j], abs=1e-5)
+    for rule in ("token", "block"):
+        assert held[f"eval_kept_{rule}"] == pytest.approx(sum(means[rule].values()), abs=1e-5), rule
+    assert held["eval_kept_block"] > held["eval_kept_token"] + 1e-4  # the rules differ on these chains
+
+
 def test_tv_loss_alone_raises_held_out_acceptance(mid):
     """w_tv = 1 alone (no feature or CE term) trains the head toward sum min(p, q) on fixed data; the held-out
     split is scored at the end and the training split excludes it."""

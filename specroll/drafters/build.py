@@ -54,6 +54,7 @@ class DraftConfig:
     w_feat: float = 2.0  # weight of the SmoothL1 feature regression
     w_ce: float = 0.1  # weight of the soft cross-entropy against the policy's distribution
     w_tv: float = 0.0  # weight of 1 - sum min(p, q): a sampled draft's rejection probability (chains' objective)
+    w_block: float = 0.0  # weight of 1 - P(block verification keeps a sampled chain's depth-j draft) (distill.reach)
     unroll: int = 1  # chain depths trained per position (1 = teacher-forced; see distill.unrolled_features)
     buffer: int = 4  # recent rollouts whose sequences the online updates sample from
     bf16: bool | str = "auto"  # bf16 autocast for the online updates (fp32 head weights and AdamW state); auto = if fast
@@ -79,7 +80,7 @@ class DraftConfig:
         if self.lr != "auto" and not (isinstance(self.lr, (int, float)) and not isinstance(self.lr, bool)
                                       and math.isfinite(self.lr) and self.lr > 0):
             raise ValueError(f"draft.lr must be a number > 0 or auto, got {self.lr!r}")
-        for k in ("w_feat", "w_ce", "w_tv"):
+        for k in ("w_feat", "w_ce", "w_tv", "w_block"):
             v = getattr(self, k)
             if not (isinstance(v, (int, float)) and math.isfinite(v) and v >= 0):
                 raise ValueError(f"draft.{k} must be a number >= 0, got {v!r}")
@@ -92,9 +93,9 @@ class DraftConfig:
                                                      and 0 <= self.chain_stop < 1):
             raise ValueError(f"draft.chain_stop must be a number in [0, 1), got {self.chain_stop!r}")
         check_bf16_switch(self.bf16, "draft.bf16")
-        if self.w_feat == 0 and self.w_ce == 0 and self.w_tv == 0:
-            raise ValueError("draft.w_feat, draft.w_ce and draft.w_tv are all 0: the online loss would be zero; "
-                             "set one > 0")
+        if self.w_feat == 0 and self.w_ce == 0 and self.w_tv == 0 and self.w_block == 0:
+            raise ValueError("draft.w_feat, draft.w_ce, draft.w_tv and draft.w_block are all 0: the online loss would "
+                             "be zero; set one > 0")
         if self.online and not self.head:
             raise ValueError("draft.online=true needs a draft head: set draft.head=random or draft.head=DIR")
 
@@ -144,7 +145,7 @@ def make_head(dc: DraftConfig, model, prompt_ids=None, eos_ids=(), seed: int = 0
     return load_head_as(f"draft.head={dc.head}", dc.head, model)
 
 
-RECIPE = ("w_feat", "w_ce", "w_tv", "unroll")  # the loss settings online updates share with `draft train`
+RECIPE = ("w_feat", "w_ce", "w_tv", "w_block", "unroll")  # the loss settings online updates share with `draft train`
 
 
 def recipe_note(dc: DraftConfig) -> str | None:

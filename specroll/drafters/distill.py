@@ -57,6 +57,7 @@ class DistillConfig:
     w_feat: float = 2.0
     w_ce: float = 0.1
     w_tv: float = 0.0  # weight of 1 - sum_x min(p, q): one sampled draft token's rejection probability
+    w_block: float = 0.0  # weight of 1 - P(a sampled chain's depth-j draft is kept by block verification) (``reach``)
     noise: float = 0.0
     weight_decay: float = 0.0
     seed: int = 0
@@ -72,8 +73,9 @@ class DistillConfig:
     def __post_init__(self):
         if self.steps < 0 or self.batch < 1 or self.lr <= 0:
             raise ValueError(f"distill needs steps >= 0, batch >= 1, lr > 0; got {self}")
-        if min(self.w_feat, self.w_ce, self.w_tv) < 0 or self.w_feat + self.w_ce + self.w_tv == 0:
-            raise ValueError(f"distill needs loss weights w_feat, w_ce, w_tv >= 0, not all 0; got {self}")
+        w = (self.w_feat, self.w_ce, self.w_tv, self.w_block)
+        if min(w) < 0 or sum(w) == 0:
+            raise ValueError(f"distill needs loss weights w_feat, w_ce, w_tv, w_block >= 0, not all 0; got {self}")
         if not 0 <= self.eval_frac < 1 or self.eval_every < 1:
             raise ValueError(f"distill needs 0 <= eval_frac < 1 and eval_every >= 1; got {self}")
         if self.unroll < 1 or not 0 < self.unroll_decay <= 1 or self.eval_depth < 1:
@@ -229,12 +231,49 @@ def chain_scored(m: torch.Tensor, j: int) -> torch.Tensor:
     return out
 
 
+def reach(logr: list[torch.Tensor], block: bool) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """How likely a chain drawn from the head keeps its depth-j draft, written over the policy's own samples.
+
+    ``logr[j - 1]`` (B, T): log q_j(x) - log p(x) at target t, where x is the policy's sampled token there (the
+    sequence's next token), p the policy's distribution and q_j the head's at chain depth j (the chain that starts
+    at t - j + 1, ``unrolled_features``). Returns, per depth j, (log a, log b), each (B, T), such that for the chain
+    through target t
+
+        P(depth j's draft is kept) = sum_x min(a p_t(x), b q_{j,t}(x))
+
+    with rho_k = q_k / p_k of the chain's earlier tokens (k < j):
+    - token by token (``block`` False): a = b = prod_k min(1, rho_k). The chain is kept up to j with probability
+      prod_k min(q_k, p_k) summed over the draws, and sum_x q(x) f(x) = sum_x p(x) (q / p)(x) f(x);
+    - block verification (``verify.block_chain``, Sun et al.): a = min(1, min_{m < j} prod_{k <= m} rho_k),
+      b = prod_{k < j} rho_k. ``block_chain`` keeps at least j drafts with probability E_q[w_j], w_j = min(1,
+      w_{j-1} p_j / q_j); over p's draws w_j prod_k (q_k / p_k) = min(a, b rho_j).
+    Summed over j it is a step's expected number of kept drafts: differentiable in q, with no draws from the head
+    (``tests/test_block_verify.py`` checks both against exact enumeration). Targets before a chain's start hold
+    nothing meaningful; ``chain_scored`` masks them."""
+    B, T = logr[0].shape
+    zero = logr[0].new_zeros(B, T)
+
+    def shift(x):
+        return torch.cat([x.new_zeros(B, 1), x[:, :-1]], 1)
+
+    S = M = P = zero  # after depth k, at target t: sum of log rho over the chain; its running min with 0; sum of min(0, .)
+    out = []
+    for j, lr in enumerate(logr, 1):
+        S, M, P = (shift(x) if j > 1 else x for x in (S, M, P))
+        out.append((M, S) if block else (P, P))
+        S = S + lr
+        M, P = torch.minimum(M, S), P + lr.clamp(max=0)
+    return out
+
+
 def head_loss(head: DraftHead, lm: DraftVocab, embed, ids, H, scored, cfg: DistillConfig, gen=None, fuse=None):
     """Loss on a padded batch: pairs (H[:, t], ids[:, t+1]) -> H[:, t+1], averaged over the targets
     ``scored`` marks (``_batch``). Teacher-forced with ``cfg.unroll`` 1; with more, depths 2..unroll of
     ``unrolled_features`` add their losses weighted ``cfg.unroll_decay ** (j - 1)`` (normalised).
     ``fuse``: the head's depth-1 input is ``fuse(H[:, :-1])`` instead, where H's last axis holds the final hidden
-    state first and more features after it (``benchmarks/fused_features.py``); the targets stay the final state."""
+    state first and more features after it (``benchmarks/fused_features.py``); the targets stay the final state.
+    ``cfg.w_block``: each depth also adds 1 - P(block verification keeps the chain's depth-j draft) (``reach``,
+    over the sequence's own tokens, with the policy's distribution normalised over the full vocabulary)."""
     D = head.cfg.hidden_size
     x_h, x_t, target = H[:, :-1, :D] if fuse is None else fuse(H[:, :-1]), ids[:, 1:], H[:, 1:, :D]
     m1 = scored[:, 1:]
@@ -242,25 +281,35 @@ def head_loss(head: DraftHead, lm: DraftVocab, embed, ids, H, scored, cfg: Disti
         rms = x_h.pow(2).mean(-1, keepdim=True).sqrt()
         u = torch.rand(x_h.shape, generator=gen) * 2 - 1
         x_h = x_h + cfg.noise * rms * u
-    T = x_t.shape[1]
-    pos = torch.arange(1, T + 1).expand(x_t.shape[0], T)
+    B, T = x_t.shape
+    pos = torch.arange(1, T + 1).expand(B, T)
     with torch.no_grad():
         emb = embed(x_t).float()
         teacher = torch.softmax(lm(target[m1]), dim=-1)  # (N, Vd): only scored targets are ever compared
+        if cfg.w_block > 0:
+            col = _next_columns(ids, m1, lm.ids)
+            p_full, logp_x = _full_teacher(lm, target[m1], _next_tokens(ids, m1)[m1])
     feats = unrolled_features(head, x_h, emb, pos, cfg.unroll, first_scored(m1))
+    masks = [chain_scored(m1, j) for j in range(1, len(feats) + 1)]
+    logqs = [torch.log_softmax(lm(feat[mj]), dim=-1) for feat, mj in zip(feats, masks)]
+    keeps = [None] * len(feats)
+    if cfg.w_block > 0:
+        logr = _chain_logr(masks, logqs, col, logp_x, m1)
+        keeps = _keeps(reach(logr, block=True), masks, logqs, p_full, m1)
     loss, wsum, info = 0.0, 0.0, {}
-    for j, feat in enumerate(feats, 1):
-        mj = chain_scored(m1, j)
+    for j, (feat, mj, logq) in enumerate(zip(feats, masks, logqs), 1):
         p = teacher[mj[m1]]  # the teacher rows of depth j's targets (a subset of depth 1's)
         den = max(int(mj.sum()), 1)  # a batch with no scored target (empty completions) gives 0, not NaN
         f = feat[mj]
         l_feat = F.smooth_l1_loss(f, target[mj], reduction="none").mean(-1).sum() / den
-        logq = torch.log_softmax(lm(f), dim=-1)
         l_ce = -(p * logq).sum() / den
         l_j = cfg.w_feat * l_feat + cfg.w_ce * l_ce
         if cfg.w_tv > 0:
             l_tv = (1 - torch.minimum(p, logq.exp()).sum(-1)).sum() / den
             l_j = l_j + cfg.w_tv * l_tv
+        if cfg.w_block > 0:
+            l_blk = (1 - keeps[j - 1]).sum() / den
+            l_j = l_j + cfg.w_block * l_blk
         w = cfg.unroll_decay ** (j - 1)
         loss, wsum = loss + w * l_j, wsum + w
         with torch.no_grad():
@@ -271,26 +320,83 @@ def head_loss(head: DraftHead, lm: DraftVocab, embed, ids, H, scored, cfg: Disti
                 info["tv"] = float(l_tv.detach())
         else:
             info[f"top1_d{j}"] = top1
+        if cfg.w_block > 0:
+            info[f"keep_d{j}"] = float(keeps[j - 1].detach().sum() / den)
     return loss / wsum, info
+
+
+def _next_tokens(ids: torch.Tensor, m1: torch.Tensor) -> torch.Tensor:
+    """(B, T): the token target t's distribution was sampled into (ids[:, t + 2]); 0 where there is none."""
+    B, T = m1.shape
+    nxt = torch.zeros(B, T, dtype=torch.long)
+    nxt[:, : T - 1] = ids[:, 2: T + 1]
+    return nxt
+
+
+def _next_columns(ids: torch.Tensor, m1: torch.Tensor, vocab_ids: torch.Tensor) -> torch.Tensor:
+    """(B, T): the draft-vocabulary column of ``_next_tokens``; -1 where there is no next token (the target after
+    t is not scored: the sequence ends) or it lies outside the draft vocabulary (the head cannot draft it)."""
+    nxt = _next_tokens(ids, m1)
+    inv = torch.full((max(int(nxt.max()) if nxt.numel() else 0, int(vocab_ids.max())) + 1,), -1, dtype=torch.long)
+    inv[vocab_ids] = torch.arange(vocab_ids.numel())
+    has = torch.zeros_like(m1)
+    has[:, :-1] = m1[:, 1:]
+    return torch.where(has, inv[nxt], -1)
+
+
+def _chain_logr(masks, logqs, col, logp_x, m1) -> list[torch.Tensor]:
+    """``reach``'s input: per depth j, (B, T) log q_j(x) - log p(x) of the sampled next token x at depth j's
+    targets ``masks[j - 1]`` (depth j's log q rows ``logqs[j - 1]``; ``logp_x`` at the targets ``m1``), -50 (q = 0)
+    elsewhere or where ``col`` has no draftable next token; clamped to [-50, 50]."""
+    out = []
+    for mj, logq in zip(masks, logqs):
+        c = col[mj]
+        lq = torch.where(c >= 0, logq.gather(1, c.clamp(min=0)[:, None])[:, 0], logq.new_full(c.shape, -50.0))
+        vals = (lq - logp_x[mj[m1]]).clamp(-50.0, 50.0)
+        out.append(logq.new_full(m1.shape, -50.0).index_put(mj.nonzero(as_tuple=True), vals))
+    return out
+
+
+def _keeps(terms, masks, logqs, p_full, m1) -> list[torch.Tensor]:
+    """Per depth j, at its targets: sum_x min(a p(x), b q_j(x)) (``reach``'s probability that the draft is kept)."""
+    out = []
+    for (la, lb), mj, logq in zip(terms, masks, logqs):
+        a, b = la[mj].exp()[:, None], lb[mj].clamp(max=40.0).exp()[:, None]
+        out.append(torch.minimum(a * p_full[mj[m1]], b * logq.exp()).sum(-1))
+    return out
+
+
+@torch.no_grad()
+def _full_teacher(lm: DraftVocab, target: torch.Tensor, nxt: torch.Tensor, chunk: int = 512):
+    """(p over the draft vocabulary, normalised over the full one (N, Vd); log p of the tokens ``nxt`` (N,)) at the
+    hidden states ``target`` (N, D), in chunks of the full vocabulary's logits."""
+    ps, lps = [], []
+    for i in range(0, target.shape[0], chunk):
+        full = lm.full_logits(target[i: i + chunk]).float()
+        lse = torch.logsumexp(full, -1, keepdim=True)
+        ps.append((full[:, lm.ids] - lse).exp())
+        lps.append((full.gather(1, nxt[i: i + chunk, None]) - lse)[:, 0])
+    if not ps:
+        return target.new_zeros(0, lm.ids.numel()), target.new_zeros(0)
+    return torch.cat(ps), torch.cat(lps)
 
 
 class HeldOut:
     """Held-out sequences with the policy's T = 1 distribution at every position, restricted to the draft
     vocabulary but normalised over the full one (computed once). ``evaluate`` scores a head on them:
     ``accept`` = mean sum_x min(p(x), q(x)), the probability that one token sampled from the head's q is
-    kept by rejection sampling (teacher-forced, i.e. the first draft of a step); ``top1`` = argmax match.
-    With ``starts`` (prompt lengths) only completion positions are scored."""
+    kept by rejection sampling (teacher-forced, i.e. the first draft of a step); ``top1`` = argmax match;
+    ``kept_token`` / ``kept_block`` = the expected number of a chain's ``depth`` drafts kept by token-by-token /
+    block verification (``reach``: sum over depths of each depth's keep probability, over the sequences' own
+    tokens). With ``starts`` (prompt lengths) only completion positions are scored."""
 
     def __init__(self, policy: Decoder, lm: DraftVocab, seqs, hid, starts=None, chunk: int = 512):
         self.batch = _batch(seqs, hid, list(range(len(seqs))), starts)
         ids, H, valid = self.batch
-        target = H[:, 1:, :policy.cfg.hidden_size][valid[:, 1:]]  # (P, D) hidden state whose logits give p at each pair
-        ps = []
-        with torch.no_grad():
-            for i in range(0, target.shape[0], chunk):
-                full = policy.logits(target[i: i + chunk]).float()
-                ps.append((full[:, lm.ids] - torch.logsumexp(full, -1, keepdim=True)).exp())
-        self.p = torch.cat(ps) if ps else torch.zeros(0, lm.ids.numel())
+        m1 = valid[:, 1:]
+        target = H[:, 1:, :policy.cfg.hidden_size][m1]  # (P, D) hidden state whose logits give p at each pair
+        self.p, self.logp_x = _full_teacher(lm, target, _next_tokens(ids, m1)[m1], chunk)
+        self.col = _next_columns(ids, m1, lm.ids)
 
     @torch.no_grad()
     def evaluate(self, head: DraftHead, lm: DraftVocab, embed, depth: int = 1, fuse=None) -> dict:
@@ -301,15 +407,22 @@ class HeldOut:
         pos = torch.arange(1, T + 1).expand(ids.shape[0], T)
         m1 = valid[:, 1:]
         x = H[:, :-1, :head.cfg.hidden_size] if fuse is None else fuse(H[:, :-1])
+        feats = unrolled_features(head, x, embed(ids[:, 1:]).float(), pos, depth)
+        masks = [chain_scored(m1, j) for j in range(1, len(feats) + 1)]
+        logqs = [torch.log_softmax(lm(feat[mj]), dim=-1) for feat, mj in zip(feats, masks)]
         out = {}
-        for j, feat in enumerate(unrolled_features(head, x, embed(ids[:, 1:]).float(), pos, depth), 1):
-            keep = chain_scored(m1, j)[m1]  # which of the scored pairs (rows of self.p) count at depth j
-            q = torch.softmax(lm(feat[m1][keep]), dim=-1)
+        for j, (mj, logq) in enumerate(zip(masks, logqs), 1):
+            keep = mj[m1]  # which of the scored pairs (rows of self.p) count at depth j
+            q = logq.exp()
             acc = float(torch.minimum(self.p[keep], q).sum(-1).mean()) if keep.any() else float("nan")
             if j == 1:
                 out = {"eval_accept": acc, "eval_top1": float((q.argmax(-1) == self.p.argmax(-1)).float().mean())}
             else:
                 out[f"eval_accept_d{j}"] = acc
+        logr = _chain_logr(masks, logqs, self.col, self.logp_x, m1)
+        for name, block in (("token", False), ("block", True)):
+            keeps = _keeps(reach(logr, block), masks, logqs, self.p, m1)
+            out[f"eval_kept_{name}"] = sum(float(k.mean()) for k in keeps if k.numel())
         return out
 
 
@@ -589,13 +702,15 @@ def cli(args) -> int:
     prompts = _prompts(args, tok, loaded)
     eos = hub.eos_ids(tok, hub.resolve(args.model, quiet=True))
     cfg = DistillConfig(steps=args.steps, lr=args.lr, batch=args.batch, seed=args.seed, noise=args.noise,
-                        w_feat=args.w_feat, w_ce=args.w_ce, w_tv=args.w_tv, eval_frac=args.eval_frac,
-                        prompt_loss=args.prompt_loss, unroll=args.unroll, unroll_decay=args.unroll_decay,
+                        w_feat=args.w_feat, w_ce=args.w_ce, w_tv=args.w_tv, w_block=args.w_block,
+                        eval_frac=args.eval_frac, prompt_loss=args.prompt_loss, unroll=args.unroll,
+                        unroll_decay=args.unroll_decay, eval_depth=args.eval_depth,
                         bf16="auto" if args.train_bf16 is None else args.train_bf16)
 
     def log(info):
         deep = "".join(f" d{k[len('eval_accept_d'):]} {v:.3f}" for k, v in info.items() if k.startswith("eval_accept_d"))
         ev = (f"  held-out accept {info['eval_accept']:.3f}{deep} top1 {info['eval_top1']:.3f}"
+              f"  kept token {info['eval_kept_token']:.3f} block {info['eval_kept_block']:.3f}"
               if "eval_accept" in info else "")
         print(f"step {info['step']:5d}  loss {info['loss']:.4f}  feat {info['feat']:.4f}  ce {info['ce']:.3f}  "
               f"top1 {info['top1']:.3f}{ev}  {info['elapsed']:.0f}s", flush=True)

@@ -135,6 +135,7 @@ class DraftVocab(nn.Module):
             w = policy.lm_head.weight.detach()[vocab_ids].clone()
             self.lin = FastLinear(w.shape[1], w.shape[0], weight=nn.Parameter(w, requires_grad=False))
         self.ids = vocab_ids
+        self.full_logits = policy.logits  # the full vocabulary's logits (a bound method: no submodule, no parameters)
 
     def forward(self, feat: torch.Tensor) -> torch.Tensor:
         if torch.is_grad_enabled():  # training the head: gradients reach ``feat``, never the policy's weights

@@ -56,7 +56,7 @@ class OnlineLearner:
     def __init__(self, head: DraftHead, cfg: DraftConfig, seed: int = 0):
         self.head, self.cfg = head, cfg
         self.loss_cfg = DistillConfig(steps=0, lr=cfg.online_lr(), batch=cfg.batch, w_feat=cfg.w_feat, w_ce=cfg.w_ce,
-                                      w_tv=cfg.w_tv, unroll=cfg.unroll, eval_depth=cfg.unroll)
+                                      w_tv=cfg.w_tv, w_block=cfg.w_block, unroll=cfg.unroll, eval_depth=cfg.unroll)
         self.params = [p for p in head.parameters() if p.requires_grad]
         self.opt = adamw(self.params, lr=cfg.online_lr(), weight_decay=0.0)
         self.gen = torch.Generator().manual_seed(seed)
