@@ -878,7 +878,10 @@ def test_block_keep_loss_and_held_out_kept_drafts_match_a_per_chain_loop(mid):
     cfg = DistillConfig(w_feat=0.0, w_ce=0.0, w_block=1.0, unroll=3, unroll_decay=0.5)
     with torch.no_grad():
         got, info = head_loss(head, lm, model.embed, *_batch(seqs, hid, [0, 1], starts), cfg)
-        held = HeldOut(model, lm, seqs, hid, starts).evaluate(head, lm, model.embed, depth=3)
+        held_out = HeldOut(model, lm, seqs, hid, starts)
+        held = held_out.evaluate(head, lm, model.embed, depth=3)
+        one_by_one = held_out.evaluate(head, lm, model.embed, depth=3, rows=1)  # chunks of one sequence, trimmed
+    assert one_by_one == pytest.approx(held, abs=1e-6)
     kept = {"token": {1: [], 2: [], 3: []}, "block": {1: [], 2: [], 3: []}}
     for x, h, P in zip(seqs, hid, starts):
         for c in range(P - 1, len(x) - 1):

@@ -399,30 +399,45 @@ class HeldOut:
         self.col = _next_columns(ids, m1, lm.ids)
 
     @torch.no_grad()
-    def evaluate(self, head: DraftHead, lm: DraftVocab, embed, depth: int = 1, fuse=None) -> dict:
+    def evaluate(self, head: DraftHead, lm: DraftVocab, embed, depth: int = 1, fuse=None, rows: int = 32) -> dict:
         """With ``depth`` > 1 also ``eval_accept_dj``: the same score at chain depth j
-        (``unrolled_features``, over the targets ``chain_scored`` keeps). ``fuse``: as ``head_loss``'s."""
+        (``unrolled_features``, over the targets ``chain_scored`` keeps). ``fuse``: as ``head_loss``'s.
+        ``rows`` sequences at a time (the unrolled attention scores grow with rows x length^2 x depth)."""
         ids, H, valid = self.batch
-        T = ids.shape[1] - 1
-        pos = torch.arange(1, T + 1).expand(ids.shape[0], T)
-        m1 = valid[:, 1:]
-        x = H[:, :-1, :head.cfg.hidden_size] if fuse is None else fuse(H[:, :-1])
-        feats = unrolled_features(head, x, embed(ids[:, 1:]).float(), pos, depth)
-        masks = [chain_scored(m1, j) for j in range(1, len(feats) + 1)]
-        logqs = [torch.log_softmax(lm(feat[mj]), dim=-1) for feat, mj in zip(feats, masks)]
-        out = {}
-        for j, (mj, logq) in enumerate(zip(masks, logqs), 1):
-            keep = mj[m1]  # which of the scored pairs (rows of self.p) count at depth j
-            q = logq.exp()
-            acc = float(torch.minimum(self.p[keep], q).sum(-1).mean()) if keep.any() else float("nan")
-            if j == 1:
-                out = {"eval_accept": acc, "eval_top1": float((q.argmax(-1) == self.p.argmax(-1)).float().mean())}
-            else:
-                out[f"eval_accept_d{j}"] = acc
-        logr = _chain_logr(masks, logqs, self.col, self.logp_x, m1)
-        for name, block in (("token", False), ("block", True)):
-            keeps = _keeps(reach(logr, block), masks, logqs, self.p, m1)
-            out[f"eval_kept_{name}"] = sum(float(k.mean()) for k in keeps if k.numel())
+        m_all = valid[:, 1:]
+        sums = {"accept": [0.0] * depth, "n": [0] * depth, "top1": 0.0, "token": [0.0] * depth, "block": [0.0] * depth}
+        off = 0
+        for r0 in range(0, ids.shape[0], rows):
+            n_r = int(m_all[r0: r0 + rows].sum())
+            L = int(valid[r0: r0 + rows].any(0).nonzero().max()) + 1 if n_r else 0  # the chunk's longest sequence
+            if L < 2:
+                continue
+            ids_c, H_c, m1 = ids[r0: r0 + rows, :L], H[r0: r0 + rows, :L], m_all[r0: r0 + rows, : L - 1]
+            p, logp_x, col = self.p[off: off + n_r], self.logp_x[off: off + n_r], self.col[r0: r0 + rows, : L - 1]
+            off += n_r
+            T = L - 1
+            pos = torch.arange(1, T + 1).expand(ids_c.shape[0], T)
+            x = H_c[:, :-1, :head.cfg.hidden_size] if fuse is None else fuse(H_c[:, :-1])
+            feats = unrolled_features(head, x, embed(ids_c[:, 1:]).float(), pos, depth)
+            masks = [chain_scored(m1, j) for j in range(1, len(feats) + 1)]
+            logqs = [torch.log_softmax(lm(feat[mj]), dim=-1) for feat, mj in zip(feats, masks)]
+            for j, (mj, logq) in enumerate(zip(masks, logqs)):
+                sums["accept"][j] += float(torch.minimum(p[mj[m1]], logq.exp()).sum())
+                sums["n"][j] += int(mj.sum())
+            sums["top1"] += float((logqs[0].argmax(-1) == p.argmax(-1)).float().sum())
+            logr = _chain_logr(masks, logqs, col, logp_x, m1)
+            for name in ("token", "block"):
+                for j, k in enumerate(_keeps(reach(logr, name == "block"), masks, logqs, p, m1)):
+                    sums[name][j] += float(k.sum())
+
+        def mean(v, n):
+            return v / n if n else float("nan")
+
+        out = {"eval_accept": mean(sums["accept"][0], sums["n"][0]), "eval_top1": mean(sums["top1"], sums["n"][0])}
+        for j in range(1, depth):
+            out[f"eval_accept_d{j + 1}"] = mean(sums["accept"][j], sums["n"][j])
+        for name in ("token", "block"):
+            out[f"eval_kept_{name}"] = sum(sums[name][j] / sums["n"][j] for j in range(depth) if sums["n"][j])
         return out
 
 
