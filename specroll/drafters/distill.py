@@ -23,6 +23,12 @@ context, never a chain's start), and the draft-vocabulary logits only at scored 
 arithmetic prompts (~70 prompt + ~45 completion tokens) that halves an online update of 4 AdamW steps x 16
 sequences at K = 3 (BENCHMARKS.md, session 16).
 
+Block verification's objective (``DistillConfig.w_block``): a chain drawn from the head and verified jointly
+(``verify.block_chain``) keeps its depth-j draft with a probability that ``reach`` writes over the policy's own
+sampled sequences -- the training data -- so the expected number of kept drafts is a differentiable function of
+the head's distributions along the data, with no draws from the head. The held-out score reports it for both
+rules (``HeldOut``: ``eval_kept_token`` / ``eval_kept_block``), the offline estimate of a step's kept drafts.
+
 Departures: the soft targets are the policy's distribution renormalised over the head's draft
 vocabulary (the most frequent tokens of the generated data), so no full-vocabulary softmax is
 materialised; EAGLE's input-feature noise is optional (``noise``, uniform, relative to the hidden
