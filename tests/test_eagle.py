@@ -933,6 +933,27 @@ def test_tv_loss_alone_raises_held_out_acceptance(mid):
         DistillConfig(eval_frac=1.0)
 
 
+def test_block_loss_alone_raises_the_held_out_kept_drafts(mid):
+    """w_block = 1 alone (two trained depths) trains a fresh head toward block verification's expected kept drafts:
+    the per-depth keep probabilities on the training batches rise, and so do the held-out kept drafts."""
+    model, _ = mid
+    seqs = [torch.tensor(p + naive_greedy(model, p, 12)) for p in PROMPTS] * 4
+    hid = hidden_states(model, seqs)
+    head = head_for(model, seed=2)
+    cfg = DistillConfig(steps=40, lr=3e-3, batch=4, w_feat=0.0, w_ce=0.0, w_block=1.0, unroll=2, eval_frac=0.25,
+                        eval_every=1)
+    hist = train_head(head, model, seqs, hid, cfg)
+    for key in ("keep_d1", "keep_d2"):
+        first = sum(h[key] for h in hist[:5]) / 5
+        last = sum(h[key] for h in hist[-5:]) / 5
+        assert last > first + 0.1, (key, first, last)
+    kept = [h["eval_kept_block"] for h in hist]
+    assert kept[-1] > kept[0] + 0.2, kept
+    assert all(h["eval_kept_block"] >= h["eval_kept_token"] - 1e-6 for h in hist)
+    with pytest.raises(ValueError, match="w_block"):
+        DistillConfig(w_block=-1.0)
+
+
 def test_held_out_by_prompt_key_is_the_same_in_every_run_and_cache(mid, monkeypatch):
     """``held_out_by_key``: about ``frac`` of the prompts, all completions of a held-out prompt together, and
     the same prompts whatever else is in the data (a head continued on more data is not scored on prompts

@@ -99,8 +99,9 @@ def test_misaligned_pairs_are_dropped_not_trained_on(mid):
 
 # --- the learner ---------------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("loss", [{}, {"w_feat": 0.5, "w_ce": 0.5, "w_tv": 1.0, "unroll": 2}],
-                         ids=["fastgrpo", "chain-objective"])
+@pytest.mark.parametrize("loss", [{}, {"w_feat": 0.5, "w_ce": 0.5, "w_tv": 1.0, "unroll": 2},
+                                  {"w_feat": 0.5, "w_ce": 0.5, "w_block": 1.0, "unroll": 2}],
+                         ids=["fastgrpo", "chain-objective", "block-objective"])
 def test_learner_lowers_its_loss_on_fixed_data(mid, loss):
     """With FastGRPO's loss (the default) and with a sampled chain's objective (rejection probability, two
     unrolled depths: the recipe of a head distilled for chains), the loss the learner reports falls."""
@@ -108,8 +109,8 @@ def test_learner_lowers_its_loss_on_fixed_data(mid, loss):
     fresh = head_for(model, head.vocab_ids, seed=5)
     d = OnlineDrafter(fresh, online_cfg(update_steps=8, batch=6, **loss), plan=Plan(6, 2, 3))
     lc = d.learner.loss_cfg
-    assert (lc.w_feat, lc.w_ce, lc.w_tv, lc.unroll) == (loss.get("w_feat", 2.0), loss.get("w_ce", 0.1),
-                                                         loss.get("w_tv", 0.0), loss.get("unroll", 1))
+    assert (lc.w_feat, lc.w_ce, lc.w_tv, lc.w_block, lc.unroll) == (
+        loss.get("w_feat", 2.0), loss.get("w_ce", 0.1), loss.get("w_tv", 0.0), loss.get("w_block", 0.0), loss.get("unroll", 1))
     outs = Engine(model, eos_ids=[EOS]).generate(PROMPTS, SamplingParams(temperature=1.0, max_new_tokens=16, seed=2),
                                                 n=2, drafter=d)
     d.learner.finish(outs)
