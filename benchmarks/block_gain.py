@@ -27,8 +27,7 @@ def expected_accepts(tree, logits, params) -> tuple[torch.Tensor, torch.Tensor]:
     L = tree.tokens.shape[1] - 1
     logp, _, _, _, h = Vf.block_terms(tree, logits, params)
     B = tree.tokens.shape[0]
-    inv = torch.full((logits.shape[-1],), -1, dtype=torch.long)
-    inv[tree.q_vocab] = torch.arange(tree.q_vocab.numel())
+    inv = Vf.vocab_columns(tree.q_vocab, logits.shape[-1])
     x, bi, j = tree.tokens[:, 1:], torch.arange(B)[:, None], torch.arange(L)[None]
     ratio = (logp[bi, j, x] - tree.q_logp.float()[bi, j, inv[x]]).clamp(max=0).exp()  # min(1, p / q)
     token = ratio.cumprod(1).sum(1)

@@ -878,6 +878,7 @@ def test_block_keep_loss_and_held_out_kept_drafts_match_a_per_chain_loop(mid):
     cfg = DistillConfig(w_feat=0.0, w_ce=0.0, w_block=1.0, unroll=3, unroll_decay=0.5)
     with torch.no_grad():
         got, info = head_loss(head, lm, model.embed, *_batch(seqs, hid, [0, 1], starts), cfg)
+        _, plain = head_loss(head, lm, model.embed, *_batch(seqs, hid, [0, 1], starts), DistillConfig(unroll=3))
         held_out = HeldOut(model, lm, seqs, hid, starts)
         held = held_out.evaluate(head, lm, model.embed, depth=3)
         one_by_one = held_out.evaluate(head, lm, model.embed, depth=3, rows=1)  # chunks of one sequence, trimmed
@@ -907,6 +908,7 @@ def test_block_keep_loss_and_held_out_kept_drafts_match_a_per_chain_loop(mid):
     assert float(got) == pytest.approx(want, rel=1e-5)
     for j in (1, 2, 3):
         assert info[f"keep_d{j}"] == pytest.approx(means["block"][j], abs=1e-5)
+    assert info["ce"] == pytest.approx(plain["ce"], rel=1e-5)  # the teacher, renormalised from the full p, is the same
     for rule in ("token", "block"):
         assert held[f"eval_kept_{rule}"] == pytest.approx(sum(means[rule].values()), abs=1e-5), rule
     assert held["eval_kept_block"] > held["eval_kept_token"] + 1e-4  # the rules differ on these chains

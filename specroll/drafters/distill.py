@@ -53,6 +53,7 @@ from ..engine.sampling import SamplingParams
 from ..models.decoder import Decoder
 from .eagle import DraftHead, DraftVocab, head_for, load_head_as, save_head
 from .reuse import prompt_key
+from .verify import vocab_columns
 
 
 @dataclass
@@ -291,10 +292,13 @@ def head_loss(head: DraftHead, lm: DraftVocab, embed, ids, H, scored, cfg: Disti
     pos = torch.arange(1, T + 1).expand(B, T)
     with torch.no_grad():
         emb = embed(x_t).float()
-        teacher = torch.softmax(lm(target[m1]), dim=-1)  # (N, Vd): only scored targets are ever compared
-        if cfg.w_block > 0:
-            col = _next_columns(ids, m1, lm.ids)
-            p_full, logp_x = _full_teacher(lm, target[m1], _next_tokens(ids, m1)[m1])
+        if cfg.w_block > 0:  # the full vocabulary's p; the draft-vocabulary teacher is it renormalised
+            nxt = _next_tokens(ids, m1)
+            col = _next_columns(nxt, m1, lm)
+            p_full, logp_x = _full_teacher(lm, target[m1], nxt[m1])
+            teacher = p_full / p_full.sum(-1, keepdim=True)
+        else:
+            teacher = torch.softmax(lm(target[m1]), dim=-1)  # (N, Vd): only scored targets are ever compared
     feats = unrolled_features(head, x_h, emb, pos, cfg.unroll, first_scored(m1))
     masks = [chain_scored(m1, j) for j in range(1, len(feats) + 1)]
     logqs = [torch.log_softmax(lm(feat[mj]), dim=-1) for feat, mj in zip(feats, masks)]
@@ -339,15 +343,13 @@ def _next_tokens(ids: torch.Tensor, m1: torch.Tensor) -> torch.Tensor:
     return nxt
 
 
-def _next_columns(ids: torch.Tensor, m1: torch.Tensor, vocab_ids: torch.Tensor) -> torch.Tensor:
-    """(B, T): the draft-vocabulary column of ``_next_tokens``; -1 where there is no next token (the target after
-    t is not scored: the sequence ends) or it lies outside the draft vocabulary (the head cannot draft it)."""
-    nxt = _next_tokens(ids, m1)
-    inv = torch.full((max(int(nxt.max()) if nxt.numel() else 0, int(vocab_ids.max())) + 1,), -1, dtype=torch.long)
-    inv[vocab_ids] = torch.arange(vocab_ids.numel())
+def _next_columns(nxt: torch.Tensor, m1: torch.Tensor, lm: DraftVocab) -> torch.Tensor:
+    """(B, T): the draft-vocabulary column of the next tokens ``nxt`` (``_next_tokens``); -1 where there is no next
+    token (the target after t is not scored: the sequence ends) or it lies outside the draft vocabulary (the head
+    cannot draft it)."""
     has = torch.zeros_like(m1)
     has[:, :-1] = m1[:, 1:]
-    return torch.where(has, inv[nxt], -1)
+    return torch.where(has, vocab_columns(lm.ids, lm.vocab_size)[nxt], -1)
 
 
 def _chain_logr(masks, logqs, col, logp_x, m1) -> list[torch.Tensor]:
@@ -401,8 +403,9 @@ class HeldOut:
         ids, H, valid = self.batch
         m1 = valid[:, 1:]
         target = H[:, 1:, :policy.cfg.hidden_size][m1]  # (P, D) hidden state whose logits give p at each pair
-        self.p, self.logp_x = _full_teacher(lm, target, _next_tokens(ids, m1)[m1], chunk)
-        self.col = _next_columns(ids, m1, lm.ids)
+        nxt = _next_tokens(ids, m1)
+        self.p, self.logp_x = _full_teacher(lm, target, nxt[m1], chunk)
+        self.col = _next_columns(nxt, m1, lm)
 
     @torch.no_grad()
     def evaluate(self, head: DraftHead, lm: DraftVocab, embed, depth: int = 1, fuse=None, rows: int = 32) -> dict:

@@ -136,6 +136,7 @@ class DraftVocab(nn.Module):
             self.lin = FastLinear(w.shape[1], w.shape[0], weight=nn.Parameter(w, requires_grad=False))
         self.ids = vocab_ids
         self.full_logits = policy.logits  # the full vocabulary's logits (a bound method: no submodule, no parameters)
+        self.vocab_size = policy.cfg.vocab_size
 
     def forward(self, feat: torch.Tensor) -> torch.Tensor:
         if torch.is_grad_enabled():  # training the head: gradients reach ``feat``, never the policy's weights

@@ -44,6 +44,13 @@ class Verdict:
     sample_lp: torch.Tensor  # (B, A) log-prob under the distribution actually sampled
 
 
+def vocab_columns(vocab_ids: torch.Tensor, size: int) -> torch.Tensor:
+    """(size,) token id -> its column in a draft vocabulary ``vocab_ids`` (-1 for tokens outside it)."""
+    inv = torch.full((size,), -1, dtype=torch.long)
+    inv[vocab_ids] = torch.arange(vocab_ids.numel())
+    return inv
+
+
 def match_walk(tokens: torch.Tensor, parents: torch.Tensor, valid: torch.Tensor, samples: torch.Tensor,
                depth: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Walk from the root, accepting a child iff its token equals the sample at its parent.
@@ -124,8 +131,7 @@ def rejection_chain(tree, logits: torch.Tensor, params: SamplingParams, gen: tor
         def lp_row(nodes):
             return scaled[ar, nodes] - lse[ar, nodes, None]
     lp_x = lp_at(bi, torch.arange(L)[None], x)  # (B, L) policy log p of each draft at its parent
-    inv = torch.full((logits.shape[-1],), -1, dtype=torch.long)  # token id -> column of q_logp
-    inv[tree.q_vocab] = torch.arange(tree.q_vocab.numel())
+    inv = vocab_columns(tree.q_vocab, logits.shape[-1])  # token id -> column of q_logp
     lq_x = tree.q_logp[bi, torch.arange(L)[None], inv[x]]  # (B, L) log q of each draft (drawn from q: > 0)
     u = torch.rand(B, L, generator=gen)
     ok = (torch.log(u) < lp_x - lq_x) & tree.valid[:, 1:]
@@ -220,8 +226,7 @@ def block_terms(tree, logits: torch.Tensor, params: SamplingParams):
     p = logp.exp()
     q = torch.zeros_like(p[:, :L])  # the head's distribution over the full vocabulary (0 outside its own)
     q[:, :, tree.q_vocab] = tree.q_logp.float().exp()
-    inv = torch.full((logits.shape[-1],), -1, dtype=torch.long)  # token id -> column of q_logp
-    inv[tree.q_vocab] = torch.arange(tree.q_vocab.numel())
+    inv = vocab_columns(tree.q_vocab, logits.shape[-1])  # token id -> column of q_logp
     step = logp[bi, torch.arange(L)[None], x] - tree.q_logp.float()[bi, torch.arange(L)[None], inv[x]]  # (B, L)
     lw = [torch.zeros(B)]  # log w_i, i = 0..L
     for i in range(L):
