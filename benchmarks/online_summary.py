@@ -10,7 +10,7 @@ import json
 import statistics
 import sys
 
-from specroll.bench.online import summarize
+from specroll.bench.online import conditions, summarize
 
 
 def summary(path: str) -> dict:
@@ -19,7 +19,9 @@ def summary(path: str) -> dict:
     acc = {m: [r["accept_length"] for r in rs] for m, rs in cur.items()}
     out = {"file": path, "design": d["args"].get("design", "separate"), "seed": d["args"]["seed"],
            "draft_lr": d["config"]["online"]["draft"]["lr"], "steps": len(acc["online"])}
-    for m, s in summarize(d["rows"]).items():
+    summ = summarize(d["rows"])
+    out["conditions"] = conditions(summ)
+    for m, s in summ.items():
         out[m] = {"start": s["accept_length_start"], "min": s["accept_length_min"], "end": s["accept_length_end"],
                   "rollout_s": statistics.mean(r["rollout_s"] for r in cur[m][1:])}
         if "probe_accept_length_start" in s:
@@ -41,3 +43,6 @@ if __name__ == "__main__":
             if "probe" in v:
                 print(f"  {m} on the probe prompts {v['probe'][0]:.2f} -> {v['probe'][2]:.2f} (min {v['probe'][1]:.2f})")
         print("  online - frozen by 10 steps: " + " / ".join(f"{x:+.2f}" for x in s["diff"]))
+        c = s["conditions"]
+        print(f"  issue 6: never below its start {c['never_below_start']}, ends >= {c['end_target']:g} "
+              f"{c['ends_at_target']}, frozen ends lower {c['frozen_ends_lower']}: all {c['all']}")

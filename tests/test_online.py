@@ -466,7 +466,14 @@ def test_cli_bench_online_writes_both_curves(tmp_path, monkeypatch, capsys, desi
     png = out.parent / "online_accept_length_vs_step.png"
     assert res["figure"] == str(png) and png.read_bytes()[:4] == b"\x89PNG"
     assert (out.parent / "accept_length_vs_step.png").read_bytes() == png.read_bytes()
-    assert "online: accept length" in capsys.readouterr().out
+    printed = capsys.readouterr().out
+    assert "online: accept length" in printed and "issue 6's conditions" in printed
+    c = res["conditions"]  # recomputed from the rows the file holds
+    on, fr = res["summary"]["online"], res["summary"]["frozen"]
+    assert c["never_below_start"] == (min(r["accept_length"] for r in rows if r["mode"] == "online")
+                                      >= rows[0]["accept_length"])
+    assert c["frozen_ends_lower"] == (fr["accept_length_end"] <= on["accept_length_end"] - c["level"])
+    assert c["all"] == (c["never_below_start"] and c["ends_at_target"] and c["frozen_ends_lower"])
     assert main(["bench", "online", "--model", "tiny-llama", "--draft", str(tmp_path / "none"), "--out",
                  str(out)]) == 2
     assert "no such directory" in capsys.readouterr().err
@@ -619,3 +626,25 @@ def test_bench_online_offers_every_config_plan():
         assert build_parser().parse_args(["bench", "online", "--plan", plan]).plan == plan
     with pytest.raises(SystemExit):
         build_parser().parse_args(["bench", "online", "--plan", "fastest"])
+
+
+def _rows(online, frozen):
+    return [{"mode": m, "step": i + 1, "accept_length": a, "rollout_s": 1.0, "rollout_cpu_s": 1.0,
+             "draft_update_s": 0.0, "reward_mean": 0.0} for m, acc in (("online", online), ("frozen", frozen))
+            for i, a in enumerate(acc)]
+
+
+@pytest.mark.parametrize("online, frozen, expected", [
+    ([2.7, 2.8, 3.0, 3.1, 3.2], [2.7, 2.8, 2.9, 2.8, 2.9], (True, True, True)),  # all three
+    ([2.7, 2.69, 3.0, 3.1, 3.2], [2.7, 2.69, 2.9, 2.8, 2.9], (False, True, True)),  # 0.01 below the start
+    ([2.7, 2.8, 2.9, 3.0, 3.0], [2.7, 2.8, 2.7, 2.7, 2.7], (True, False, True)),  # ends at 2.97 < 3.0
+    ([2.7, 2.8, 3.3, 3.3, 3.3], [2.7, 2.8, 3.26, 3.26, 3.26], (True, True, False)),  # level: 0.04 apart
+    ([2.7, 2.8, 3.3, 3.3, 3.3], [2.7, 2.8, 3.5, 3.5, 3.5], (True, True, False)),  # frozen ends higher
+])
+def test_issue_conditions_name_each_miss(online, frozen, expected):
+    from specroll.bench.online import conditions, summarize
+
+    c = conditions(summarize(_rows(online, frozen)))
+    assert (c["never_below_start"], c["ends_at_target"], c["frozen_ends_lower"]) == expected
+    assert c["all"] == all(expected)
+    assert conditions(summarize(_rows(online, []))) is None  # one head: nothing to compare
