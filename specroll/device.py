@@ -10,7 +10,7 @@ bf16 arithmetic pays only where the CPU multiplies bf16 faster than fp32:
 - on an AVX-512 BF16 AMD EPYC of family 26 (Zen 5, no AMX) bf16 ran 842 GFLOP/s against 199 in fp32 at
   (512, 576) x (576, 3,072) (2026-11-25, 2 cores): AVX-512 BF16 alone can be the lever too.
 So ``fast_bf16`` asks AMX, and on a CPU with AVX-512 BF16 but no AMX it times one bf16 and one fp32
-matmul (``bf16_matmul_speedup``, a few ms, once per process) instead of guessing from the model name.
+matmul (``bf16_matmul_speedup``, well under a second, once per process) instead of guessing from the model name.
 ``SPECROLL_FAST_BF16=1`` / ``0`` overrides the answer. Every dtype option of specroll accepts ``auto``:
 bf16 where bf16 is fast, fp32 elsewhere; an explicit ``bfloat16`` elsewhere streams bf16 weights through
 fp32 arithmetic (``Engine.bf16_weights``). Config files keep the word ``auto``, so a run resumed on
@@ -51,23 +51,29 @@ def fast_bf16() -> bool:
     return bf16_matmul_speedup() >= FAST_BF16_SPEEDUP
 
 
-def bf16_matmul_speedup(rows: int = 256, repeats: int = 5) -> float:
+def bf16_matmul_speedup(rows: int = 256, repeats: int = 25) -> float:
     """fp32 time / bf16 time of one (rows, 576) x (576, 1,536) matmul (SmolLM2's MLP width halved), best of
-    ``repeats`` each after a warm-up: ~4x on a Zen 5 EPYC, ~0.5x on an AVX-512 BF16 Xeon without AMX."""
+    ``repeats`` each after a warm-up: ~4x on a Zen 5 EPYC, ~2.2x on a Zen 4 one, ~0.5x on an AVX-512 BF16 Xeon
+    without AMX; well under a second in all. The two dtypes alternate, so a burst of load from another process slows both
+    sides rather than one. Timed one after the other (5 fp32 runs, then 5 bf16), a probe that ran beside another
+    job on both cores read a Zen 4 EPYC as slow in bf16 and sent that process down the fp32-arithmetic path; beside
+    the same job, 30 probes each read it below ``FAST_BF16_SPEEDUP`` 8 times that way, twice alternating 9 runs
+    each and never alternating 25 (BENCHMARKS.md, session 45)."""
     import time
 
     g = torch.Generator().manual_seed(0)
-    best = {}
+    mats = {}
     for dt in (torch.float32, torch.bfloat16):
         a = torch.randn(rows, 576, generator=g).to(dt)
         w = torch.randn(576, 1536, generator=g).to(dt)
-        torch.mm(a, w)
-        times = []
-        for _ in range(repeats):
+        torch.mm(a, w)  # warm-up (oneDNN's first call packs and dispatches)
+        mats[dt] = (a, w)
+    best = {dt: float("inf") for dt in mats}
+    for _ in range(repeats):
+        for dt, (a, w) in mats.items():
             t = time.perf_counter()
             torch.mm(a, w)
-            times.append(time.perf_counter() - t)
-        best[dt] = min(times)
+            best[dt] = min(best[dt], time.perf_counter() - t)
     return best[torch.float32] / max(best[torch.bfloat16], 1e-9)
 
 
