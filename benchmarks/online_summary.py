@@ -10,7 +10,7 @@ import json
 import statistics
 import sys
 
-from specroll.bench.online import conditions, summarize
+from specroll.bench.online import conditions, conditions_line, summarize
 
 
 def summary(path: str) -> dict:
@@ -43,6 +43,4 @@ if __name__ == "__main__":
             if "probe" in v:
                 print(f"  {m} on the probe prompts {v['probe'][0]:.2f} -> {v['probe'][2]:.2f} (min {v['probe'][1]:.2f})")
         print("  online - frozen by 10 steps: " + " / ".join(f"{x:+.2f}" for x in s["diff"]))
-        c = s["conditions"]
-        print(f"  issue 6: never below its start {c['never_below_start']}, ends >= {c['end_target']:g} "
-              f"{c['ends_at_target']}, frozen ends lower {c['frozen_ends_lower']}: all {c['all']}")
+        print("  " + conditions_line(s["conditions"]))

@@ -642,9 +642,11 @@ def _rows(online, frozen):
     ([2.7, 2.8, 3.3, 3.3, 3.3], [2.7, 2.8, 3.5, 3.5, 3.5], (True, True, False)),  # frozen ends higher
 ])
 def test_issue_conditions_name_each_miss(online, frozen, expected):
-    from specroll.bench.online import conditions, summarize
+    from specroll.bench.online import conditions, conditions_line, summarize
 
     c = conditions(summarize(_rows(online, frozen)))
     assert (c["never_below_start"], c["ends_at_target"], c["frozen_ends_lower"]) == expected
     assert c["all"] == all(expected)
+    line = conditions_line(c)
+    assert line.endswith("not all met") != all(expected) and line.count(" no,") + line.count(" no:") == expected.count(False)
     assert conditions(summarize(_rows(online, []))) is None  # one head: nothing to compare

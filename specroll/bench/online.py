@@ -228,6 +228,14 @@ def conditions(summary: dict, end_target: float = END_TARGET, level: float = LEV
     return out
 
 
+def conditions_line(c: dict) -> str:
+    """``conditions``' answer as one line, for the bench's output and ``benchmarks/online_summary.py``."""
+    yn = {True: "yes", False: "no"}
+    return (f"issue 6's conditions: never below its start {yn[c['never_below_start']]}, ends >= {c['end_target']:g} "
+            f"{yn[c['ends_at_target']]}, frozen head ends lower (by >= {c['level']:g}) {yn[c['frozen_ends_lower']]}: "
+            f"{'all met' if c['all'] else 'not all met'}")
+
+
 def plot(rows: list[dict], png: str | Path, design: str = "paired", latest: str | Path | None = None) -> Path:
     import matplotlib
 
@@ -299,10 +307,7 @@ def cli(args) -> int:
               f"draft update {s['draft_update_s_mean']:.2f}s/step"
               + (f"; on the probe prompts {s['probe_accept_length_start']:.2f} -> {s['probe_accept_length_end']:.2f} "
                  f"(min {s['probe_accept_length_min']:.2f})" if "probe_accept_length_start" in s else ""))
-    c = res["conditions"]
-    if c is not None:
-        print(f"issue 6's conditions: never below its start {'yes' if c['never_below_start'] else 'no'}, "
-              f"ends >= {c['end_target']:g} {'yes' if c['ends_at_target'] else 'no'}, frozen head ends lower "
-              f"{'yes' if c['frozen_ends_lower'] else 'no'}: {'all met' if c['all'] else 'not all met'}")
+    if res["conditions"] is not None:
+        print(conditions_line(res["conditions"]))
     print(f"wrote {args.out}, {png} and {latest}")
     return 0
