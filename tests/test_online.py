@@ -597,57 +597,6 @@ def test_online_lr_warmup_ramps_then_holds(mid):
         load_config(overrides=["draft.warmup=-1"])
 
 
-def test_calibration_steps_move_no_weight_and_shrink_the_first_real_step(mid):
-    """``draft.calibrate``: a fresh optimizer first takes that many AdamW steps at lr 0, which leave every weight
-    bitwise as it was and are not counted as updates, and only once (a later update, or a learner whose AdamW
-    state was loaded, takes none). The first real step then divides by a second moment averaged over those
-    batches: without calibration Adam's first step moves every weight with a gradient by the lr exactly
-    (|m / sqrt(v)| = 1), with it the typical move is below the lr."""
-    model, head = mid
-    lr = 1e-3
-    outs = Engine(model, eos_ids=[EOS]).generate(PROMPTS, SamplingParams(temperature=1.0, max_new_tokens=16, seed=4), n=2,
-                                                drafter=OnlineDrafter(clone_head(model, head), online_cfg(), plan=Plan(4, 1, 3)))
-    moves = {}
-    for cal in (0, 8):
-        d = OnlineDrafter(clone_head(model, head), online_cfg(lr=lr, calibrate=cal, update_steps=1, batch=4, buffer=8),
-                          plan=Plan(4, 1, 3))
-        learner = d.learner
-        learner.on_pairs = None
-        # the pairs of ``outs`` were reported to another drafter: rebuild them from a cache-free pass
-        for ro in outs:
-            seq = torch.cat([ro.prompt_ids, ro.completion_ids]).long()
-            learner.buffer.append([(seq[:-1], reference_hidden(model, seq[:-1]), len(ro.prompt_ids))])
-        before = [p.detach().clone() for p in learner.params]
-        lrs = []
-        step = learner.opt.step
-
-        def spy(*a, _lrs=lrs, _step=step, _opt=learner.opt, _before=before, _params=learner.params, **k):
-            _lrs.append(_opt.param_groups[0]["lr"])
-            out = _step(*a, **k)
-            if _lrs[-1] == 0.0:
-                assert all(torch.equal(b, p.detach()) for b, p in zip(_before, _params))
-            return out
-
-        learner.opt.step = spy
-        learner.update(model)
-        assert lrs == [0.0] * cal + [lr] and learner.updates == 1
-        delta = torch.cat([(p.detach() - b).abs().flatten() for p, b in zip(learner.params, before)])
-        moves[cal] = delta[delta > 0]
-        learner.update(model)  # calibrates only once
-        assert lrs == [0.0] * cal + [lr, lr] and learner.updates == 2
-        if cal:
-            resumed = OnlineLearner(clone_head(model, head), online_cfg(lr=lr, calibrate=cal, update_steps=1, batch=4, buffer=8))
-            resumed.load_state_dict(learner.state_dict())
-            resumed.buffer.extend(learner.buffer)
-            n = int(next(iter(learner.opt.state.values()))["step"])
-            resumed.update(model)
-            assert int(next(iter(resumed.opt.state.values()))["step"]) == n + 1 and resumed.updates == 3
-    assert moves[0].median() == pytest.approx(lr, rel=1e-3)  # a sign step
-    assert moves[8].median() < 0.85 * lr  # (8 sequences, so the batches overlap and the gradients agree a lot)
-    with pytest.raises(ValueError, match="draft.calibrate must be an integer >= 0"):
-        load_config(overrides=["draft.calibrate=-1"])
-
-
 def test_a_distilled_head_waits_for_a_full_buffer_before_its_first_update(mid):
     """update_after=auto: a distilled head (it starts at its optimum) is first updated once ``buffer``
     rollouts are in; a random head after its first rollout; an explicit count wins; bad values are errors."""

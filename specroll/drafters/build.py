@@ -48,7 +48,6 @@ class DraftConfig:
     lr: float | str = "auto"  # AdamW lr of the online updates; auto = 3e-4 for a random head, 1e-4 for a distilled one
     update_steps: int = 4  # AdamW steps per online update
     warmup: int = 0  # AdamW steps over which the online lr ramps up linearly (the k-th step of the run uses lr * k / warmup; 0 = none)
-    calibrate: int = 0  # AdamW steps at lr 0 before the first online update: the moments are estimated, no weight moves
     update_every: int = 1  # rollouts between online updates
     update_after: int | str = "auto"  # rollouts collected before the first online update; auto = buffer for a distilled head, 1 for a random one
     batch: int = 16  # sequences per AdamW step
@@ -67,8 +66,7 @@ class DraftConfig:
         if self.plan not in PLANS:
             raise ValueError(f"draft.plan must be one of {list(PLANS)}, got {self.plan!r}")
         ints = {"vocab": 0, "n_verify": 1, "k": 0, "depth": 0, "update_steps": 1, "update_every": 1, "batch": 1,
-                "buffer": 1, "unroll": 1, "warmup": 0,
-                "calibrate": 0}
+                "buffer": 1, "unroll": 1, "warmup": 0}
         for k, lo in ints.items():
             v = getattr(self, k)
             if isinstance(v, bool) or not isinstance(v, int) or v < lo:

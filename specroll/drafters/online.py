@@ -156,12 +156,7 @@ class OnlineLearner:
         lm = DraftVocab(policy, self.head.vocab_ids)  # frozen: no gradient reaches the policy
         self.head.train()
         losses, top1, tv = [], [], []
-        # a fresh optimizer first takes ``draft.calibrate`` steps at lr 0 (no weight moves; AdamW's decoupled decay
-        # is lr-scaled too), so that the first real step divides by a second moment averaged over that many batches
-        # rather than one batch's squared gradient, which makes it about lr in every weight whatever the gradient
-        calibrate = self.cfg.calibrate if not self.opt.state else 0
-        for i in range(calibrate + self.cfg.update_steps):
-            real = i >= calibrate
+        for _ in range(self.cfg.update_steps):
             self.opt.zero_grad(set_to_none=True)
             if pool:
                 idx = torch.randperm(len(pool), generator=self.gen)[: self.cfg.batch].tolist()
@@ -174,10 +169,8 @@ class OnlineLearner:
                 break  # no rank had pairs
             torch.nn.utils.clip_grad_norm_(self.params, 1.0)
             for g in self.opt.param_groups:  # the first AdamW steps move every weight by ~lr whatever the gradient
-                g["lr"] = self.lr_at(self.updates) if real else 0.0
+                g["lr"] = self.lr_at(self.updates)
             self.opt.step()
-            if not real:
-                continue
             self.updates += 1
             if not pool:
                 continue
