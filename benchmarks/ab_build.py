@@ -41,8 +41,8 @@ def build(rev: str, root: Path):
             (src / h.name).write_text(r.stdout)
     (root / "build").mkdir()
     return load(f"ab_{rev.replace('/', '_').replace('~', '_').replace('^', '_')}", [str(src / n) for n in SOURCES],
-                build_directory=str(root / "build"), extra_cflags=kernels.CFLAGS,
-                extra_ldflags=kernels.LDFLAGS, verbose=False)
+                build_directory=str(root / "build"), extra_cflags=list(kernels.CFLAGS),
+                extra_ldflags=list(kernels.LDFLAGS), verbose=False)
 
 
 def main() -> None:

@@ -35,7 +35,7 @@ for h in kernels.HEADERS:  # revisions before kernels.h have no headers
 bd = tmp / "build"
 bd.mkdir()
 old = load(f"ab_pack_{rev.replace('/', '_').replace('~', '_').replace('^', '_')}", [str(src / p.name) for p in kernels.SRCS], build_directory=str(bd),
-           extra_cflags=kernels.CFLAGS, extra_ldflags=kernels.LDFLAGS)
+           extra_cflags=list(kernels.CFLAGS), extra_ldflags=list(kernels.LDFLAGS))
 new = kernels.skinny()
 shapes = [(576, 960), (576, 576), (576, 3072), (1536, 576)] * 30 + [(576, 49152)]
 raw = [torch.randn(N, K) * 0.02 for K, N in shapes]

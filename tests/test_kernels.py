@@ -1,5 +1,11 @@
 """The hand-written skinny GEMM (specroll/kernels/skinny.cpp) against F.linear, and FastLinear's dispatch."""
 
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -786,3 +792,97 @@ def test_frozen_weights_checks_the_fused_weight_list_once():
             with decoder.bf16_weights(True):  # another panel layout: its own list, not the trusted one
                 other = model._fused_weights(x, cache)
                 assert other is not again and other[1].dtype == torch.bfloat16 and again[1].dtype == torch.float32
+
+
+def _copy_sources(root, edit=None):
+    """A copy of the kernel sources and headers under ``root`` (optionally one file edited), as a second checkout."""
+    root.mkdir(parents=True)
+    srcs, hdrs = [], []
+    for p in kernels.SRCS + kernels.HEADERS:
+        q = root / p.name
+        q.write_bytes(p.read_bytes() + (b"\n// edited\n" if p.name == edit else b""))
+        (srcs if p in kernels.SRCS else hdrs).append(q)
+    return srcs, hdrs
+
+
+def _build_key_of(monkeypatch, srcs, hdrs, cflags=kernels.CFLAGS):
+    monkeypatch.setattr(kernels, "SRCS", srcs)
+    monkeypatch.setattr(kernels, "HEADERS", hdrs)
+    monkeypatch.setattr(kernels, "CFLAGS", cflags)
+    kernels.build_key.cache_clear()
+    try:
+        return kernels.build_key()
+    finally:
+        kernels.build_key.cache_clear()
+
+
+def test_build_key_names_the_bytes_and_flags_not_the_place(tmp_path, monkeypatch):
+    srcs0, hdrs0, cflags0 = kernels.SRCS, kernels.HEADERS, kernels.CFLAGS
+    here = _build_key_of(monkeypatch, srcs0, hdrs0)
+    a = _build_key_of(monkeypatch, *_copy_sources(tmp_path / "a"))
+    srcs, hdrs = _copy_sources(tmp_path / "b")
+    for p in srcs + hdrs:
+        os.utime(p, (1e9, 1e9))  # other file times, as another clone has
+    assert here == a == _build_key_of(monkeypatch, srcs, hdrs)
+    assert _build_key_of(monkeypatch, *_copy_sources(tmp_path / "c", edit="draft.cpp")) != here
+    assert _build_key_of(monkeypatch, *_copy_sources(tmp_path / "d", edit="kernels.h")) != here
+    assert _build_key_of(monkeypatch, srcs0, hdrs0, cflags0 + ["-DX"]) != here
+    assert _build_key_of(monkeypatch, srcs0, hdrs0, cflags0) == here
+
+
+@needs_kernel
+def test_loading_leaves_the_flags_and_so_the_build_key_as_they_were():
+    """torch's ``load`` appends its own linker flags to the list it is given: a key computed after a load (a
+    cleared cache, another caller) must still name the directory the build is in."""
+    assert kernels.LDFLAGS == ["-fopenmp"]
+    kernels.build_key.cache_clear()
+    assert kernels.build_key() == kernels._build_dir().name
+
+
+def test_build_dir_stages_the_sources_once(tmp_path, monkeypatch):
+    monkeypatch.setenv("SPECROLL_HOME", str(tmp_path / "home"))
+    d = kernels._build_dir()
+    assert d.parent == kernels._build_root().resolve() and d.name == kernels.build_key()
+    for p in kernels.SRCS + kernels.HEADERS:
+        assert (d / p.name).read_bytes() == p.read_bytes()
+    times = {p.name: (d / p.name).stat().st_mtime_ns for p in kernels.SRCS}
+    for p in kernels.SRCS:
+        os.utime(d / p.name, ns=(times[p.name] - 10**9, times[p.name] - 10**9))
+    assert kernels._build_dir() == d
+    assert all((d / p.name).stat().st_mtime_ns == times[p.name] - 10**9 for p in kernels.SRCS)  # not rewritten
+    assert not list(d.glob(".*.tmp"))
+
+
+def test_prune_keeps_the_current_the_newest_and_the_recently_used(tmp_path, monkeypatch):
+
+    monkeypatch.setattr(kernels, "KEEP_BUILDS", 2)
+    now, day = 1e9, 86400
+    ages = {"cur": 30, "n1": 1, "n2": 2, "mid": 5, "old": 10, "older": 40}  # days since last used
+    for name, age in ages.items():
+        (tmp_path / name).mkdir()
+        os.utime(tmp_path / name, (now - age * day, now - age * day))
+    (tmp_path / "a-file").write_text("x")
+    gone = kernels._prune(tmp_path / "cur", now=now)
+    # beside "cur": n1, n2 are the newest two; of the rest, those unused for over a week go
+    assert sorted(p.name for p in gone) == ["old", "older"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a-file", "cur", "mid", "n1", "n2"]
+
+
+@needs_kernel
+def test_a_second_checkout_with_the_same_sources_loads_the_build_without_compiling(tmp_path):
+
+    d = kernels._build_dir()
+    so = sorted(d.glob("*.so"))
+    assert so, d
+    before = {p.name: p.stat().st_mtime_ns for p in d.iterdir() if p.suffix in (".so", ".o")}
+    pkg = Path(kernels.__file__).parents[1]
+    shutil.copytree(pkg, tmp_path / "specroll", ignore=shutil.ignore_patterns("__pycache__"))
+    code = ("import sys; sys.path.insert(0, sys.argv[1]); from specroll import kernels; "
+            "assert kernels.__file__.startswith(sys.argv[1]), kernels.__file__; "
+            "m = kernels.skinny(); print(m is not None, kernels._build_dir())")
+    r = subprocess.run([sys.executable, "-c", code, str(tmp_path)], capture_output=True, text=True, timeout=600,
+                       env={**os.environ, "PYTHONPATH": ""})
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.split() == ["True", str(d)]
+    assert "compiling" not in r.stderr
+    assert {p.name: p.stat().st_mtime_ns for p in d.iterdir() if p.suffix in (".so", ".o")} == before

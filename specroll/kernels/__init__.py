@@ -7,8 +7,13 @@ logits-block passes and the one-call sampler of ``logprobs.cpp`` (see the files 
 None where it cannot run: not an x86 CPU with AVX2 + FMA, no C++ compiler, or ``SPECROLL_KERNELS=0``.
 Callers fall back to oneDNN and SDPA, so a missing compiler costs speed, not function.
 
-The build (``torch.utils.cpp_extension``, 45 s to about 2 min of CPU) lands in ``$SPECROLL_HOME/kernels`` and
-is reused by later processes; a changed source or compiler flag triggers a rebuild.
+The build (``torch.utils.cpp_extension``, 45 s to about 2 min of CPU) lands in
+``$SPECROLL_HOME/kernels/torch<version>-py<version>/<build key>``, a directory named by a hash of the sources,
+headers and flags, which holds a copy of the sources it was built from. Any checkout, clone or installed copy
+with the same sources therefore loads the same build without recompiling (ninja would otherwise rebuild for a
+new source path or a newer file time, as every fresh clone has), and checkouts with different sources no longer
+rebuild over each other. A changed source or flag gets a directory of its own; directories unused for a week,
+past the newest ``KEEP_BUILDS``, are removed when a new one is built.
 """
 
 from __future__ import annotations
@@ -17,7 +22,9 @@ import functools
 import hashlib
 import os
 import platform
+import shutil
 import sys
+import time
 import warnings
 from pathlib import Path
 
@@ -44,12 +51,53 @@ def source_hash() -> str:
     return hashlib.sha256(b"".join(p.read_bytes() for p in SRCS + HEADERS)).hexdigest()[:12]
 
 
-def _build_dir() -> Path:
+KEEP_BUILDS = 4  # build directories kept beside the current one, newest first (older than a week otherwise go)
+
+
+@functools.cache
+def build_key() -> str:
+    """A hash of everything a build depends on besides torch and Python (which name the parent directory):
+    the sources and headers as bytes, and the flags. Not their paths or file times."""
+    h = hashlib.sha256()
+    for p in SRCS + HEADERS:
+        h.update(p.name.encode() + b"\0" + p.read_bytes() + b"\0")
+    h.update("\0".join(CFLAGS + LDFLAGS).encode())
+    return h.hexdigest()[:16]
+
+
+def _build_root() -> Path:
     from ..models.hub import home
 
-    d = home() / "kernels" / f"torch{torch.__version__.split('+')[0]}-py{sys.version_info[0]}{sys.version_info[1]}"
+    return home() / "kernels" / f"torch{torch.__version__.split('+')[0]}-py{sys.version_info[0]}{sys.version_info[1]}"
+
+
+def _build_dir() -> Path:
+    """This source tree's build directory, with the sources staged in it: a file already there has the same
+    bytes (the name says so), so it is left as it is and keeps its time, which is what lets ninja skip the
+    build; a missing one is written whole and then renamed into place, so a concurrent process never reads
+    half a file."""
+    d = _build_root() / build_key()
     d.mkdir(parents=True, exist_ok=True)
+    d = d.resolve()  # one spelling of the path (the tests reach it through a symlink): ninja's commands name it
+    for p in SRCS + HEADERS:
+        dst = d / p.name
+        if not dst.exists():
+            tmp = d / f".{p.name}.{os.getpid()}.tmp"
+            tmp.write_bytes(p.read_bytes())
+            os.replace(tmp, dst)
     return d
+
+
+def _prune(keep: Path, now: float | None = None, max_age_s: float = 7 * 86400) -> list[Path]:
+    """Remove build directories other than ``keep`` that are past the newest ``KEEP_BUILDS`` and unused for
+    ``max_age_s`` (each load touches its directory). Returns what it removed."""
+    now = time.time() if now is None else now
+    others = sorted((d for d in keep.parent.iterdir() if d.is_dir() and d != keep),
+                    key=lambda d: d.stat().st_mtime, reverse=True)
+    gone = [d for d in others[KEEP_BUILDS:] if now - d.stat().st_mtime > max_age_s]
+    for d in gone:
+        shutil.rmtree(d, ignore_errors=True)
+    return gone
 
 
 def enabled() -> bool:
@@ -62,10 +110,13 @@ def _build():
     the same name in one process builds a ``_v1`` copy, which the next process then rebuilds over."""
     from torch.utils.cpp_extension import load
 
-    if not any(_build_dir().glob("*.so")):
+    d = _build_dir()
+    if not any(d.glob("*.so")):
         print("specroll: compiling the CPU kernels for this machine (once, up to ~2 min) ...", file=sys.stderr, flush=True)
-    return load("specroll_skinny", [str(p) for p in SRCS], build_directory=str(_build_dir()),
-                extra_cflags=CFLAGS, extra_ldflags=LDFLAGS, verbose=False)
+        _prune(d)
+    os.utime(d)  # "used now", for _prune
+    return load("specroll_skinny", [str(d / p.name) for p in SRCS], build_directory=str(d),
+                extra_cflags=list(CFLAGS), extra_ldflags=list(LDFLAGS), verbose=False)  # copies: load appends to them
 
 
 @functools.cache
