@@ -96,14 +96,22 @@ def test_an_output_whose_folder_cannot_be_created_is_refused(tmp_path, capsys, n
     assert f"--out {f}/head: cannot create its folder, {f} is a file" in line
 
 
-def test_an_os_error_is_one_line_naming_the_path(tmp_path, capsys):
+def test_an_os_error_is_one_line_naming_the_path(tmp_path, capsys, monkeypatch):
+    import errno
+
+    from specroll.bench import common
     from specroll.bench.common import write_json
 
     run = fake_run(tmp_path / "run", [ROW])
     d = tmp_path / "curves.png"
-    d.mkdir()  # a directory where report writes its PNG
-    line = cli_error(capsys, ["report", str(run), "--out", str(d)])
-    assert line == f"specroll: error: {d}: Is a directory"
+    d.mkdir()
+
+    def full(fig, png, **kw):  # the disk fills up as the figure is written
+        raise OSError(errno.ENOSPC, "No space left on device", str(png))
+
+    monkeypatch.setattr(common, "save_figure", full)
+    line = cli_error(capsys, ["report", str(run), "--out", str(tmp_path / "c.png")])
+    assert line == f"specroll: error: {tmp_path / 'c.png'}: No space left on device"
     with pytest.raises(IsADirectoryError):
         write_json(d, {"rows": []})
     assert sorted(p.name for p in tmp_path.iterdir()) == ["curves.png", "run"]  # no curves.png.tmp left

@@ -323,6 +323,19 @@ def test_raising_function_gives_none_and_one_warning(tmp_path, caplog):
     assert reward.n_failures["sr_flaky:flaky"] == 3
 
 
+def test_a_function_that_never_succeeds_stops_the_run(tmp_path):
+    _write_module(tmp_path, "sr_never", """
+        def f(prompts, completions, **kw):
+            raise ValueError("no grader here")
+    """)
+    reward = build_reward(RewardConfig(funcs=["sr_never:f"]))
+    for _ in range(R.GIVE_UP_AFTER - 1):
+        assert reward(["p"], ["x"])[0] == [None]
+    with pytest.raises(RewardError, match=rf"'sr_never:f' raised on each of its first {R.GIVE_UP_AFTER} calls "
+                                          r"\(last: ValueError: no grader here\)"):
+        reward(["p"], ["x"])
+
+
 @pytest.mark.parametrize("ret, match", [
     ("[1.0]", "returned 1 values for 2 completions"),
     ("None", "must return a list of 2"),

@@ -158,3 +158,110 @@ def test_saving_a_checkpoint_never_prunes_it(tmp_path):
     assert ckpt.read_state(new).step == 2
     save(7)  # the next save prunes as usual (step 7 is among the two highest anyway)
     assert [p.name for p in ckpt.list_checkpoints(tmp_path)] == ["step_000006", "step_000007"]
+
+
+def fake_run(d: Path, steps, rows, tail: bytes = b"") -> None:
+    """A run directory with checkpoints ``steps`` (just their state.json) and metrics rows of ``rows`` steps,
+    then ``tail`` (e.g. a partial line)."""
+    d.mkdir(parents=True, exist_ok=True)
+    for s in steps:
+        (d / f"step_{s:06d}").mkdir()
+        (d / f"step_{s:06d}" / "state.json").write_text(json.dumps({"step": s}))
+    (d / "config.yaml").write_text("train:\n  steps: 9\n")
+    (d / "metrics.jsonl").write_bytes(b"".join(json.dumps({"step": s, "reward/mean": s / 10}).encode() + b"\n"
+                                               for s in rows) + tail)
+
+
+def metric_steps(p: Path) -> list[int]:
+    return [json.loads(line)["step"] for line in p.read_text().splitlines()]
+
+
+def test_set_aside_later_moves_the_abandoned_steps_and_keeps_them(tmp_path):
+    out = tmp_path / "run"
+    fake_run(out, [1, 2, 3], [0, 1, 2, 3], tail=b'{"step": 4, "rew')
+    before = (out / "metrics.jsonl").read_bytes()
+    said = ckpt.set_aside_later(out, 1)
+    aside = out / "superseded-after-step_000001"
+    assert f"to {aside}" in said and "2 later checkpoint(s) (step_000002, step_000003)" in said
+    assert "2 metrics row(s) past step 1" in said and "partial last line" in said and "16 bytes" in said
+    assert [p.name for p in ckpt.list_checkpoints(out)] == ["step_000001"]  # --resume latest: the branch point
+    assert [p.name for p in ckpt.list_checkpoints(aside)] == ["step_000002", "step_000003"]
+    assert metric_steps(out / "metrics.jsonl") == [0, 1] and metric_steps(aside / "metrics.jsonl") == [2, 3]
+    # nothing lost but the partial line: what stayed and what moved are the file's whole rows, in order
+    assert (out / "metrics.jsonl").read_bytes() + (aside / "metrics.jsonl").read_bytes() == before[:before.rindex(b"\n") + 1]
+    assert (aside / "config.yaml").read_text() == "train:\n  steps: 9\n"
+    assert ckpt.set_aside_later(out, 1) is None  # a second time: nothing to do
+    # the same branch point again, after the resumed run went on: a second folder, the first kept
+    fake_run(out, [2], [2])
+    assert "superseded-after-step_000001-2" in ckpt.set_aside_later(out, 1)
+    assert [p.name for p in ckpt.list_checkpoints(aside)] == ["step_000002", "step_000003"]
+
+
+def test_set_aside_later_only_mends_a_partial_line_and_keeps_damaged_rows(tmp_path):
+    out = tmp_path / "run"
+    fake_run(out, [1, 2], [1, 2], tail=b"{not json")
+    said = ckpt.set_aside_later(out, 2)
+    assert said.startswith("dropped a partial last line") and not list(out.glob("superseded-*"))
+    assert metric_steps(out / "metrics.jsonl") == [1, 2]
+    # a whole last row that lacks only its newline is a row, not a partial line
+    fake_run(tmp_path / "b", [1], [1], tail=b'{"step": 2}')
+    assert "1 metrics row(s) past step 1" in ckpt.set_aside_later(tmp_path / "b", 1)
+    assert (tmp_path / "b" / "superseded-after-step_000001" / "metrics.jsonl").read_text() == '{"step": 2}\n'
+    # a damaged line before the cut stays where it is, for read_metrics to name
+    (out / "metrics.jsonl").write_text('{"step": 1}\nnot json\n{"step": 2}\n{"step": 3}\n')
+    ckpt.set_aside_later(out, 2)
+    assert (out / "metrics.jsonl").read_text() == '{"step": 1}\nnot json\n{"step": 2}\n'
+
+
+def test_resume_after_a_cut_off_metrics_line_and_from_an_earlier_step(tmp_path, capsys, monkeypatch):
+    """A run stopped while writing a metrics row, resumed: the next row gets a line of its own. Resumed from an
+    earlier checkpoint: the redone steps are not written twice, and the steps they replace are kept aside."""
+    monkeypatch.delenv("SPECROLL_DEBUG", raising=False)
+    out = tmp_path / "run"
+    assert main(["train", "--out", str(out), "train.steps=2", "train.save_every=1", "train.keep_last=5", *TINY]) == 0
+    m = out / "metrics.jsonl"
+    m.write_bytes(m.read_bytes()[:-40])  # step 2's row cut off mid-line
+    capsys.readouterr()
+    assert main(["train", "--out", str(out), "--resume", "latest", "train.steps=3"]) == 0
+    assert "dropped a partial last line" in capsys.readouterr().out
+    assert metric_steps(m) == [1, 3]  # step 2's row was lost with the cut; nothing is glued to it
+    assert main(["report", str(out)]) == 0
+    # back to step 1 of a run that reached step 3
+    assert main(["train", "--out", str(out), "--resume", str(out / "step_000001"), "train.steps=2"]) == 0
+    said = capsys.readouterr().out
+    aside = out / "superseded-after-step_000001"
+    assert f"to {aside}" in said.replace("\n", "")
+    assert metric_steps(m) == [1, 2] and metric_steps(aside / "metrics.jsonl") == [3]
+    assert [p.name for p in ckpt.list_checkpoints(out)] == ["step_000001", "step_000002"]
+    assert [p.name for p in ckpt.list_checkpoints(aside)] == ["step_000002", "step_000003"]
+
+
+def test_resume_with_changed_settings_says_what_config_yaml_now_records(tmp_path, capsys, monkeypatch):
+    monkeypatch.delenv("SPECROLL_DEBUG", raising=False)
+    out = tmp_path / "run"
+    assert main(["train", "--out", str(out), "train.steps=1", *TINY]) == 0
+    capsys.readouterr()
+    assert main(["train", "--out", str(out), "--resume", "latest", "train.steps=2", "rollout.temperature=0.7"]) == 0
+    said = capsys.readouterr().out.replace("\n", "")
+    assert "config.yaml now records" in said and "rollout.temperature: 1.0 -> 0.7" in said
+    assert "train.steps: 1 -> 2" in said
+
+
+def test_report_output_and_empty_runs(tmp_path, capsys, monkeypatch):
+    monkeypatch.delenv("SPECROLL_DEBUG", raising=False)
+    out = tmp_path / "run"
+    fake_run(out, [1], [1, 2])
+    figs = tmp_path / "figs"
+    figs.mkdir()
+    assert main(["report", str(out), "--out", str(figs)]) == 0
+    assert (figs / "curves.png").is_file()  # a folder gets the default name, not figs.png beside it
+    assert not (tmp_path / "figs.png").exists()
+    capsys.readouterr()
+    assert main(["report", str(out), "--out", str(tmp_path / "c.txt")]) == 2
+    err = one_line_error(capsys)
+    assert "c.txt" in err and ".png" in err and not (tmp_path / "c.txt").exists()
+    for text in ("", '{"foo": 1}\n'):
+        (out / "metrics.jsonl").write_text(text)
+        assert main(["report", str(out)]) == 2
+        err = one_line_error(capsys)
+        assert "metrics.jsonl" in err and "nothing to plot" in err

@@ -509,8 +509,8 @@ def test_cli_train_resume_eval_report(tmp_path, capsys):
     assert (out / "metrics.jsonl").is_file() and (out / "step_000001" / "model.safetensors").is_file()
     assert main(["train", "--out", str(out), "--resume", "latest", "train.steps=2"]) == 0
     assert [p.name for p in ckpt.list_checkpoints(out)] == ["step_000001", "step_000002"]
-    assert main(["eval", "--checkpoint", str(out), "--json", str(tmp_path / "e.json")]) == 0
-    assert "accuracy" in (tmp_path / "e.json").read_text()
+    assert main(["eval", "--checkpoint", str(out), "--json", str(tmp_path / "new" / "e.json")]) == 0  # folder made
+    assert "accuracy" in (tmp_path / "new" / "e.json").read_text()
     assert main(["report", str(out)]) == 0 and (out / "curves.png").is_file()
     # bad input: one line naming the key, exit code 2
     assert main(["train", "--out", str(tmp_path / "x"), "train.stepz=3"]) == 2

@@ -140,10 +140,57 @@ def resolve(path_or_latest: str | Path, out_dir: str | Path | None = None) -> Pa
     return ckpts[-1]
 
 
+def set_aside_later(run_dir: str | Path, step: int) -> str | None:
+    """Before a run in ``run_dir`` continues from checkpoint ``step``: move what it recorded past ``step``
+    (checkpoints of later steps, ``metrics.jsonl`` rows of later steps, with the ``config.yaml`` they ran
+    under) into ``run_dir/superseded-after-step_NNNNNN[-k]/``, so the redone steps neither duplicate rows nor
+    replace those checkpoints, and ``--resume latest`` cannot pick up the abandoned branch. A partial last
+    metrics line (the run stopped while writing it) is dropped so the next row starts on a line of its own.
+    Returns a one-line account for the console, or None when there was nothing to do."""
+    from .metrics import split_after
+
+    run_dir = Path(run_dir)
+    later = [p for p in list_checkpoints(run_dir) if int(STEP_RE.match(p.name).group(1)) > step]
+    metrics = run_dir / "metrics.jsonl"
+    kept, moved, partial = split_after(metrics, step) if metrics.is_file() else (b"", b"", b"")
+    said = []
+    if later or moved:
+        base = run_dir / f"superseded-after-step_{step:06d}"
+        dest, k = base, 1
+        while dest.exists():
+            k += 1
+            dest = base.with_name(f"{base.name}-{k}")
+        dest.mkdir()
+        if (run_dir / "config.yaml").is_file():
+            shutil.copy2(run_dir / "config.yaml", dest / "config.yaml")
+        if moved:
+            (dest / "metrics.jsonl").write_bytes(moved)
+        for p in later:
+            os.replace(p, dest / p.name)
+        _fsync_dir(dest)
+        rows = moved.count(b"\n")
+        what = [f"{len(later)} later checkpoint(s) ({', '.join(p.name for p in later)})"] if later else []
+        what += [f"{rows} metrics row(s) past step {step}"] if rows else []
+        said.append(f"moved {' and '.join(what)} to {dest}")
+    if moved or partial:
+        tmp = metrics.with_name(f".metrics.jsonl.{os.getpid()}.tmp")
+        with open(tmp, "wb") as f:
+            f.write(kept)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, metrics)
+        _fsync_dir(run_dir)
+        if partial:
+            said.append(f"dropped a partial last line of {metrics} ({len(partial)} bytes: the run stopped while "
+                        "writing it)")
+    return "; ".join(said) if said else None
+
+
 # --- loading: every failure is one ValueError naming the checkpoint, the file and the fix ------------
 
-DAMAGED_FIX = "resume from an earlier step_* checkpoint of the run, or delete this one"
-MISMATCH_FIX = "load it with the run's own config (its config.yaml: model.name, draft.*, reuse.*)"
+DAMAGED_FIX = "use an earlier step_* checkpoint of the run instead, or delete this one"
+MISMATCH_FIX = ("load it with the run's own config: its config.yaml sets model.name, draft.* and reuse.*; drop "
+                "any --model or override that changes them")
 
 
 def _damaged(path: Path, name: str, reason: str) -> ValueError:

@@ -47,6 +47,30 @@ class MetricsWriter:
             self._tb.close()
 
 
+def split_after(path: str | Path, step: int) -> tuple[bytes, bytes, bytes]:
+    """The bytes of a ``metrics.jsonl`` split for a run resumed at ``step``: (kept, later, partial). ``later``
+    starts at the first row of a step past ``step`` (the steps the resumed run does again) and runs to the end;
+    ``partial`` is a last line the run stopped while writing (no newline, not JSON). A damaged line before the
+    cut stays where it is: ``read_metrics`` names it."""
+    data = Path(path).read_bytes()
+    lines = data.splitlines(keepends=True)
+    partial = b""
+    if lines and not lines[-1].endswith(b"\n"):
+        try:
+            json.loads(lines[-1])
+            lines[-1] += b"\n"  # a whole row that lacks only its newline
+        except ValueError:
+            partial = lines.pop()
+    for i, line in enumerate(lines):
+        try:
+            row = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(row, dict) and isinstance(row.get("step"), int) and row["step"] > step:
+            return b"".join(lines[:i]), b"".join(lines[i:]), partial
+    return b"".join(lines), b"", partial
+
+
 def _clean(v):
     if isinstance(v, float) and not math.isfinite(v):
         return None

@@ -523,6 +523,9 @@ def load_function(spec: str) -> Callable:
     return fn
 
 
+GIVE_UP_AFTER = 8  # a function that has raised on this many calls and never returned stops the run
+
+
 class Reward:
     """Weighted sum of reward functions.
 
@@ -530,7 +533,8 @@ class Reward:
     function's list. A sample's total is None when any function returned None (or NaN) for it (or
     raised): the trainer excludes that sample (it carries no advantage and no loss). A function that
     raises yields None for the whole batch and logs ONE warning per function for the run; its failures
-    are counted in ``n_failures[name]``. A wrong-length, non-numeric or infinite return, a ``TypeError``
+    are counted in ``n_failures[name]``, and one that has raised on each of its first ``GIVE_UP_AFTER``
+    calls stops the run with a ``RewardError`` (it would only ever exclude every sample). A wrong-length, non-numeric or infinite return, a ``TypeError``
     on the function's first call (a signature without ``**kwargs`` refusing the dataset's columns), or a
     ``RewardError`` raised by the function (e.g. the built-in accuracy reward missing its ``answer``
     column), propagates as a ``RewardError``.
@@ -576,6 +580,10 @@ class Reward:
                 logger.warning("reward %r raised %s: %s; its samples score None (excluded) until it "
                                "succeeds (warned once)", name, type(e).__name__, e)
             self.n_failures[name] += 1
+            if self.n_failures[name] == self.n_calls[name] == GIVE_UP_AFTER:
+                raise RewardError(f"reward {name!r} raised on each of its first {GIVE_UP_AFTER} calls (last: "
+                                  f"{type(e).__name__}: {e}), so every sample was excluded and nothing was "
+                                  "learned; fix the function") from e
             return [None] * n
         return _check_values(name, vals, n)
 

@@ -301,6 +301,13 @@ def _train_ranks(args, d) -> int:
                 raise CliError(f"{ck} is already at step {step} >= train.steps={cfg.train.steps}; "
                                f"raise it (e.g. train.steps={step + 10}) to continue")
             if d.main:
+                if run_dir.resolve() == ck.parent.resolve():
+                    aside = ckpt.set_aside_later(run_dir, step)
+                    if aside:
+                        console.print(f"resume: {aside}")
+                changed = _config_changes(run_dir / "config.yaml", cfg)
+                if changed:
+                    console.print(f"resume: config.yaml now records {changed}")
                 cfg.save(run_dir / "config.yaml")
         n = trainer.model.num_params()
         console.print(f"specroll train: {cfg.model.name} ({n / 1e6:.0f}M params), task {cfg.data.task}, "
@@ -329,6 +336,20 @@ def _train_ranks(args, d) -> int:
         console.print(summary_table(rows, wall, run_dir))
         save_draft_head(trainer, cfg, run_dir, console.print)
     return 0
+
+
+def _config_changes(path: Path, cfg, limit: int = 6) -> str:
+    """The settings ``cfg`` changes against the config file at ``path`` ("" when none, or no readable file)."""
+    try:
+        old = yaml.safe_load(path.read_text()) if path.is_file() else None
+    except (OSError, yaml.YAMLError):
+        return ""
+    if not isinstance(old, dict):
+        return ""
+    new = cfg.to_dict()
+    diffs = [f"{sec}.{k}: {old[sec][k]!r} -> {v!r}" for sec, vals in new.items() if isinstance(vals, dict)
+             and isinstance(old.get(sec), dict) for k, v in vals.items() if k in old[sec] and old[sec][k] != v]
+    return ", ".join(diffs[:limit]) + (f" (and {len(diffs) - limit} more)" if len(diffs) > limit else "")
 
 
 def eval_cli(args) -> int:
@@ -364,6 +385,7 @@ def eval_cli(args) -> int:
     if args.json:
         import json
 
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(json.dumps({"model": str(what), **m}, indent=2))
     return 0
 
@@ -375,11 +397,26 @@ def report_cli(args) -> int:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    from ..cli import CliError, check_output
     from .metrics import read_metrics
 
+    out = Path(args.out) if args.out else Path(args.run_dir) / "curves.png"
+    if out.is_dir():  # a folder: the figure goes in it, under the default name
+        out = out / "curves.png"
+    if not out.suffix:  # matplotlib would add .png itself: name the file it writes
+        out = out.with_name(out.name + ".png")
+    kinds = plt.figure().canvas.get_supported_filetypes()
+    plt.close("all")
+    if out.suffix[1:].lower() not in kinds:
+        raise CliError(f"--out {out}: cannot write a .{out.suffix[1:]} figure; use one of "
+                       f"{', '.join('.' + k for k in sorted(kinds))} (e.g. {out.with_suffix('.png')})")
+    check_output(out, "--out")
     rows = read_metrics(args.run_dir)
     steps = [r for r in rows if "reward/mean" in r]
     evals = [r for r in rows if r.get("eval/accuracy") is not None]
+    if not steps and not evals:
+        raise CliError(f"{Path(args.run_dir) / 'metrics.jsonl'} has no training step (reward/mean) or eval "
+                       f"(eval/accuracy) rows yet ({len(rows)} row(s) in all): nothing to plot")
     fig, ax = plt.subplots(1, 3, figsize=(15, 4))
     ax[0].plot([r["step"] for r in steps], [r["reward/mean"] for r in steps], marker=".")
     ax[0].set_title("reward/mean (train rollouts)")
@@ -391,9 +428,6 @@ def report_cli(args) -> int:
     ax[2].legend()
     for a in ax:
         a.set_xlabel("step")
-    out = Path(args.out) if args.out else Path(args.run_dir) / "curves.png"
-    if not out.suffix:  # matplotlib would add .png itself: name the file it writes
-        out = out.with_name(out.name + ".png")
     from ..bench.common import save_figure
 
     save_figure(fig, out, dpi=100)
