@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import os
+import re
 import sys
 from pathlib import Path
 
@@ -33,6 +34,22 @@ def check_output(path, option: str, kind: str = "file") -> None:
         raise CliError(f"{option} {path}: cannot create its folder, {at} is a file; pick another path")
     if not os.access(at, os.W_OK | os.X_OK):
         raise CliError(f"{option} {path}: {at} is not writable; pick another path")
+
+
+def check_at_least(option: str, value, low, note: str = "") -> None:
+    """Refuse, before any work, a numeric option below ``low``: "--prompts must be >= 1 (note), got 0"."""
+    if not value >= low:  # NaN fails too
+        raise CliError(f"{option} must be >= {low}{f' ({note})' if note else ''}, got {value}")
+
+
+def as_option_error(e: ValueError, owner: str, options: dict[str, str] | None = None) -> CliError:
+    """A library's one-line error about ``owner.field`` ("SamplingParams.top_k must be ...") as a ``CliError``
+    naming the command's option instead ("--top-k must be ..."): ``options`` maps fields whose option is not
+    ``--field-name`` (e.g. {"bf16": "--train-bf16"})."""
+    def option(m):
+        return (options or {}).get(m.group(1), "--" + m.group(1).replace("_", "-"))
+
+    return CliError(re.sub(rf"\b{re.escape(owner)}\.(\w+)", option, str(e)))
 
 
 def _run(target: str):

@@ -397,9 +397,10 @@ PATH_FIELDS = frozenset({("model", "name"), ("train", "out_dir"), ("data", "path
                          ("draft", "head")})
 
 
-def _merge(base: dict, update: dict, source: str, lines: dict | None = None) -> dict:
+def _merge(base: dict, update: dict, source: str, lines: dict | None = None, origins: dict | None = None) -> dict:
     """Merge a nested {section: {key: value}} dict into ``base``, checking every key and the type of
-    every value (``lines``: {(section, key): line} of a YAML file, for the messages)."""
+    every value (``lines``: {(section, key): line} of a YAML file, for the messages). ``origins`` (if given)
+    records where each merged key came from ("g.yaml:2", "override 'rollout.G=1'"), for ``build``'s messages."""
     if not isinstance(update, dict):
         raise ValueError(f"{source}: expected a mapping of sections {sorted(SECTIONS)}, got {type(update).__name__}")
     for sec, vals in update.items():
@@ -415,14 +416,17 @@ def _merge(base: dict, update: dict, source: str, lines: dict | None = None) -> 
                 full = [f"{sec}.{n}" for n in fields]
                 raise ValueError(f"{source}: unknown config key '{sec}.{k}'{_suggest(f'{sec}.{k}', full)}")
             tp, default = _hints(SECTIONS[sec])[k], _default(fields[k])
+            line = (lines or {}).get((sec, k))
+            where = f"{source}{f':{line}' if line else ''}"
             try:
                 v = _coerce(v, tp, default, f"{sec}.{k}")
             except ValueError as e:
-                line = (lines or {}).get((sec, k))
-                raise ValueError(f"{source}{f':{line}' if line else ''}: {e}") from None
+                raise ValueError(f"{where}: {e}") from None
             if (sec, k) in PATH_FIELDS and isinstance(v, str) and v.startswith("~"):
                 v = os.path.expanduser(v)
             base.setdefault(sec, {})[k] = v
+            if origins is not None:
+                origins[(sec, k)] = where
     return base
 
 
@@ -459,20 +463,35 @@ def _string_override(text: str) -> str | None:
     return text
 
 
-def build(merged: dict) -> Config:
+_KEY_RE = re.compile(rf"(?<![\w.])({'|'.join(SECTIONS)})\.(\w+)")
+
+
+def build(merged: dict, origins: dict | None = None) -> Config:
     """Instantiate every section from a dict ``_merge`` built (its values already checked and converted to
-    the fields' annotated types); each section's ``__post_init__`` checks the ranges."""
-    return Config(**{name: cls(**merged.get(name, {})) for name, cls in SECTIONS.items()})
+    the fields' annotated types); each section's ``__post_init__`` checks the ranges. ``origins``
+    ({(section, key): "g.yaml:2"}, see ``_merge``): a range error starts with where the first key it names
+    was set ("g.yaml:2: rollout.G must be >= 2 ..."), as a type error does."""
+    sections = {}
+    for name, cls in SECTIONS.items():
+        try:
+            sections[name] = cls(**merged.get(name, {}))
+        except ValueError as e:
+            where = next((origins[k] for k in _KEY_RE.findall(str(e)) if k in (origins or {})), None)
+            if where is None:
+                raise
+            raise type(e)(f"{where}: {e}") from None
+    return Config(**sections)
 
 
 def load_config(path: str | Path | None = None, preset: str | None = None,
                 overrides: list[str] | tuple[str, ...] = ()) -> Config:
     """defaults < preset < YAML file < overrides. Raises ``ValueError`` with a one-line message."""
     merged: dict = {}
+    origins: dict = {}  # (section, key) -> where its value was set, for range errors
     if preset is not None:
         if preset not in PRESETS:
             raise ValueError(f"unknown preset {preset!r}{_suggest(preset, PRESETS)}")
-        _merge(merged, PRESETS[preset], f"preset {preset}")
+        _merge(merged, PRESETS[preset], f"preset {preset}", origins=origins)
     if path is not None:
         p = Path(path)
         if p.is_dir():
@@ -486,10 +505,10 @@ def load_config(path: str | Path | None = None, preset: str | None = None,
             mark = getattr(e, "problem_mark", None)
             where = f":{mark.line + 1}" if mark is not None else ""
             raise ValueError(f"{p}{where}: invalid YAML ({getattr(e, 'problem', e)})") from None
-        _merge(merged, data, str(p), _yaml_lines(text))
+        _merge(merged, data, str(p), _yaml_lines(text), origins)
     for o in overrides:
-        _merge(merged, parse_override(o), f"override {o!r}")
-    return build(merged)
+        _merge(merged, parse_override(o), f"override {o!r}", origins=origins)
+    return build(merged, origins)
 
 
 def preset_config(name: str) -> Config:

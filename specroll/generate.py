@@ -20,7 +20,7 @@ import time
 
 import torch
 
-from .cli import CliError
+from .cli import CliError, as_option_error
 from .engine.engine import Engine
 from .engine.sampling import SamplingParams
 
@@ -44,11 +44,14 @@ def cli(args) -> int:
             raise CliError('give a prompt: specroll generate --prompt "What is 7 times 6?"')
         prompts_text = [line.strip() for line in sys.stdin if line.strip()]
         if not prompts_text:
-            raise CliError("no prompt given (empty standard input)")
+            raise CliError('no prompt given (empty standard input); pass --prompt "..." or pipe prompts, one per line')
     if args.n < 1:
         raise CliError(f"-n must be >= 1, got {args.n}")
-    params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
-                            max_new_tokens=args.max_new_tokens, seed=args.seed)
+    try:
+        params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
+                                max_new_tokens=args.max_new_tokens, seed=args.seed)
+    except ValueError as e:  # "SamplingParams.top_k must be ..." -> "--top-k must be ..."
+        raise as_option_error(e, "SamplingParams") from None
     dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[args.dtype]
     name = args.model or hub.DEFAULT_MODEL  # the model's name: the key of its C_peak profile
     if getattr(args, "checkpoint", None):

@@ -215,3 +215,90 @@ def test_a_damaged_metrics_line_is_named_and_a_partial_last_line_skipped(tmp_pat
     assert main(["report", str(run), "--out", str(tmp_path / "curves")]) == 0  # no suffix: a .png is written
     assert capsys.readouterr().out.strip() == f"wrote {tmp_path / 'curves.png'}"
     assert (tmp_path / "curves.png").read_bytes()[:4] == b"\x89PNG"
+
+
+# options that become a library object's fields (DistillConfig, SamplingParams, Plan) or config keys (train.steps,
+# rollout.G) are named as the option the user typed, and refused before any model loads
+OPTION_ERRORS = [
+    (["draft", "train", "--out", "{tmp}/head", "--eval-frac", "2"], "--eval-frac must be in [0, 1), got 2.0"),
+    (["draft", "train", "--out", "{tmp}/head", "--batch", "0"], "--batch must be >= 1, got 0"),
+    (["draft", "train", "--out", "{tmp}/head", "--lr", "-1"], "--lr must be > 0, got -1.0"),
+    (["draft", "train", "--out", "{tmp}/head", "--unroll", "0"], "--unroll must be >= 1, got 0"),
+    (["draft", "train", "--out", "{tmp}/head", "--unroll-decay", "0"], "--unroll-decay must be in (0, 1], got 0.0"),
+    (["draft", "train", "--out", "{tmp}/head", "--w-feat", "0", "--w-ce", "0"],
+     "--w-feat, --w-ce, --w-tv and --w-block must be >= 0, not all 0 (no loss to train); got all 0"),
+    (["draft", "train", "--out", "{tmp}/head", "-n", "0"], "-n must be >= 1 (generations per prompt), got 0"),
+    (["draft", "train", "--out", "{tmp}/head", "--max-new-tokens", "0"], "--max-new-tokens must be an int >= 1, got 0"),
+    (["draft", "train", "--out", "{tmp}/head", "--draft-vocab", "-1"], "--draft-vocab must be >= 0 (0 = full), got -1"),
+    (["draft", "train", "--out", "{tmp}/head", "--time-budget", "0"], "--time-budget must be > 0 seconds, got 0.0"),
+    (["generate", "--prompt", "hi", "--max-new-tokens", "0"], "--max-new-tokens must be an int >= 1, got 0"),
+    (["generate", "--prompt", "hi", "--temperature", "-1"], "--temperature must be >= 0 (0 = greedy), got -1.0"),
+    (["generate", "--prompt", "hi", "--top-p", "5"], "--top-p must be in (0, 1], got 5.0"),
+    (["generate", "--prompt", "hi", "--top-k", "-3"], "--top-k must be an int >= 0 (0 = off), got -3"),
+    (["bench", "spec", "--draft", "{tmp}/head", "--depth", "0", "--out", "{tmp}/b.json"], "--depth must be >= 1, got 0"),
+    (["bench", "spec", "--draft", "{tmp}/head", "--k", "0", "--out", "{tmp}/b.json"], "--k must be >= 1, got 0"),
+    (["bench", "spec", "--draft", "{tmp}/head", "--n-verify", "0", "--out", "{tmp}/b.json"],
+     "--n-verify must be >= 1 (tree nodes per row, root included), got 0"),
+    (["bench", "spec", "--draft", "{tmp}/head", "--c-peak", "-1", "--out", "{tmp}/b.json"],  # static plan too
+     "--c-peak must be >= 1 (tokens per forward), got -1.0"),
+    (["bench", "spec", "--draft", "{tmp}/head", "--top-p", "0", "--out", "{tmp}/b.json"],
+     "--top-p must be in (0, 1], got 0.0"),
+    (["bench", "reuse", "--prompts", "0", "--out", "{tmp}/b.json"], "--prompts must be >= 1 (training prompts), got 0"),
+    (["bench", "reuse", "-G", "1", "--out", "{tmp}/b.json"],
+     "-G must be >= 2 (GRPO compares completions within a group), got 1"),
+    (["bench", "reuse", "--max-new-tokens", "0", "--out", "{tmp}/b.json"], "--max-new-tokens must be >= 1, got 0"),
+    (["bench", "reuse", "--micro-batch-size", "0", "--out", "{tmp}/b.json"], "--micro-batch-size must be >= 1, got 0"),
+    (["bench", "reuse", "--lr", "0", "--out", "{tmp}/b.json"], "--lr must be a finite number > 0, got 0.0"),
+    (["bench", "online", "--prompts", "-1", "--out", "{tmp}/b.json"],
+     "--prompts must be >= 0 (0 = the task's default train set), got -1"),
+    (["bench", "online", "--prompts-per-step", "0", "--out", "{tmp}/b.json"], "--prompts-per-step must be >= 1, got 0"),
+    (["bench", "online", "-G", "0", "--out", "{tmp}/b.json"],
+     "-G must be >= 2 (GRPO compares completions within a group), got 0"),
+    (["bench", "online", "--update-steps", "0", "--out", "{tmp}/b.json"], "--update-steps must be >= 1, got 0"),
+    (["bench", "online", "--temperature", "0", "--out", "{tmp}/b.json"],
+     "--temperature must be a finite number > 0, got 0.0"),
+    (["profile", "--repeats", "0"], "--repeats must be >= 1 (timed runs per point), got 0"),
+]
+
+
+@pytest.mark.parametrize("argv, msg", OPTION_ERRORS, ids=[f"{' '.join(a[:2])} {m.split()[0]}" for a, m in OPTION_ERRORS])
+def test_options_of_library_objects_and_config_keys_are_named_as_options(tmp_path, capsys, no_work, monkeypatch,
+                                                                         argv, msg):
+    from specroll.engine import profiler
+
+    monkeypatch.setattr(profiler, "run_profile", lambda *a, **k: pytest.fail("measured"))
+    line = cli_error(capsys, [*[a.format(tmp=tmp_path) for a in argv], "--model", "tiny-llama"])
+    assert line == f"specroll: error: {msg}"
+    assert sorted(tmp_path.iterdir()) == []  # no head directory, no benchmark JSON
+
+
+def test_distill_config_names_the_bad_field():
+    from specroll.drafters.distill import DistillConfig
+
+    with pytest.raises(ValueError, match=r"^DistillConfig\.eval_frac must be in \[0, 1\), got 2$"):
+        DistillConfig(eval_frac=2)
+    with pytest.raises(ValueError, match=r"^DistillConfig\.batch must be >= 1, got 0$"):
+        DistillConfig(batch=0)
+
+
+def test_generate_with_empty_standard_input_says_to_pass_a_prompt(capsys, no_work, monkeypatch):
+    import io
+
+    monkeypatch.setattr("sys.stdin", io.StringIO("\n"))
+    line = cli_error(capsys, ["generate", "--model", "tiny-llama"])
+    assert line == 'specroll: error: no prompt given (empty standard input); pass --prompt "..." or pipe prompts, ' \
+                   "one per line"
+
+
+def test_bench_online_names_a_damaged_draft_head_as_the_option(tmp_path, capsys, no_work):
+    d = tmp_path / "head"
+    d.mkdir()
+    line = cli_error(capsys, ["bench", "online", "--model", "tiny-llama", "--draft", str(d), "--out",
+                              str(tmp_path / "b.json")])
+    assert line.startswith(f"specroll: error: --draft {d}: {d / 'draft_head.json'} not found")
+    (d / "draft_head.json").write_text("{broken")
+    (d / "draft_head.safetensors").write_bytes(b"")
+    line = cli_error(capsys, ["bench", "online", "--model", "tiny-llama", "--draft", str(d), "--out",
+                              str(tmp_path / "b.json")])
+    assert line.startswith(f"specroll: error: --draft {d}: {d / 'draft_head.json'}: not valid JSON")
+    assert "draft.head" not in line and not (tmp_path / "b.json").exists()

@@ -84,6 +84,30 @@ def test_yaml_values_are_checked_with_file_and_line(tmp_path):
         load_config(f)
 
 
+def test_range_errors_name_the_file_line_or_override_that_set_the_value(tmp_path, capsys):
+    from specroll.cli import main
+
+    f = tmp_path / "g1.yaml"
+    f.write_text("# GRPO groups of one\nrollout: {G: 1}\n")
+    msg = "rollout.G must be >= 2 (GRPO compares samples within a group), got 1"
+    with pytest.raises(ValueError) as e:
+        load_config(f)
+    assert str(e.value) == f"{f}:2: {msg}"
+    capsys.readouterr()
+    assert main(["train", "--config", str(f)]) == 2
+    assert f"specroll: error: {f}:2: {msg}\n" in capsys.readouterr().err
+    with pytest.raises(ValueError) as e:  # the override wins, so it is the one named
+        load_config(f, overrides=["rollout.G=0"])
+    assert str(e.value) == "override 'rollout.G=0': rollout.G must be >= 2 (GRPO compares samples within a group), got 0"
+    f.write_text("train:\n  steps: 3\n  mini_batches: 8\n")  # the key the file set, of the two the message names
+    with pytest.raises(ValueError, match=rf"^{f}:3: train\.mini_batches \(8\) cannot exceed train\.prompts_per_step"):
+        load_config(f)
+    with pytest.raises(ValueError, match=rf"^{f}:3: train\.mini_batches \(8\) cannot exceed"):
+        load_config(f, overrides=["train.prompts_per_step=2"])  # mini_batches is named first
+    with pytest.raises(DataError, match=r"^override 'data\.task=file': data\.task='file' needs data\.path"):
+        load_config(overrides=["data.task=file"])  # the section's own error class is kept
+
+
 @pytest.mark.parametrize("body, line, key, first", [
     ("train:\n  steps: 3\nrollout:\n  G: 4\ntrain:\n  lr: 1.0e-3\n", 5, "train", 1),  # a section written twice
     ("train:\n  lr: 1.0e-5\n  steps: 2\n  lr: 1.0e-3\n", 4, "lr", 2),

@@ -241,6 +241,17 @@ def test_malformed_jsonl_line(tmp_path, caplog):
     assert any("skipped 2 malformed line(s)" in r.getMessage() for r in caplog.records)
 
 
+def test_skipped_rows_are_told_once_when_both_splits_read_the_file(tmp_path, caplog):
+    # `specroll train` loads the train and the eval split of one file: one warning per kind of skipped row
+    p = _jsonl(tmp_path / "bad.jsonl", [*_rows(4), "{broken", {"question": "", "answer": "1"}])
+    cfg = DataConfig(task="file", path=str(p), n_eval=1, skip_bad_rows=True)
+    with caplog.at_level(logging.WARNING):
+        train, ev = load_examples(cfg, "train"), load_examples(cfg, "eval")
+    assert (len(train), len(ev)) == (3, 1)
+    said = [r.getMessage() for r in caplog.records]
+    assert [m.split(" in ")[0] for m in said] == ["skipped 1 malformed line(s)", "skipped 1 bad row(s)"], said
+
+
 def test_missing_field_lists_columns(tmp_path):
     p = _jsonl(tmp_path / "d.jsonl", [{"text": "Q", "label": "1"}])
     with pytest.raises(DataError, match=r"no question column 'question'; the file has columns \['label', 'text'\]"):

@@ -284,7 +284,7 @@ def run(args, say=print) -> dict:
 
 
 def cli(args) -> int:
-    from ..cli import CliError, check_output
+    from ..cli import CliError, check_at_least, check_output
 
     if args.design not in DESIGNS:
         raise CliError(f"--design must be one of {', '.join(DESIGNS)}, got {args.design!r}")
@@ -292,9 +292,22 @@ def cli(args) -> int:
         raise CliError(f"--probe must be >= 0 (0 = off), got {args.probe}")
     if args.steps < 1:
         raise CliError(f"--steps must be >= 1, got {args.steps}")
-    if args.draft != "random" and not Path(args.draft).is_dir():
-        raise CliError(f"--draft {args.draft}: no such directory; pass a `specroll draft train --out DIR` "
-                       "directory or random")
+    # the options that become config keys, named as the options (not rollout.G, draft.update_steps)
+    check_at_least("--prompts", args.prompts, 0, "0 = the task's default train set")
+    check_at_least("--prompts-per-step", args.prompts_per_step, 1)
+    check_at_least("-G", args.G, 2, "GRPO compares completions within a group")
+    check_at_least("--max-new-tokens", args.max_new_tokens, 1)
+    check_at_least("--update-steps", args.update_steps, 1)
+    for opt, v in (("--temperature", args.temperature), ("--lr", args.lr)):
+        if not 0 < v < float("inf"):
+            raise CliError(f"{opt} must be a finite number > 0, got {v}")
+    if args.draft != "random":
+        if not Path(args.draft).is_dir():
+            raise CliError(f"--draft {args.draft}: no such directory; pass a `specroll draft train --out DIR` "
+                           "directory or random")
+        from ..drafters.eagle import load_head_as
+
+        load_head_as(f"--draft {args.draft}", args.draft)  # a damaged head, named as --draft, before the model loads
     check_output(args.out, "--out")
     res = run(args)
     png, latest = run_figure(args.out, "accept_length_vs_step.png")

@@ -44,6 +44,19 @@ def _modes(s: str) -> list[str]:
     return out
 
 
+def check_counts(args) -> None:
+    """The options that become config keys, named as the options (not train.steps, rollout.G), before any work."""
+    from ..cli import CliError, check_at_least
+
+    check_at_least("--prompts", args.prompts, 1, "training prompts")
+    check_at_least("-G", args.G, 2, "GRPO compares completions within a group")
+    check_at_least("--max-new-tokens", args.max_new_tokens, 1)
+    check_at_least("--micro-batch-size", args.micro_batch_size, 1)
+    for opt, v in (("--temperature", args.temperature), ("--lr", args.lr)):
+        if not 0 < v < float("inf"):
+            raise CliError(f"{opt} must be a finite number > 0, got {v}")
+
+
 def bench_config(args):
     from ..config import load_config
 
@@ -202,6 +215,7 @@ def cli(args) -> int:
         raise CliError(f"--epochs must be >= 2 (epoch 1 has nothing to reuse), got {args.epochs}")
     if args.prompts_per_step < 1:
         raise CliError(f"--prompts-per-step must be >= 1, got {args.prompts_per_step}")
+    check_counts(args)
     check_output(args.out, "--out")
     res = run(args)
     write_json(args.out, res)

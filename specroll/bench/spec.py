@@ -141,12 +141,17 @@ def bench_batch(engine: Engine, head, prompts, params: SamplingParams, plan_name
 
 
 def run_bench(args) -> dict:
-    from ..cli import CliError
+    from ..cli import CliError, as_option_error, check_at_least
     from ..models import hub
 
     batches = parse_int_list(args.batch_sizes, "--batch-sizes")
     if args.repeats < 1:
         raise CliError(f"--repeats must be >= 1, got {args.repeats}")
+    check_at_least("--n-verify", args.n_verify, 1, "tree nodes per row, root included")
+    check_at_least("--k", args.k, 1)
+    check_at_least("--depth", args.depth, 1)
+    if args.c_peak is not None:  # checked whatever the plan: a value no plan could use is a mistake
+        check_at_least("--c-peak", args.c_peak, 1, "tokens per forward")
     plans = [p.strip() for p in args.plan.split(",") if p.strip()]
     for p in plans:
         if p not in PLANS:
@@ -161,12 +166,15 @@ def run_bench(args) -> dict:
             raise CliError(f"--verify {v!r}: choose from {', '.join(EagleDrafter.VERIFY)}")
     stops = parse_float_list(args.chain_stop, "--chain-stop", lambda x: 0 <= x < 1, "numbers in [0, 1), e.g. 0,0.15")
     dtype = DTYPES[args.dtype]
+    try:
+        params = SamplingParams(temperature=args.temperature, top_p=args.top_p, max_new_tokens=args.max_new_tokens,
+                                seed=args.seed, min_new_tokens=args.max_new_tokens if args.force_length else 0)
+    except ValueError as e:  # "SamplingParams.top_p must be ..." -> "--top-p must be ..."
+        raise as_option_error(e, "SamplingParams") from None
     model, tok = hub.load(args.model, torch.float32)
     head = load_head_as(f"--draft {args.draft}", args.draft, model)
     eos = hub.eos_ids(tok, hub.resolve(args.model, quiet=True))
     engine = Engine(model, eos_ids=eos, dtype=dtype)
-    params = SamplingParams(temperature=args.temperature, top_p=args.top_p, max_new_tokens=args.max_new_tokens,
-                            seed=args.seed, min_new_tokens=args.max_new_tokens if args.force_length else 0)
     prompts = bench_prompts(tok, max(batches) * args.repeats, args.seed)  # distinct prompts for every repeat
     warm = SamplingParams(max_new_tokens=8, seed=args.seed)
     engine.generate(prompts[:2], warm)

@@ -78,15 +78,17 @@ class DistillConfig:
     # auto = where the CPU has fast bf16 (``device.use_bf16``). The held-out score always runs in fp32.
 
     def __post_init__(self):
-        if self.steps < 0 or self.batch < 1 or self.lr <= 0:
-            raise ValueError(f"distill needs steps >= 0, batch >= 1, lr > 0; got {self}")
-        w = (self.w_feat, self.w_ce, self.w_tv, self.w_block)
-        if min(w) < 0 or sum(w) == 0:
-            raise ValueError(f"distill needs loss weights w_feat, w_ce, w_tv, w_block >= 0, not all 0; got {self}")
-        if not 0 <= self.eval_frac < 1 or self.eval_every < 1:
-            raise ValueError(f"distill needs 0 <= eval_frac < 1 and eval_every >= 1; got {self}")
-        if self.unroll < 1 or not 0 < self.unroll_decay <= 1 or self.eval_depth < 1:
-            raise ValueError(f"distill needs unroll >= 1, eval_depth >= 1 and 0 < unroll_decay <= 1; got {self}")
+        ranges = (("steps", self.steps >= 0, ">= 0"), ("batch", self.batch >= 1, ">= 1"), ("lr", self.lr > 0, "> 0"),
+                  *((k, getattr(self, k) >= 0, ">= 0") for k in ("w_feat", "w_ce", "w_tv", "w_block")),
+                  ("eval_frac", 0 <= self.eval_frac < 1, "in [0, 1)"), ("eval_every", self.eval_every >= 1, ">= 1"),
+                  ("unroll", self.unroll >= 1, ">= 1"), ("unroll_decay", 0 < self.unroll_decay <= 1, "in (0, 1]"),
+                  ("eval_depth", self.eval_depth >= 1, ">= 1"))
+        for k, ok, want in ranges:  # NaN fails every check
+            if not ok:
+                raise ValueError(f"DistillConfig.{k} must be {want}, got {getattr(self, k)!r}")
+        if self.w_feat + self.w_ce + self.w_tv + self.w_block == 0:
+            raise ValueError("DistillConfig.w_feat, DistillConfig.w_ce, DistillConfig.w_tv and DistillConfig.w_block "
+                             "must be >= 0, not all 0 (no loss to train); got all 0")
         check_bf16_switch(self.bf16, "DistillConfig.bf16")
 
 
@@ -712,11 +714,27 @@ def _prompts(args, tokenizer, loaded=None) -> list[list[int]]:
 
 
 def cli(args) -> int:
-    from ..cli import CliError, check_output
+    from ..cli import CliError, as_option_error, check_at_least, check_output
     from ..models import hub
 
     if args.steps < 0:
         raise CliError(f"--steps must be >= 0, got {args.steps}")
+    check_at_least("-n", args.n, 1, "generations per prompt")
+    check_at_least("--draft-vocab", args.draft_vocab, 0, "0 = full")
+    if args.time_budget is not None and not args.time_budget > 0:
+        raise CliError(f"--time-budget must be > 0 seconds, got {args.time_budget}")
+    try:  # the options' ranges, before the model loads
+        SamplingParams(temperature=args.temperature, max_new_tokens=args.max_new_tokens)
+    except ValueError as e:
+        raise as_option_error(e, "SamplingParams") from None
+    try:
+        cfg = DistillConfig(steps=args.steps, lr=args.lr, batch=args.batch, seed=args.seed, noise=args.noise,
+                            w_feat=args.w_feat, w_ce=args.w_ce, w_tv=args.w_tv, w_block=args.w_block,
+                            eval_frac=args.eval_frac, prompt_loss=args.prompt_loss, unroll=args.unroll,
+                            unroll_decay=args.unroll_decay, eval_depth=args.eval_depth,
+                            bf16="auto" if args.train_bf16 is None else args.train_bf16)
+    except ValueError as e:
+        raise as_option_error(e, "DistillConfig", {"bf16": "--train-bf16"}) from None
     check_output(args.out, "--out", "dir")  # before the generations and the training, not after them
     if args.data_cache:
         check_output(args.data_cache, "--data-cache")
@@ -725,11 +743,6 @@ def cli(args) -> int:
     policy, tok = hub.load(args.model, torch.float32)
     prompts = _prompts(args, tok, loaded)
     eos = hub.eos_ids(tok, hub.resolve(args.model, quiet=True))
-    cfg = DistillConfig(steps=args.steps, lr=args.lr, batch=args.batch, seed=args.seed, noise=args.noise,
-                        w_feat=args.w_feat, w_ce=args.w_ce, w_tv=args.w_tv, w_block=args.w_block,
-                        eval_frac=args.eval_frac, prompt_loss=args.prompt_loss, unroll=args.unroll,
-                        unroll_decay=args.unroll_decay, eval_depth=args.eval_depth,
-                        bf16="auto" if args.train_bf16 is None else args.train_bf16)
 
     def log(info):
         deep = "".join(f" d{k[len('eval_accept_d'):]} {v:.3f}" for k, v in info.items() if k.startswith("eval_accept_d"))

@@ -390,6 +390,8 @@ def cli(args) -> int:
         raise CliError(f"--max-tokens must be >= 1, got {args.max_tokens}")
     if args.context < 1:
         raise CliError(f"--context must be >= 1 (cached tokens per row), got {args.context}")
+    if args.repeats < 1:
+        raise CliError(f"--repeats must be >= 1 (timed runs per point), got {args.repeats}")
     if not args.delta > 0:
         raise CliError(f"--delta must be > 0, got {args.delta}")
     batches = tuple(parse_int_list(args.batches, "--batches"))

@@ -346,8 +346,24 @@ def read_rows(path: str | Path, skip_bad_rows: bool = False, advice: Advice = TR
     else:
         raise DataError(f"{p}: unknown file type {suffix!r}; use .jsonl, .json, .csv or .parquet")
     if bad:
-        logger.warning("skipped %d malformed line(s) in %s (first: %s)", len(bad), p, bad[0])
+        _warn_once(p, "skipped %d malformed line(s) in %s (first: %s)", len(bad), p, bad[0])
     return rows
+
+
+_warned: set = set()
+
+
+def _warn_once(path: Path, msg: str, *args) -> None:
+    """``logger.warning`` once per unchanged file and message: a file read for the train split and again for
+    the eval split (``load_examples`` twice) tells of its skipped rows once."""
+    try:
+        st = path.stat()
+    except OSError:
+        st = None
+    key = None if st is None else (str(path.resolve()), st.st_mtime_ns, st.st_size, msg % args)
+    if key is None or key not in _warned:
+        _warned.add(key)
+        logger.warning(msg, *args)
 
 
 def _pick_field(want: str, default: str, aliases: tuple[str, ...], columns: set[str], path, role: str,
@@ -409,7 +425,7 @@ def _convert(rows, path, cfg: DataConfig, answers: bool = True, advice: Advice =
                 f"{len(bad)} bad row(s) in all; {advice.bad_rows}")
         raise DataError(f"{bad[0]} ({more})")
     if bad:
-        logger.warning("skipped %d bad row(s) in %s (first: %s)", len(bad), path, bad[0])
+        _warn_once(Path(path), "skipped %d bad row(s) in %s (first: %s)", len(bad), path, bad[0])
     if not out:
         raise DataError(f"{path}: no usable rows left (all {len(rows)} were bad; first: {bad[0]})")
     return out
