@@ -508,6 +508,9 @@ def load_config(path: str | Path | None = None, preset: str | None = None,
         _merge(merged, data, str(p), _yaml_lines(text), origins)
     for o in overrides:
         _merge(merged, parse_override(o), f"override {o!r}", origins=origins)
+    data = merged.get("data", {})
+    if data.get("path") and ("data", "task") not in origins:  # a data file and no task named: the file is the task
+        data["task"] = "file"
     return build(merged, origins)
 
 

@@ -329,3 +329,14 @@ def test_a_leading_tilde_in_path_fields_and_path_options_means_home(tmp_path, mo
     assert a.extra_data == f"{tmp_path}/a.st,/abs/b.st,{tmp_path}/c.st"
     assert a.out == f"{tmp_path}/o.json"
     assert a.plan == "~static"  # not a path option: left alone
+
+
+def test_a_data_path_implies_the_file_task_unless_a_task_is_named(tmp_path):
+    assert load_config(overrides=["data.path=x.jsonl"]).data.task == "file"
+    assert load_config(overrides=["data.path=x.jsonl", "data.task=file"]).data.task == "file"
+    assert load_config().data.task == "arithmetic" and load_config().data.path is None
+    with pytest.raises(ValueError, match="set data.task=file"):  # a task named along with the path: as told
+        load_config(overrides=["data.task=arithmetic", "data.path=x.jsonl"])
+    y = tmp_path / "c.yaml"
+    y.write_text("data:\n  path: x.jsonl\n")
+    assert load_config(y).data.task == "file"
