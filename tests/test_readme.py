@@ -96,3 +96,20 @@ def test_every_repository_path_the_readme_shows_exists():
     assert not outside, f"README points outside the repository: {outside}"
     missing = [p for p in paths if not list(ROOT.glob(p))]
     assert not missing, f"README shows paths that are not in the repository: {missing}"
+
+
+def test_the_library_example_runs_as_shown(smollm2, monkeypatch):
+    """The README's `## Library` block, run as written (the real model, from the machine's cache): 8 rollouts of
+    the prompt, each with its completion, both kinds of log-probabilities and a finish reason."""
+    home = next(p for p in Path(smollm2[2]).parents if p.name == "models").parent
+    monkeypatch.setenv("SPECROLL_HOME", str(home))  # the cache the smollm2 fixture loaded from: no second pull
+    block = re.search(r"## Library\n\n```python\n(.*?)```", README, flags=re.S).group(1)
+    assert 'hub.load("smollm2-135m")' in block
+    ns: dict = {}
+    exec(compile(block, "README.md#library", "exec"), ns)  # noqa: S102 - our own README
+    rollouts = ns["rollouts"]
+    assert len(rollouts) == 8
+    for r in rollouts:
+        n = len(r.completion_ids)
+        assert 1 <= n <= 32 and r.logprobs.shape == r.sample_logprobs.shape == (n,)
+        assert (r.logprobs <= 0).all() and r.finish_reason in ("stop", "length")
