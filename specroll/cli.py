@@ -207,7 +207,7 @@ def _draft(sub):
                         "has fast bf16: AMX, or AVX-512 BF16 where it measures faster); the held-out score runs in fp32 either way")
     t.add_argument("--seed", type=int, default=0)
     t.add_argument("--init", default=None, help="continue training this draft head directory")
-    t.add_argument("--out", required=True, help="output directory")
+    t.add_argument("--out", required=True, help="output directory for the head (one already holding a head: only with --init of that head)")
     p.set_defaults(func=_run("specroll.drafters.distill:cli"))
 
 

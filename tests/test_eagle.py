@@ -1163,6 +1163,12 @@ def test_cli_draft_train_then_bench_spec(tmp_path, monkeypatch, capsys):
     assert json.loads((head_dir / "draft_head.json").read_text())["meta"]["config"]["w_ce"] == 0.5
     assert main(["draft", "train", "--model", "tiny-llama", "--w-feat", "0", "--w-ce", "0", "--out", str(head_dir)]) == 2
     assert "not all 0" in capsys.readouterr().err
+    # a second head into the same --out would replace the first: refused, unless it continues that head
+    before = (head_dir / "draft_head.safetensors").read_bytes()
+    assert main(["draft", "train", "--model", "tiny-llama", "--prompts", "2", "--steps", "1", "--out", str(head_dir)]) == 2
+    err = capsys.readouterr().err
+    assert f"--out {head_dir} already holds a draft head" in err and f"--init {head_dir} --out {head_dir}" in err
+    assert (head_dir / "draft_head.safetensors").read_bytes() == before
     common = ["bench", "spec", "--model", "tiny-llama", "--draft", str(head_dir), "--batch-sizes", "1,2",
               "--max-new-tokens", "4", "--n-verify", "4", "--k", "2", "--depth", "2", "--dtype", "float32"]
     assert main(common + ["--out", str(out)]) == 0

@@ -51,7 +51,7 @@ from ..device import adamw, check_bf16_switch, use_bf16
 from ..engine.engine import Engine
 from ..engine.sampling import SamplingParams
 from ..models.decoder import Decoder
-from .eagle import DraftHead, DraftVocab, head_for, load_head_as, save_head
+from .eagle import HEAD_CONFIG, DraftHead, DraftVocab, head_for, load_head_as, save_head
 from .reuse import prompt_key
 from .verify import vocab_columns
 
@@ -736,6 +736,10 @@ def cli(args) -> int:
     except ValueError as e:
         raise as_option_error(e, "DistillConfig", {"bf16": "--train-bf16"}) from None
     check_output(args.out, "--out", "dir")  # before the generations and the training, not after them
+    out = Path(args.out)
+    if (out / HEAD_CONFIG).exists() and not (args.init and Path(args.init).resolve() == out.resolve()):
+        raise CliError(f"--out {out} already holds a draft head; continue training it with --init {out} --out {out}, "
+                       "or pick another --out (or delete that one)")
     if args.data_cache:
         check_output(args.data_cache, "--data-cache")
     loaded = _examples(args)  # bad --data / --prompts fail before the model loads
