@@ -285,6 +285,7 @@ def run(args, say=print) -> dict:
 
 def cli(args) -> int:
     from ..cli import CliError, check_at_least, check_output
+    from .reuse import check_grpo_options
 
     if args.design not in DESIGNS:
         raise CliError(f"--design must be one of {', '.join(DESIGNS)}, got {args.design!r}")
@@ -295,12 +296,8 @@ def cli(args) -> int:
     # the options that become config keys, named as the options (not rollout.G, draft.update_steps)
     check_at_least("--prompts", args.prompts, 0, "0 = the task's default train set")
     check_at_least("--prompts-per-step", args.prompts_per_step, 1)
-    check_at_least("-G", args.G, 2, "GRPO compares completions within a group")
-    check_at_least("--max-new-tokens", args.max_new_tokens, 1)
     check_at_least("--update-steps", args.update_steps, 1)
-    for opt, v in (("--temperature", args.temperature), ("--lr", args.lr)):
-        if not 0 < v < float("inf"):
-            raise CliError(f"{opt} must be a finite number > 0, got {v}")
+    check_grpo_options(args)
     if args.draft != "random":
         if not Path(args.draft).is_dir():
             raise CliError(f"--draft {args.draft}: no such directory; pass a `specroll draft train --out DIR` "

@@ -44,17 +44,25 @@ def _modes(s: str) -> list[str]:
     return out
 
 
-def check_counts(args) -> None:
-    """The options that become config keys, named as the options (not train.steps, rollout.G), before any work."""
+def check_grpo_options(args) -> None:
+    """``-G``, ``--max-new-tokens``, ``--temperature`` and ``--lr`` of the GRPO benches (``bench reuse``, ``bench
+    online``), which become config keys: refused before any work, named as the options (not rollout.G)."""
     from ..cli import CliError, check_at_least
 
-    check_at_least("--prompts", args.prompts, 1, "training prompts")
     check_at_least("-G", args.G, 2, "GRPO compares completions within a group")
     check_at_least("--max-new-tokens", args.max_new_tokens, 1)
-    check_at_least("--micro-batch-size", args.micro_batch_size, 1)
     for opt, v in (("--temperature", args.temperature), ("--lr", args.lr)):
         if not 0 < v < float("inf"):
             raise CliError(f"{opt} must be a finite number > 0, got {v}")
+
+
+def check_counts(args) -> None:
+    """``bench reuse``'s options that become config keys (not train.steps, rollout.G), before any work."""
+    from ..cli import check_at_least
+
+    check_at_least("--prompts", args.prompts, 1, "training prompts")
+    check_at_least("--micro-batch-size", args.micro_batch_size, 1)
+    check_grpo_options(args)
 
 
 def bench_config(args):
