@@ -224,14 +224,14 @@ def test_resume_after_a_cut_off_metrics_line_and_from_an_earlier_step(tmp_path, 
     capsys.readouterr()
     assert main(["train", "--out", str(out), "--resume", "latest", "train.steps=3"]) == 0
     assert "dropped a partial last line" in capsys.readouterr().out
-    assert metric_steps(m) == [1, 3]  # step 2's row was lost with the cut; nothing is glued to it
+    assert metric_steps(m) == [1, 2, 3]  # step 2's cut-off row: back from its checkpoint, nothing glued to it
     assert main(["report", str(out)]) == 0
     # back to step 1 of a run that reached step 3
     assert main(["train", "--out", str(out), "--resume", str(out / "step_000001"), "train.steps=2"]) == 0
     said = capsys.readouterr().out
     aside = out / "superseded-after-step_000001"
     assert f"to {aside}" in said.replace("\n", "")
-    assert metric_steps(m) == [1, 2] and metric_steps(aside / "metrics.jsonl") == [3]
+    assert metric_steps(m) == [1, 2] and metric_steps(aside / "metrics.jsonl") == [2, 3]
     assert [p.name for p in ckpt.list_checkpoints(out)] == ["step_000001", "step_000002"]
     assert [p.name for p in ckpt.list_checkpoints(aside)] == ["step_000002", "step_000003"]
 
@@ -265,3 +265,50 @@ def test_report_output_and_empty_runs(tmp_path, capsys, monkeypatch):
         assert main(["report", str(out)]) == 2
         err = one_line_error(capsys)
         assert "metrics.jsonl" in err and "nothing to plot" in err
+
+
+def test_restore_row_gives_back_the_row_of_a_step_killed_after_its_checkpoint(tmp_path):
+    out = tmp_path / "run"
+    fake_run(out, [1, 2], [1])  # killed after writing step_000002 but before its metrics row
+    state = json.loads((out / "step_000002" / "state.json").read_text())
+    state["metrics_row"] = {"step": 2, "reward/mean": 0.5}
+    (out / "step_000002" / "state.json").write_text(json.dumps(state))
+    assert ckpt.restore_row(out, out / "step_000002", 2)
+    assert metric_steps(out / "metrics.jsonl") == [1, 2]
+    assert json.loads((out / "metrics.jsonl").read_text().splitlines()[-1])["reward/mean"] == 0.5
+    assert not ckpt.restore_row(out, out / "step_000002", 2)  # the row is there now: not twice
+    assert not ckpt.restore_row(out, out / "step_000001", 1)  # a checkpoint without a copy: nothing to do
+    assert metric_steps(out / "metrics.jsonl") == [1, 2]
+
+
+def test_clean_partial_saves_removes_dead_writers_temporaries_only(tmp_path):
+    import os
+    import subprocess
+    import sys
+
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True,
+                          text=True).stdout.strip()
+    out = tmp_path / "run"
+    fake_run(out, [1], [1])
+    for name in (f".tmp-step_000002-{dead}", f".tmp-step_000003-{os.getpid()}", ".tmp-step_000004-x"):
+        (out / name).mkdir()
+        (out / name / "model.safetensors").write_bytes(b"0" * 10)
+    gone = ckpt.clean_partial_saves(out)
+    assert [p.name for p in gone] == [f".tmp-step_000002-{dead}"]
+    assert sorted(p.name for p in out.glob(".tmp-*")) == [f".tmp-step_000003-{os.getpid()}", ".tmp-step_000004-x"]
+    assert [p.name for p in ckpt.list_checkpoints(out)] == ["step_000001"]
+
+
+def test_a_checkpoint_keeps_its_steps_metrics_row(tmp_path, monkeypatch):
+    monkeypatch.delenv("SPECROLL_DEBUG", raising=False)
+    out = tmp_path / "run"
+    assert main(["train", "--out", str(out), "train.steps=2", "train.save_every=1", *TINY]) == 0
+    rows = {json.loads(line)["step"]: json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()}
+    kept = json.loads((out / "step_000002" / "state.json").read_text())["metrics_row"]
+    assert kept["step"] == 2 and kept["reward/mean"] == rows[2]["reward/mean"]
+    assert "timing/checkpoint" not in kept and "timing/checkpoint" in rows[2]
+    # killed between the two: the line is gone; the resume writes it back
+    lines = (out / "metrics.jsonl").read_text().splitlines()
+    (out / "metrics.jsonl").write_text(lines[0] + "\n")
+    assert main(["train", "--out", str(out), "--resume", "latest", "train.steps=3"]) == 0
+    assert metric_steps(out / "metrics.jsonl") == [1, 2, 3]

@@ -186,6 +186,49 @@ def set_aside_later(run_dir: str | Path, step: int) -> str | None:
     return "; ".join(said) if said else None
 
 
+def restore_row(run_dir: str | Path, ck: str | Path, step: int) -> bool:
+    """After ``set_aside_later``: give ``run_dir/metrics.jsonl`` the row of the resume step when the run was
+    stopped after writing checkpoint ``ck`` but before writing that row (the checkpoint keeps a copy in its
+    ``state.json``; without ``timing/checkpoint``, which is measured after it). Returns whether it did."""
+    metrics = Path(run_dir) / "metrics.jsonl"
+    try:
+        row = json.loads((Path(ck) / "state.json").read_text()).get("metrics_row")
+    except (OSError, ValueError):
+        return False
+    if not isinstance(row, dict):
+        return False
+    if metrics.is_file():
+        for line in metrics.read_text().splitlines():
+            try:
+                if json.loads(line).get("step") == step:
+                    return False
+            except (ValueError, AttributeError):
+                continue
+    with open(metrics, "a") as f:
+        f.write(json.dumps(row) + "\n")
+        f.flush()
+        os.fsync(f.fileno())
+    return True
+
+
+def clean_partial_saves(run_dir: str | Path) -> list[Path]:
+    """Remove the temporary directories of checkpoint writes that a killed process left behind
+    (``.tmp-step_N-PID``: never a checkpoint; a live PID's are left alone). Returns what it removed."""
+    gone = []
+    for p in Path(run_dir).glob(".tmp-step_*-*"):
+        try:
+            pid = int(p.name.rsplit("-", 1)[1])
+            os.kill(pid, 0)
+            continue  # that process is still running (and may be writing it)
+        except ProcessLookupError:
+            pass
+        except (ValueError, PermissionError):
+            continue
+        shutil.rmtree(p, ignore_errors=True)
+        gone.append(p)
+    return gone
+
+
 # --- loading: every failure is one ValueError naming the checkpoint, the file and the fix ------------
 
 DAMAGED_FIX = "use an earlier step_* checkpoint of the run instead, or delete this one"

@@ -191,6 +191,7 @@ def _launch(args, nproc: int) -> int:
     process has printed its own error above it."""
     import os
 
+    from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
@@ -213,13 +214,36 @@ def _launch(args, nproc: int) -> int:
     conf = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=nproc, run_id=f"specroll-{os.getpid()}",
                         rdzv_backend="c10d", rdzv_endpoint="localhost:0", max_restarts=0, monitor_interval=0.5)
     logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)  # failures: one line below
+    os.environ["SPECROLL_LAUNCHER_PID"] = str(os.getpid())  # the workers stop if this process dies (_follow_launcher)
     try:
         elastic_launch(conf, sys.executable)(*argv)
+    except SignalException as e:  # SIGTERM / SIGHUP to the launcher: the agent has stopped the workers
+        print(f"specroll: stopped by {e.sigval.name}; the checkpoints written so far are complete "
+              "(--resume latest continues)", file=sys.stderr)
+        return 128 + int(e.sigval)
     except ChildFailedError as e:
         codes = sorted({f.exitcode for f in e.failures.values()})
         raise CliError(f"{len(e.failures)} of {nproc} training processes failed (exit code "
                        f"{', '.join(map(str, codes))}); the first error is printed above") from None
     return 0
+
+
+def _follow_launcher() -> None:
+    """A worker of ``specroll train --nproc``: have the kernel send it SIGTERM when its parent (the launcher's
+    agent) dies, even by SIGKILL, so no orphaned worker goes on writing into the run directory."""
+    import ctypes
+    import os
+    import signal
+
+    launcher = os.environ.get("SPECROLL_LAUNCHER_PID")
+    if not launcher or not sys.platform.startswith("linux"):
+        return
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGTERM))  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        return
+    if os.getppid() != int(launcher):  # it died before the prctl: follow it now
+        os.kill(os.getpid(), signal.SIGTERM)
 
 
 def train_cli(args) -> int:
@@ -232,6 +256,8 @@ def train_cli(args) -> int:
     d = distributed.from_env()
     if nproc > 1 and not d.active:
         return _launch(args, nproc)
+    if d.active:
+        _follow_launcher()
     try:
         return _train_ranks(args, d)
     except (CliError, ValueError, FileNotFoundError, KeyboardInterrupt):
@@ -305,6 +331,11 @@ def _train_ranks(args, d) -> int:
                     aside = ckpt.set_aside_later(run_dir, step)
                     if aside:
                         console.print(f"resume: {aside}")
+                    if ckpt.restore_row(run_dir, ck, step):
+                        console.print(f"resume: metrics.jsonl had no row for step {step} (the run stopped right "
+                                      f"after its checkpoint); restored it from {ck.name}/state.json")
+                    for p in ckpt.clean_partial_saves(run_dir):
+                        console.print(f"resume: removed {p.name}, an unfinished checkpoint write")
                 changed = _config_changes(run_dir / "config.yaml", cfg)
                 if changed:
                     console.print(f"resume: config.yaml now records {changed}")

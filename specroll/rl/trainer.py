@@ -46,6 +46,7 @@ from .distributed import Dist
 from .logprobs import token_logprobs
 from .losses import group_advantages, policy_loss, token_weights, zero_variance_groups
 from .metrics import MetricsWriter, step_line
+from .metrics import _clean as _json_value
 from .rewards import RewardError
 
 
@@ -612,9 +613,11 @@ class Trainer:
                 "eval/n": len(rows), "timing/eval": time.perf_counter() - t}
 
     # -- checkpoints --------------------------------------------------------------------------
-    def save(self) -> Path | None:
+    def save(self, row: dict | None = None) -> Path | None:
         """Write a checkpoint of step ``self.step`` (rank 0 only; every rank waits until it is written).
-        Returns its directory (``None`` on the other ranks)."""
+        Returns its directory (``None`` on the other ranks). ``row``: the step's metrics so far, kept in
+        ``state.json`` so that a run killed after the checkpoint but before its metrics line gets the line
+        back on resume (``checkpoint.restore_row``)."""
         if self.run_dir is None:
             raise ValueError("the trainer has no run directory to save into")
         if not self.dist.main:
@@ -623,6 +626,8 @@ class Trainer:
         state = {"data_position": self.step * self.cfg.train.prompts_per_step,
                  "rollout_seed_next": self.rollout_params(self.step).seed,
                  "policy_version": self.engine.policy_version}
+        if row is not None:
+            state["metrics_row"] = {"step": self.step, **{k: _json_value(v) for k, v in row.items()}}
         try:
             return ckpt.save_checkpoint(
                 self.run_dir, self.step, model=self.model, optimizer=self.opt, scheduler=self.sched, state=state,
@@ -684,7 +689,7 @@ class Trainer:
                 m.update(self.evaluate())
             if self.run_dir is not None and ((tc.save_every and self.step % tc.save_every == 0) or last):
                 t = time.perf_counter()
-                self.save()
+                self.save(row=m)
                 m["timing/checkpoint"] = time.perf_counter() - t
             self._log(m)
             self._say(step_line(self.step, tc.steps, m))
