@@ -64,6 +64,9 @@ def export_checkpoint(checkpoint: str | Path, out: str | Path, model: str | None
             if (base / name).is_file():
                 shutil.copy2(base / name, tmp / name)
         save_file(decoder_to_hf_state(policy), str(tmp / "model.safetensors"), metadata={"format": "pt"})
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(tmp / "model.safetensors", 0o666 & ~umask)  # safetensors writes 0600; a shared model is read by others
         if out.exists():
             out.rmdir()
         os.replace(tmp, out)
@@ -75,6 +78,8 @@ def export_checkpoint(checkpoint: str | Path, out: str | Path, model: str | None
 
 def cli(args) -> int:
     out = export_checkpoint(args.checkpoint, args.out, args.model)
-    print(f"exported {args.checkpoint} -> {out} (load it with `specroll generate --model {out}` or "
+    from .rl.checkpoint import resolve
+
+    print(f"exported {resolve(args.checkpoint)} -> {out} (load it with `specroll generate --model {out}` or "
           "transformers' AutoModelForCausalLM.from_pretrained)")
     return 0

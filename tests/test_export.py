@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 import torch
@@ -34,8 +35,12 @@ def test_export_loads_in_transformers_with_the_checkpoint_logits(run_dir, tmp_pa
 
     out = tmp_path / "hf"
     assert main(["export", "--checkpoint", str(run_dir), "--out", str(out)]) == 0
-    assert str(out) in capsys.readouterr().out
+    said = capsys.readouterr().out
+    assert str(out) in said and str(ckpt.resolve(run_dir)) in said  # names the step it exported
     assert {"config.json", "model.safetensors", "tokenizer.json"} <= {p.name for p in out.iterdir()}
+    umask = os.umask(0)
+    os.umask(umask)
+    assert (out / "model.safetensors").stat().st_mode & 0o777 == 0o666 & ~umask  # readable as the others are
     ids = torch.tensor([[1, 5, 9, 2, 7, 3]])
     pos = torch.arange(ids.shape[1])[None]
     policy, _ = hub.load("tiny-llama")

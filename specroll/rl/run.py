@@ -410,7 +410,7 @@ def eval_cli(args) -> int:
         m = tr.evaluate()
     finally:
         reward.close()
-    what = args.checkpoint or cfg.model.name
+    what = ck if args.checkpoint else cfg.model.name  # the checkpoint itself (a run directory's latest step)
     console.print(f"eval {what}: accuracy {m['eval/accuracy']:.3f} on {m['eval/n']} problems "
                   f"(T={args.temperature}, mean length {m['eval/completion_len']:.1f} tokens, {m['timing/eval']:.1f}s)")
     if args.json:
