@@ -207,6 +207,10 @@ def test_set_aside_later_only_mends_a_partial_line_and_keeps_damaged_rows(tmp_pa
     fake_run(tmp_path / "b", [1], [1], tail=b'{"step": 2}')
     assert "1 metrics row(s) past step 1" in ckpt.set_aside_later(tmp_path / "b", 1)
     assert (tmp_path / "b" / "superseded-after-step_000001" / "metrics.jsonl").read_text() == '{"step": 2}\n'
+    # ... and one the resumed run keeps gets its newline, so the next row is not glued onto it
+    fake_run(tmp_path / "c", [1], [], tail=b'{"step": 1}')
+    assert ckpt.set_aside_later(tmp_path / "c", 1) is None
+    assert (tmp_path / "c" / "metrics.jsonl").read_text() == '{"step": 1}\n'
     # a damaged line before the cut stays where it is, for read_metrics to name
     (out / "metrics.jsonl").write_text('{"step": 1}\nnot json\n{"step": 2}\n{"step": 3}\n')
     ckpt.set_aside_later(out, 2)

@@ -172,7 +172,7 @@ def set_aside_later(run_dir: str | Path, step: int) -> str | None:
         what = [f"{len(later)} later checkpoint(s) ({', '.join(p.name for p in later)})"] if later else []
         what += [f"{rows} metrics row(s) past step {step}"] if rows else []
         said.append(f"moved {' and '.join(what)} to {dest}")
-    if moved or partial:
+    if moved or partial or (metrics.is_file() and metrics.stat().st_size != len(kept)):  # also: a newline added
         tmp = metrics.with_name(f".metrics.jsonl.{os.getpid()}.tmp")
         with open(tmp, "wb") as f:
             f.write(kept)

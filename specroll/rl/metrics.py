@@ -34,7 +34,7 @@ class MetricsWriter:
 
     def write(self, step: int, metrics: dict) -> None:
         row = {"step": step, "time": round(time.time(), 3)}
-        row.update({k: _clean(v) for k, v in metrics.items()})
+        row.update({k: json_value(v) for k, v in metrics.items()})
         with open(self.path, "a") as f:
             f.write(json.dumps(row) + "\n")
         if self._tb is not None:
@@ -71,7 +71,8 @@ def split_after(path: str | Path, step: int) -> tuple[bytes, bytes, bytes]:
     return b"".join(lines), b"", partial
 
 
-def _clean(v):
+def json_value(v):
+    """A metric as JSON holds it: a NaN or an infinity becomes null."""
     if isinstance(v, float) and not math.isfinite(v):
         return None
     return v

@@ -45,8 +45,7 @@ from . import checkpoint as ckpt
 from .distributed import Dist
 from .logprobs import token_logprobs
 from .losses import group_advantages, policy_loss, token_weights, zero_variance_groups
-from .metrics import MetricsWriter, step_line
-from .metrics import _clean as _json_value
+from .metrics import MetricsWriter, json_value, step_line
 from .rewards import RewardError
 
 
@@ -627,7 +626,7 @@ class Trainer:
                  "rollout_seed_next": self.rollout_params(self.step).seed,
                  "policy_version": self.engine.policy_version}
         if row is not None:
-            state["metrics_row"] = {"step": self.step, **{k: _json_value(v) for k, v in row.items()}}
+            state["metrics_row"] = {"step": self.step, **{k: json_value(v) for k, v in row.items()}}
         try:
             return ckpt.save_checkpoint(
                 self.run_dir, self.step, model=self.model, optimizer=self.opt, scheduler=self.sched, state=state,
