@@ -316,3 +316,25 @@ def test_a_checkpoint_keeps_its_steps_metrics_row(tmp_path, monkeypatch):
     (out / "metrics.jsonl").write_text(lines[0] + "\n")
     assert main(["train", "--out", str(out), "--resume", "latest", "train.steps=3"]) == 0
     assert metric_steps(out / "metrics.jsonl") == [1, 2, 3]
+
+
+def test_failed_resume_into_a_new_out_leaves_no_directory(tmp_path, capsys, monkeypatch):
+    monkeypatch.delenv("SPECROLL_DEBUG", raising=False)
+    out = tmp_path / "run"
+    assert main(["train", "--out", str(out), "train.steps=1", "train.save_every=1", *TINY]) == 0
+    before = snapshot(out)
+    capsys.readouterr()
+    new = tmp_path / "deeper" / "new"
+    # already at train.steps: refused after the checkpoint loads, with nothing written
+    assert main(["train", "--resume", str(out / "step_000001"), "--out", str(new)]) == 2
+    err = one_line_error(capsys)
+    assert "already at step 1" in err and "train.steps=" in err
+    assert not new.exists() and snapshot(out) == before
+    # an existing empty --out stays (the user made it)
+    new.mkdir(parents=True)
+    assert main(["train", "--resume", str(out / "step_000001"), "--out", str(new)]) == 2
+    one_line_error(capsys)
+    assert new.is_dir() and not any(new.iterdir())
+    # and the same resume with room to run writes the continued run there
+    assert main(["train", "--resume", str(out / "step_000001"), "--out", str(new), "train.steps=2"]) == 0
+    assert metric_steps(new / "metrics.jsonl") == [2] and snapshot(out) == before

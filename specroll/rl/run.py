@@ -160,10 +160,14 @@ def _release_run_dir(run_dir: Path, created: bool) -> None:
         return
     (run_dir / "config.yaml").unlink(missing_ok=True)
     if created:
-        try:
-            run_dir.rmdir()  # only if empty
-        except OSError:
-            pass
+        _remove_if_empty(run_dir)
+
+
+def _remove_if_empty(run_dir: Path) -> None:
+    try:
+        run_dir.rmdir()  # only if empty
+    except OSError:
+        pass
 
 
 def _progress(console, total: int):
@@ -296,6 +300,7 @@ def _train_ranks(args, d) -> int:
             base = str(ck / "config.yaml")  # resume with the run's own config unless told otherwise
         cfg = load_config(base, args.preset, args.overrides)
         if d.main:
+            created = not run_dir.exists()
             _mkdir(run_dir, how)
             other = _previous_run(run_dir) if run_dir.resolve() != ck.parent.resolve() else []
             if other:  # resuming into another run's directory would mix the runs' metrics and prune its checkpoints
@@ -359,8 +364,10 @@ def _train_ranks(args, d) -> int:
             finally:
                 getattr(trainer.reward, "close", lambda: None)()
     except BaseException:
-        if not resume and d.main:  # a fresh run that failed before writing anything leaves its directory reusable
+        if d.main and not resume:  # a fresh run that failed before writing anything leaves its directory reusable
             _release_run_dir(run_dir, created)
+        elif d.main and created:  # a resume into a new --out that failed before writing anything leaves no trace
+            _remove_if_empty(run_dir)
         raise
     wall = time.perf_counter() - t0
     if d.main:
