@@ -112,7 +112,7 @@ class TrainConfig:
     keep_last: int = 2
     out_dir: str = ""  # "" = runs/<timestamp>
     seed: int = 0
-    tensorboard: bool = False  # also write TensorBoard events (if tensorboard is installed)
+    tensorboard: bool = False  # also write TensorBoard events to RUN/tb (pip install 'specroll[tensorboard]')
 
     def __post_init__(self):
         pos = ("steps", "prompts_per_step", "micro_batch_size", "mu", "mini_batches", "keep_last")

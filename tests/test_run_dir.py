@@ -338,3 +338,56 @@ def test_failed_resume_into_a_new_out_leaves_no_directory(tmp_path, capsys, monk
     # and the same resume with room to run writes the continued run there
     assert main(["train", "--resume", str(out / "step_000001"), "--out", str(new), "train.steps=2"]) == 0
     assert metric_steps(new / "metrics.jsonl") == [2] and snapshot(out) == before
+
+
+class FakeSummaryWriter:
+    made: list = []
+
+    def __init__(self, log_dir, purge_step=None):
+        self.log_dir, self.purge_step, self.scalars = log_dir, purge_step, []
+        FakeSummaryWriter.made.append(self)
+
+    def add_scalar(self, k, v, step):
+        self.scalars.append((k, v, step))
+
+    def close(self):
+        pass
+
+
+def test_tensorboard_writer_opens_at_the_first_row_and_purges_from_it(tmp_path, monkeypatch):
+    """A run resumed at step N writes its first row at N + 1: TensorBoard must hide the earlier run's events
+    from N + 1 on (as the resume sets those metrics rows aside), so the writer opens with purge_step = N + 1."""
+    import sys
+    import types
+
+    from specroll.rl.metrics import MetricsWriter
+
+    fake = types.ModuleType("torch.utils.tensorboard")
+    fake.SummaryWriter = FakeSummaryWriter
+    monkeypatch.setitem(sys.modules, "torch.utils.tensorboard", fake)
+    FakeSummaryWriter.made = []
+    w = MetricsWriter(tmp_path, tensorboard=True)
+    assert FakeSummaryWriter.made == []  # nothing opened before a row exists
+    w.write(3, {"reward/mean": 0.5, "flag": True, "bad": float("nan")})
+    w.write(4, {"reward/mean": 0.25})
+    [tb] = FakeSummaryWriter.made
+    assert tb.log_dir == str(tmp_path / "tb") and tb.purge_step == 3
+    assert tb.scalars == [("reward/mean", 0.5, 3), ("reward/mean", 0.25, 4)]
+
+
+def test_tensorboard_hides_the_steps_a_resumed_run_does_again(tmp_path):
+    pytest.importorskip("tensorboard")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from specroll.rl.metrics import MetricsWriter
+
+    w = MetricsWriter(tmp_path, tensorboard=True)
+    for s in (1, 2, 3):
+        w.write(s, {"reward/mean": float(s)})
+    w.close()
+    w = MetricsWriter(tmp_path, tensorboard=True)  # resumed from step 1's checkpoint
+    w.write(2, {"reward/mean": 20.0})
+    w.close()
+    acc = EventAccumulator(str(tmp_path / "tb"))
+    acc.Reload()
+    assert [(e.step, e.value) for e in acc.Scalars("reward/mean")] == [(1, 1.0), (2, 20.0)]

@@ -23,13 +23,16 @@ class MetricsWriter:
         self.path = Path(run_dir) / "metrics.jsonl"
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self._tb = None
+        self._tb_dir = Path(run_dir) / "tb" if tensorboard else None
         if tensorboard:
             try:
                 from torch.utils.tensorboard import SummaryWriter
 
-                self._tb = SummaryWriter(str(Path(run_dir) / "tb"))
+                self._SummaryWriter = SummaryWriter
             except Exception as e:  # tensorboard not installed: say so once, keep training
-                print(f"specroll: tensorboard unavailable ({e.__class__.__name__}); writing JSONL only",
+                self._tb_dir = None
+                print(f"specroll: tensorboard unavailable ({e.__class__.__name__}: {e}); writing metrics.jsonl only "
+                      "(pip install 'specroll[tensorboard]' for TensorBoard events)",
                       file=sys.stderr)
 
     def write(self, step: int, metrics: dict) -> None:
@@ -37,6 +40,10 @@ class MetricsWriter:
         row.update({k: json_value(v) for k, v in metrics.items()})
         with open(self.path, "a") as f:
             f.write(json.dumps(row) + "\n")
+        if self._tb_dir is not None and self._tb is None:
+            # opened at the first row, with purge_step = its step: a run resumed from an earlier checkpoint
+            # hides the events of the steps it does again, as the resume sets their metrics rows aside
+            self._tb = self._SummaryWriter(str(self._tb_dir), purge_step=step)
         if self._tb is not None:
             for k, v in metrics.items():
                 if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v):
