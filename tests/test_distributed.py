@@ -279,3 +279,76 @@ def test_cli_train_nproc_2(tmp_path, capsys):
     assert not (tmp_path / "x").exists()
     assert main(["train", "--nproc", "0"]) == 2
     assert "--nproc must be >= 1" in capsys.readouterr().err
+
+
+def _workers_of(launcher: int) -> list[int]:
+    """Live processes started by ``specroll train --nproc`` whose launcher is ``launcher`` (by their environment)."""
+    import os
+    from pathlib import Path
+
+    mark = f"SPECROLL_LAUNCHER_PID={launcher}".encode()
+    found = []
+    for p in Path("/proc").iterdir():
+        if not p.name.isdigit() or int(p.name) in (launcher, os.getpid()):
+            continue
+        try:
+            if mark in (p / "environ").read_bytes().split(b"\0") and (p / "stat").read_text().split(") ")[1][0] != "Z":
+                found.append(int(p.name))
+        except OSError:  # gone, or not ours
+            continue
+    return found
+
+
+def _wait_for(cond, timeout: float, what: str):
+    import time
+
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < timeout:
+        v = cond()
+        if v:
+            return v
+        time.sleep(0.2)
+    raise AssertionError(f"timed out after {timeout} s waiting for {what}")
+
+
+@pytest.mark.skipif(not __import__("sys").platform.startswith("linux"), reason="PR_SET_PDEATHSIG and /proc: Linux")
+@pytest.mark.parametrize("sig", ["SIGTERM", "SIGKILL"])
+def test_nproc_workers_stop_with_their_launcher(tmp_path, sig):
+    """SIGTERM to ``train --nproc 2``: one line, exit 143, the workers stopped. SIGKILL (no chance to clean
+    up): the kernel stops the workers anyway (PR_SET_PDEATHSIG), so none goes on writing into the run."""
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    out = tmp_path / "run"
+    cmd = [sys.executable, "-m", "specroll", "train", "--nproc", "2", "--out", str(out), "model.name=tiny-llama",
+           "rollout.max_new_tokens=4", "data.n_train=8", "data.n_eval=2", "train.prompts_per_step=2", "rollout.G=2",
+           "model.rollout_dtype=float32", "train.eval_before=false", "train.steps=100000", "train.save_every=1000000"]
+    env = {k: v for k, v in os.environ.items() if k != "SPECROLL_DEBUG"}
+    log = tmp_path / "stderr.txt"  # a file, not a pipe: an orphaned worker holding a pipe open would hang the test
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=log.open("wb"), env=env)
+    try:
+        metrics = out / "metrics.jsonl"
+        _wait_for(lambda: metrics.exists() and metrics.read_text().count("\n") >= 2, 120, "two training steps")
+        workers = _workers_of(proc.pid)
+        assert len(workers) >= 2, workers  # the 2 ranks (and any helper process they started)
+        proc.send_signal(getattr(signal, sig))
+        rc = proc.wait(timeout=60)
+        err = log.read_text()
+        _wait_for(lambda: not _workers_of(proc.pid), 30, f"the workers {workers} to stop")
+        if sig == "SIGTERM":
+            assert rc == 143, err
+            assert "specroll: stopped by SIGTERM" in err and "--resume latest" in err and "Traceback" not in err
+        else:
+            assert rc == -signal.SIGKILL
+        rows = metrics.read_text()
+        import time
+
+        time.sleep(1.0)  # nobody is left to write another row
+        assert metrics.read_text() == rows
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        for w in _workers_of(proc.pid):
+            os.kill(w, signal.SIGKILL)
