@@ -217,7 +217,11 @@ def _launch(args, nproc: int) -> int:
     os.environ.setdefault("SPECROLL_FAST_BF16", str(int(fast_bf16())))
     conf = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=nproc, run_id=f"specroll-{os.getpid()}",
                         rdzv_backend="c10d", rdzv_endpoint="localhost:0", max_restarts=0, monitor_interval=0.5)
-    logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)  # failures: one line below
+    # failures and signals: one line below. The elastic modules set their own loggers' levels (LOGLEVEL or
+    # WARNING), so the package logger's level alone does not quiet them.
+    for name in ["torch.distributed.elastic", *logging.root.manager.loggerDict]:
+        if name.startswith("torch.distributed.elastic"):
+            logging.getLogger(name).setLevel(logging.CRITICAL)
     os.environ["SPECROLL_LAUNCHER_PID"] = str(os.getpid())  # the workers stop if this process dies (_follow_launcher)
     try:
         elastic_launch(conf, sys.executable)(*argv)
