@@ -391,3 +391,18 @@ def test_tensorboard_hides_the_steps_a_resumed_run_does_again(tmp_path):
     acc = EventAccumulator(str(tmp_path / "tb"))
     acc.Reload()
     assert [(e.step, e.value) for e in acc.Scalars("reward/mean")] == [(1, 1.0), (2, 20.0)]
+
+
+def test_progress_lines_stay_whole_in_a_log_file(tmp_path, capsys, monkeypatch):
+    """Into a pipe or a file (nohup, CI) rich would fold each line at 80 columns, mid-number."""
+    monkeypatch.delenv("SPECROLL_DEBUG", raising=False)
+    out = tmp_path / ("a-long-run-directory-name-" * 3)
+    assert main(["train", "--out", str(out), "train.steps=2", "train.eval_every=1", *TINY]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    header = [x for x in lines if x.startswith("specroll train: tiny-llama")]
+    assert len(header) == 1 and header[0].endswith(str(out)) and len(header[0]) > 80
+    steps = [x for x in lines if x.startswith("step ")]
+    assert len(steps) == 2, lines
+    for x in steps:  # reward, eval, tokens and the per-phase times on one line
+        assert "reward " in x and "eval acc " in x and "update " in x and x.endswith(")"), x
+    assert not any(x.startswith(("0.", "reward 0.")) for x in lines), lines  # no folded tails

@@ -23,7 +23,8 @@ from .trainer import PromptSet, Trainer
 def _console(quiet: bool = False):
     from rich.console import Console
 
-    return Console(stderr=False, quiet=quiet)
+    # into a file or a pipe (nohup, CI logs) a step's line stays one line rather than folding at 80 columns
+    return Console(stderr=False, quiet=quiet, soft_wrap=not sys.stdout.isatty())
 
 
 def prompt_set(examples, tokenizer, data_cfg, label: str, say=print) -> PromptSet:
