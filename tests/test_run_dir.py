@@ -329,10 +329,14 @@ def test_failed_resume_into_a_new_out_leaves_no_directory(tmp_path, capsys, monk
     assert main(["train", "--resume", str(out / "step_000001"), "--out", str(new)]) == 2
     err = one_line_error(capsys)
     assert "already at step 1" in err and "train.steps=" in err
-    assert not new.exists() and snapshot(out) == before
+    assert not (tmp_path / "deeper").exists() and snapshot(out) == before  # nor the parent it made
     # an existing empty --out stays (the user made it)
     new.mkdir(parents=True)
     assert main(["train", "--resume", str(out / "step_000001"), "--out", str(new)]) == 2
+    one_line_error(capsys)
+    assert new.is_dir() and not any(new.iterdir())
+    # so does an existing parent of a new --out, empty or not
+    assert main(["train", "--resume", str(out / "step_000001"), "--out", str(new / "a" / "b")]) == 2
     one_line_error(capsys)
     assert new.is_dir() and not any(new.iterdir())
     # and the same resume with room to run writes the continued run there
@@ -406,3 +410,20 @@ def test_progress_lines_stay_whole_in_a_log_file(tmp_path, capsys, monkeypatch):
     for x in steps:  # reward, eval, tokens and the per-phase times on one line
         assert "reward " in x and "eval acc " in x and "update " in x and x.endswith(")"), x
     assert not any(x.startswith(("0.", "reward 0.")) for x in lines), lines  # no folded tails
+
+
+def test_failed_fresh_run_leaves_no_directories_it_made(tmp_path, capsys, monkeypatch):
+    monkeypatch.delenv("SPECROLL_DEBUG", raising=False)
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"question": "What is 1 + 1?", "answer": "2"}\n{broken\n')
+    keep = tmp_path / "mine"
+    keep.mkdir()
+    for out in (tmp_path / "x" / "y" / "run", keep / "run", keep):
+        assert main(["train", "--out", str(out), f"data.path={bad}", *TINY]) == 2
+        assert f"specroll: error: {bad}:2: not a JSON object" in capsys.readouterr().err
+        assert not (tmp_path / "x").exists() and keep.is_dir() and not any(keep.iterdir()), out
+    # the default runs/<timestamp>, under a runs/ made for it
+    monkeypatch.chdir(tmp_path)
+    assert main(["train", f"data.path={bad}", *TINY]) == 2
+    assert f"specroll: error: {bad}:2" in capsys.readouterr().err
+    assert not (tmp_path / "runs").exists()

@@ -121,9 +121,9 @@ def _taken(run_dir: Path, found: list[str]) -> str:
             f"pick another --out (or delete {run_dir})")
 
 
-def _claim_run_dir(out: str | None, how: str, config_yaml: str) -> tuple[Path, bool]:
+def _claim_run_dir(out: str | None, how: str, config_yaml: str) -> tuple[Path, Path | None]:
     """The run directory of a fresh run, claimed by writing its ``config.yaml`` (exclusive create, so
-    two runs never share one). Returns (directory, whether it was created here).
+    two runs never share one). Returns (directory, the outermost directory created for it, or None).
 
     ``out`` (``--out`` or ``train.out_dir``) may be new or an empty directory; one holding an earlier
     run is refused, as a new run would mix its metrics into the old ones and prune its checkpoints.
@@ -132,7 +132,7 @@ def _claim_run_dir(out: str | None, how: str, config_yaml: str) -> tuple[Path, b
 
     if out:
         run_dir = Path(out)
-        created = not run_dir.exists()
+        created = _first_missing(run_dir)
         _mkdir(run_dir, how)
         found = _previous_run(run_dir)
         if found:
@@ -141,12 +141,12 @@ def _claim_run_dir(out: str | None, how: str, config_yaml: str) -> tuple[Path, b
         stamp = Path("runs") / time.strftime("%Y%m%d-%H%M%S")
         for i in itertools.count(1):
             run_dir = stamp.with_name(stamp.name if i == 1 else f"{stamp.name}-{i}")
+            created = _first_missing(run_dir)
             try:
                 _mkdir(run_dir, "--out", exist_ok=False)  # atomic: same-second runs differ
                 break
             except FileExistsError:
                 continue
-        created = True
     try:
         with open(run_dir / "config.yaml", "x") as f:
             f.write(config_yaml)
@@ -155,20 +155,35 @@ def _claim_run_dir(out: str | None, how: str, config_yaml: str) -> tuple[Path, b
     return run_dir, created
 
 
-def _release_run_dir(run_dir: Path, created: bool) -> None:
+def _release_run_dir(run_dir: Path, created: Path | None) -> None:
     """Undo ``_claim_run_dir`` after a failure that left nothing else (no metrics, no checkpoint)."""
     if _previous_run(run_dir) != ["config.yaml"]:
         return
     (run_dir / "config.yaml").unlink(missing_ok=True)
-    if created:
-        _remove_if_empty(run_dir)
+    _remove_if_empty(run_dir, created)
 
 
-def _remove_if_empty(run_dir: Path) -> None:
-    try:
-        run_dir.rmdir()  # only if empty
-    except OSError:
-        pass
+def _first_missing(path: Path) -> Path | None:
+    """The outermost of ``path`` and its parents that does not exist yet (what ``mkdir(parents=True)`` creates)."""
+    top = None
+    for p in (path, *path.parents):
+        if p.exists():
+            break
+        top = p
+    return top
+
+
+def _remove_if_empty(run_dir: Path, top: Path | None) -> None:
+    """Remove ``run_dir`` and the parents up to ``top`` that this run created, as far as they are empty."""
+    if top is None:
+        return
+    for p in (run_dir, *run_dir.parents):
+        try:
+            p.rmdir()  # only if empty
+        except OSError:
+            return
+        if p == top:
+            return
 
 
 def _progress(console, total: int):
@@ -296,7 +311,7 @@ def _train_ranks(args, d) -> int:
     out, how = (args.out, "--out") if args.out or not given.train.out_dir else (given.train.out_dir, "train.out_dir")
     if out:
         _not_a_file(Path(out), how)
-    created = False
+    created = None  # the outermost directory this command creates for the run, if any
     if resume:
         ck = ckpt.resolve(resume, out)
         run_dir = Path(out) if out else ck.parent
@@ -305,7 +320,7 @@ def _train_ranks(args, d) -> int:
             base = str(ck / "config.yaml")  # resume with the run's own config unless told otherwise
         cfg = load_config(base, args.preset, args.overrides)
         if d.main:
-            created = not run_dir.exists()
+            created = _first_missing(run_dir)
             _mkdir(run_dir, how)
             other = _previous_run(run_dir) if run_dir.resolve() != ck.parent.resolve() else []
             if other:  # resuming into another run's directory would mix the runs' metrics and prune its checkpoints
@@ -371,8 +386,8 @@ def _train_ranks(args, d) -> int:
     except BaseException:
         if d.main and not resume:  # a fresh run that failed before writing anything leaves its directory reusable
             _release_run_dir(run_dir, created)
-        elif d.main and created:  # a resume into a new --out that failed before writing anything leaves no trace
-            _remove_if_empty(run_dir)
+        elif d.main:  # a resume into a new --out that failed before writing anything leaves no trace
+            _remove_if_empty(run_dir, created)
         raise
     wall = time.perf_counter() - t0
     if d.main:
