@@ -282,9 +282,9 @@ def test_trainer_with_a_sampled_chain_drafter():
     assert calls and m["spec/accept_length"] >= 1.0
     with pytest.raises(ValueError, match="draft.chain"):
         make_cfg("draft.chain=3")
-    assert d.chain_stop == 0.15  # the default
+    assert d.chain_stop == 0.0  # the default
     assert build_spec_drafter(make_cfg("draft.head=random", "draft.vocab=0", "draft.plan=static", "draft.chain=true",
-                                       "draft.chain_stop=0"), model, ps.ids, log=None).chain_stop == 0.0
+                                       "draft.chain_stop=0.15"), model, ps.ids, log=None).chain_stop == 0.15
     for bad in ("1", "-0.1", "true"):
         with pytest.raises(ValueError, match="draft.chain_stop"):
             make_cfg(f"draft.chain_stop={bad}")
@@ -380,17 +380,18 @@ def test_adaptive_plan_profiles_once_and_uses_the_budget():
     said.clear()
     build_spec_drafter(cfg, model, log=said.append)  # cached now
     assert not any("profiling once" in s for s in said) and any("C_peak" in s for s in said)
-    # sampled chains spend the budget on one path (k = 1), trees keep their top-K shape
-    chain = build_spec_drafter(load_config(overrides=[*overrides, "draft.chain=true"]), model, log=None)
-    assert chain.plan_fn.k_max == 1 and chain.max_plan.k == 1 and d.plan_fn.k_max > 1
+    # sampled chains (the default) spend the budget on one path (k = 1), trees keep their top-K shape
+    chain = d
+    d = build_spec_drafter(load_config(overrides=[*overrides, "draft.chain=false"]), model, log=None)
+    assert chain.plan_fn.k_max == 1 and chain.max_plan.k == 1 and d.plan_fn.k_max > 1 and not d.sampled
     # tuned: the budget's plan per live batch to start with, then measured throughput, over chains or trees
     from specroll.engine.budget import TunedPlanner, chain_candidates, tree_candidates
 
-    for extra, cands in ((["draft.chain=true"], chain_candidates(6)), ([], tree_candidates(d.plan_fn.c_peak))):
+    for extra, cands in (([], chain_candidates(6)), (["draft.chain=false"], tree_candidates(d.plan_fn.c_peak))):
         tuned = build_spec_drafter(load_config(overrides=[*overrides, "draft.plan=tuned", *extra]), model, log=None)
         assert isinstance(tuned.plan_fn, TunedPlanner) and tuned.plan_fn.candidates == cands
         assert tuned.max_plan == tuned.plan_fn.max_plan
-        budget = chain if extra else d
+        budget = d if extra else chain
         assert all(tuned.plan_fn(b) == budget.plan_fn(b) for b in (1, 2, 5, 40))
 
 

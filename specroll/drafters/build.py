@@ -41,8 +41,8 @@ class DraftConfig:
     n_verify: int = 16  # static plan: tree nodes per row (root included)
     k: int = 4  # static plan: top-k expansion
     depth: int = 5  # static plan: draft levels
-    chain: bool = False  # draft a chain sampled from the head (k = 1), verified by rejection sampling
-    chain_stop: float = 0.15  # a chain stops once every row's product of draft probabilities is below this
+    chain: bool = True  # draft a chain sampled from the head (k = 1), verified by speculative sampling; false = top-k trees
+    chain_stop: float = 0.0  # a chain stops once every row's product of draft probabilities is below this (0 = never)
     verify: str = "block"  # a chain's verification: block (jointly: keeps more, exact) | token (token by token, exact)
     online: bool = False  # train the head during GRPO on the pairs the rollouts already computed
     lr: float | str = "auto"  # AdamW lr of the online updates; auto = 3e-4 for a random head, 1e-4 for a distilled one
