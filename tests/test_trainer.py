@@ -269,6 +269,12 @@ def test_keep_last_prunes_old_checkpoints(tmp_path):
     assert [p.name for p in ckpt.list_checkpoints(tmp_path)] == ["step_000002", "step_000003"]
     with pytest.raises(FileNotFoundError, match="no checkpoint"):
         ckpt.resolve(tmp_path / "nothing")
+    # a step named without the zero padding of its directory
+    for name in ("step_3", "step3", "step_0003", "step_000003"):
+        assert ckpt.resolve(tmp_path / name) == tmp_path / "step_000003"
+    for name in ("step_1", "step_7"):  # pruned, never written
+        with pytest.raises(FileNotFoundError, match="no checkpoint"):
+            ckpt.resolve(tmp_path / name)
 
 
 def test_fit_writes_metrics_eval_and_final_checkpoint(tmp_path):

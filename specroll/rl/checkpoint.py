@@ -132,6 +132,11 @@ def resolve(path_or_latest: str | Path, out_dir: str | Path | None = None) -> Pa
         base = Path(out_dir)
     else:
         base = Path(path_or_latest)
+        m = re.fullmatch(r"step_?(\d+)", base.name)
+        if m and not base.exists():  # DIR/step_8 or DIR/step8 for DIR/step_000008
+            padded = base.with_name(f"step_{int(m.group(1)):06d}")
+            if (padded / "state.json").is_file():
+                return padded
     if (base / "state.json").is_file():
         return base
     ckpts = list_checkpoints(base)
