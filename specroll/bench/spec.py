@@ -80,7 +80,7 @@ PLANS = {"static": _static, "adaptive": _adaptive, "chain": _chain, "adaptive-ch
          "tuned": _tuned, "tuned-chain": _tuned_chain}
 SAMPLED = {"chain", "adaptive-chain", "tuned-chain"}  # plans whose drafter samples its chain (EagleDrafter(sampled=True))
 # --head-weights: EagleDrafter(bf16_head=..., int8_head=...). auto: int8 panels up to BF16_HEAD_ROWS live rows where
-# the AVX-512 kernels run (else bf16), the rollout's precision beyond; bf16 / int8: those panels at every row count
+# the kernels run (AVX2 or AVX-512; else bf16), the rollout's precision beyond; bf16 / int8: those panels at every row count
 HEAD_WEIGHTS = {"auto": {"bf16_head": None}, "fp32": {"bf16_head": False},
                 "bf16": {"bf16_head": True, "int8_head": False}, "int8": {"bf16_head": True, "int8_head": True}}
 

@@ -58,7 +58,7 @@ class DraftConfig:
     unroll: int = 1  # chain depths trained per position (1 = teacher-forced; see distill.unrolled_features)
     buffer: int = 4  # recent rollouts whose sequences the online updates sample from
     bf16: bool | str = "auto"  # bf16 autocast for the online updates (fp32 head weights and AdamW state); auto = if fast
-    int8_head: bool = True  # up to 8 live rows the head drafts with int8 weights (AVX-512 CPUs; else bf16): lossless
+    int8_head: bool = True  # up to 8 live rows the head drafts with int8 weights (where the kernels run, AVX2 or AVX-512; else bf16): lossless
 
     def __post_init__(self):
         if not isinstance(self.head, str):
