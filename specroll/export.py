@@ -51,6 +51,7 @@ def export_checkpoint(checkpoint: str | Path, out: str | Path, model: str | None
     from safetensors.torch import save_file
 
     from .models.decoder import decoder_to_hf_state
+    from .rl.checkpoint import write_safetensors
 
     out = Path(out)
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
@@ -63,7 +64,7 @@ def export_checkpoint(checkpoint: str | Path, out: str | Path, model: str | None
         for name in META_FILES:
             if (base / name).is_file():
                 shutil.copy2(base / name, tmp / name)
-        save_file(decoder_to_hf_state(policy), str(tmp / "model.safetensors"), metadata={"format": "pt"})
+        write_safetensors(save_file, tmp / "model.safetensors", decoder_to_hf_state(policy), metadata={"format": "pt"})
         umask = os.umask(0)
         os.umask(umask)
         os.chmod(tmp / "model.safetensors", 0o666 & ~umask)  # safetensors writes 0600; a shared model is read by others

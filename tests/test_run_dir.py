@@ -427,3 +427,32 @@ def test_failed_fresh_run_leaves_no_directories_it_made(tmp_path, capsys, monkey
     assert main(["train", f"data.path={bad}", *TINY]) == 2
     assert f"specroll: error: {bad}:2" in capsys.readouterr().err
     assert not (tmp_path / "runs").exists()
+
+
+def test_a_failed_safetensors_write_is_one_line_naming_the_file(tmp_path, capsys, monkeypatch):
+    """safetensors raises its own error type (not an OSError) on a full disk: one line, the file, the reason."""
+    from safetensors import SafetensorError
+
+    monkeypatch.delenv("SPECROLL_DEBUG", raising=False)
+
+    def full(*a, **k):
+        raise SafetensorError('Error while serializing: IoError(Os { code: 28, kind: StorageFull, '
+                              'message: "No space left on device" })')
+
+    monkeypatch.setattr(ckpt, "save_model", full)
+    out = tmp_path / "run"
+    assert main(["train", "--out", str(out), "train.steps=1", *TINY]) == 2
+    err = capsys.readouterr().err
+    line = next(x for x in err.splitlines() if x.startswith("specroll: error: "))
+    assert line.endswith("model.safetensors: No space left on device") and "Traceback" not in err, err
+    monkeypatch.undo()
+    monkeypatch.delenv("SPECROLL_DEBUG", raising=False)
+    assert main(["train", "--out", str(tmp_path / "ok"), "train.steps=1", *TINY]) == 0
+    capsys.readouterr()
+    import safetensors.torch
+
+    monkeypatch.setattr(safetensors.torch, "save_file", full)
+    assert main(["export", "--checkpoint", str(tmp_path / "ok"), "--out", str(tmp_path / "hf")]) == 2
+    err = capsys.readouterr().err
+    assert "model.safetensors: No space left on device" in err and "Traceback" not in err, err
+    assert not (tmp_path / "hf").exists()

@@ -16,6 +16,7 @@ never damages the previous checkpoint. Only the last ``keep_last`` checkpoints a
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import pickle
@@ -68,6 +69,19 @@ def restore_rng(state: dict, extra: dict[str, torch.Generator] | None = None) ->
             g.set_state(state[f"gen/{name}"])
 
 
+def write_safetensors(save, path: str | Path, *args, **kw) -> None:
+    """``save(*args, path, **kw)`` (safetensors' ``save_file`` or ``save_model``), its failures as an ``OSError``
+    naming ``path`` (safetensors raises its own error type, e.g. on a full disk), so the CLI says it in one line."""
+    from safetensors import SafetensorError
+
+    try:
+        save(*args, str(path), **kw)
+    except SafetensorError as e:
+        m = re.search(r"code: (\d+)", str(e))
+        code = int(m.group(1)) if m else errno.EIO
+        raise OSError(code, os.strerror(code), str(path)) from e
+
+
 def save_checkpoint(out_dir: str | Path, step: int, *, model, optimizer, scheduler, state: dict,
                     config_yaml: str, rng: dict, drafter=None, keep_last: int = 2) -> Path:
     """Write checkpoint ``step`` atomically into ``out_dir`` and prune to the last ``keep_last``."""
@@ -78,14 +92,14 @@ def save_checkpoint(out_dir: str | Path, step: int, *, model, optimizer, schedul
     if tmp.exists():
         shutil.rmtree(tmp)
     tmp.mkdir()
-    save_model(model, str(tmp / "model.safetensors"))
+    write_safetensors(save_model, tmp / "model.safetensors", model)
     model.cfg.save(tmp / "decoder_config.json")
     torch.save(optimizer.state_dict(), tmp / "optimizer.pt")
     torch.save(scheduler.state_dict(), tmp / "scheduler.pt")
     torch.save(rng, tmp / "rng.pt")
     if drafter is not None and hasattr(drafter, "state_dict"):
         sd = {k: v.detach().contiguous() for k, v in drafter.state_dict().items() if isinstance(v, torch.Tensor)}
-        save_file(sd, str(tmp / "drafter.safetensors"))
+        write_safetensors(save_file, tmp / "drafter.safetensors", sd)
     (tmp / "config.yaml").write_text(config_yaml)
     (tmp / "state.json").write_text(json.dumps({**state, "step": step}, indent=2))
     for f in tmp.iterdir():
