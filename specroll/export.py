@@ -50,8 +50,7 @@ def export_checkpoint(checkpoint: str | Path, out: str | Path, model: str | None
     exist, or be empty). Returns ``out``."""
     from safetensors.torch import save_file
 
-    from .models.decoder import decoder_to_hf_state
-    from .rl.checkpoint import write_safetensors
+    from .models.decoder import decoder_to_hf_state, write_safetensors
 
     out = Path(out)
     if out.exists() and (not out.is_dir() or any(out.iterdir())):

@@ -1347,3 +1347,25 @@ def test_the_drafters_totals_fold_alike_in_any_chunks(monkeypatch):
         return d.totals.tolist(), d.by_depth.tolist()
 
     assert run(7) == run(10**6)
+
+
+def test_a_failed_head_write_is_an_os_error_naming_the_file_and_keeps_the_old_head(tmp_path, monkeypatch):
+    """safetensors raises its own error type on a full disk; ``write_safetensors`` turns it into an OSError with the
+    file and the reason (one CLI line), and save_head's old files stay whole."""
+    import safetensors.torch
+    from safetensors import SafetensorError
+
+    model = tiny(V_MID, seed=0)
+    head = DraftHead(model.cfg, torch.tensor([3, 10, 40]))
+    save_head(head, tmp_path / "h")
+    before = {p.name: p.read_bytes() for p in (tmp_path / "h").iterdir()}
+
+    def full(*a, **k):
+        raise SafetensorError('Error while serializing: IoError(Os { code: 28, kind: StorageFull, '
+                              'message: "No space left on device" })')
+
+    monkeypatch.setattr(safetensors.torch, "save_file", full)
+    with pytest.raises(OSError) as e:
+        save_head(head, tmp_path / "h")
+    assert e.value.errno == 28 and e.value.strerror == "No space left on device" and ".tmp" in e.value.filename
+    assert {p.name: p.read_bytes() for p in (tmp_path / "h").iterdir()} == before

@@ -50,7 +50,7 @@ import torch.nn.functional as F
 from ..device import adamw, check_bf16_switch, use_bf16
 from ..engine.engine import Engine
 from ..engine.sampling import SamplingParams
-from ..models.decoder import Decoder
+from ..models.decoder import Decoder, write_safetensors
 from .eagle import HEAD_CONFIG, DraftHead, DraftVocab, head_for, load_head_as, save_head
 from .reuse import prompt_key
 from .verify import vocab_columns
@@ -597,10 +597,10 @@ def save_sequences(path: str | Path, seqs: list[torch.Tensor], hid: list[torch.T
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(path.name + ".tmp")
-    save_file({"ids": torch.cat(seqs), "hidden": torch.cat(hid).float().contiguous(),
-               "lengths": torch.tensor([len(x) for x in seqs]),
-               "prompt_lengths": torch.tensor([int(p) for p in prompt_lens], dtype=torch.long)}, str(tmp),
-              metadata={"format": DATA_FORMAT, "setup": json.dumps(key, sort_keys=True)})
+    write_safetensors(save_file, tmp, {"ids": torch.cat(seqs), "hidden": torch.cat(hid).float().contiguous(),
+                                       "lengths": torch.tensor([len(x) for x in seqs]),
+                                       "prompt_lengths": torch.tensor([int(p) for p in prompt_lens], dtype=torch.long)},
+                      metadata={"format": DATA_FORMAT, "setup": json.dumps(key, sort_keys=True)})
     os.replace(tmp, path)
     return path
 

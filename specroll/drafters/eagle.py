@@ -69,6 +69,7 @@ from ..models.decoder import (
     rope_inv_freq,
     rope_tables,
     skinny_kind,
+    write_safetensors,
 )
 from .verify import block_chain, rejection_chain, sampler_match
 
@@ -157,7 +158,7 @@ def save_head(head: DraftHead, out_dir: str | Path, meta: dict | None = None) ->
            "draft_vocab": head.draft_vocab, "meta": meta or {}}
     tmp_w, tmp_c = (out / f".{name}.tmp-{os.getpid()}" for name in (HEAD_WEIGHTS, HEAD_CONFIG))
     try:
-        save_file(sd, str(tmp_w))
+        write_safetensors(save_file, tmp_w, sd)
         tmp_c.write_text(json.dumps(cfg, indent=2))
         for f in (tmp_w, tmp_c):
             with open(f, "rb") as fh:

@@ -740,6 +740,22 @@ def read_safetensors(f: str | Path) -> dict[str, torch.Tensor]:
         raise UnreadableWeights(f"unreadable ({e.strerror or e})") from e
 
 
+def write_safetensors(save, path: str | Path, *args, **kw) -> None:
+    """``save(*args, path, **kw)`` (safetensors' ``save_file`` or ``save_model``), its failures as an ``OSError``
+    naming ``path`` (safetensors raises its own error type, e.g. on a full disk), so the CLI says it in one line."""
+    import errno
+    import os
+
+    from safetensors import SafetensorError
+
+    try:
+        save(*args, str(path), **kw)
+    except SafetensorError as e:
+        m = re.search(r"code: (\d+)", str(e))
+        code = int(m.group(1)) if m else errno.EIO
+        raise OSError(code, os.strerror(code), str(path)) from e
+
+
 def load_decoder(path: str | Path, dtype: torch.dtype = torch.float32) -> Decoder:
     """Load a decoder from an HF model directory (config.json + *.safetensors).
 

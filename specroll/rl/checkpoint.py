@@ -16,7 +16,6 @@ never damages the previous checkpoint. Only the last ``keep_last`` checkpoints a
 
 from __future__ import annotations
 
-import errno
 import json
 import os
 import pickle
@@ -29,7 +28,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file, save_model
 
-from ..models.decoder import UnreadableWeights, read_safetensors
+from ..models.decoder import UnreadableWeights, read_safetensors, write_safetensors
 
 STEP_RE = re.compile(r"^step_(\d{6,})$")
 
@@ -67,19 +66,6 @@ def restore_rng(state: dict, extra: dict[str, torch.Generator] | None = None) ->
     for name, g in (extra or {}).items():
         if f"gen/{name}" in state:
             g.set_state(state[f"gen/{name}"])
-
-
-def write_safetensors(save, path: str | Path, *args, **kw) -> None:
-    """``save(*args, path, **kw)`` (safetensors' ``save_file`` or ``save_model``), its failures as an ``OSError``
-    naming ``path`` (safetensors raises its own error type, e.g. on a full disk), so the CLI says it in one line."""
-    from safetensors import SafetensorError
-
-    try:
-        save(*args, str(path), **kw)
-    except SafetensorError as e:
-        m = re.search(r"code: (\d+)", str(e))
-        code = int(m.group(1)) if m else errno.EIO
-        raise OSError(code, os.strerror(code), str(path)) from e
 
 
 def save_checkpoint(out_dir: str | Path, step: int, *, model, optimizer, scheduler, state: dict,
