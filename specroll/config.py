@@ -397,6 +397,25 @@ PATH_FIELDS = frozenset({("model", "name"), ("train", "out_dir"), ("data", "path
                          ("draft", "head")})
 
 
+def _absolute_path(sec: str, key: str, value: str) -> str:
+    """A path field's value as the config keeps it: ``~`` expanded, and a relative path that exists made absolute,
+    so the run's saved config.yaml still finds the model, data and head when eval, generate, export or --resume run
+    from another directory. Names that are not paths stay as given: model aliases, Hub ids, ``draft.head=random``,
+    and (for the error messages) paths that do not exist. ``train.out_dir`` stays relative: a resume takes its
+    directory from the command line, not from the saved config."""
+    if value.startswith("~"):
+        value = os.path.expanduser(value)
+    if (sec, key) == ("train", "out_dir") or not value or os.path.isabs(value) or not os.path.exists(value):
+        return value
+    if (sec, key) == ("draft", "head") and value == "random":
+        return value
+    if (sec, key) == ("model", "name"):
+        from .models.hub import ALIASES  # lazy: config stays importable without torch
+        if value in ALIASES:
+            return value
+    return os.path.abspath(value)
+
+
 def _merge(base: dict, update: dict, source: str, lines: dict | None = None, origins: dict | None = None) -> dict:
     """Merge a nested {section: {key: value}} dict into ``base``, checking every key and the type of
     every value (``lines``: {(section, key): line} of a YAML file, for the messages). ``origins`` (if given)
@@ -422,8 +441,8 @@ def _merge(base: dict, update: dict, source: str, lines: dict | None = None, ori
                 v = _coerce(v, tp, default, f"{sec}.{k}")
             except ValueError as e:
                 raise ValueError(f"{where}: {e}") from None
-            if (sec, k) in PATH_FIELDS and isinstance(v, str) and v.startswith("~"):
-                v = os.path.expanduser(v)
+            if (sec, k) in PATH_FIELDS and isinstance(v, str):
+                v = _absolute_path(sec, k, v)
             base.setdefault(sec, {})[k] = v
             if origins is not None:
                 origins[(sec, k)] = where

@@ -340,3 +340,21 @@ def test_a_data_path_implies_the_file_task_unless_a_task_is_named(tmp_path):
     y = tmp_path / "c.yaml"
     y.write_text("data:\n  path: x.jsonl\n")
     assert load_config(y).data.task == "file"
+
+
+def test_relative_paths_that_exist_become_absolute_and_names_stay_as_given(tmp_path, monkeypatch):
+    """model.name / data.path / data.eval_path / draft.head: an existing relative path is kept absolute (the
+    saved config.yaml must work from any directory); aliases, Hub ids, draft.head=random, paths that do not
+    exist (for the error messages) and train.out_dir stay as typed."""
+    monkeypatch.chdir(tmp_path)
+    for name in ("m", "h", "random", "smollm2-135m", "out"):
+        (tmp_path / name).mkdir()
+    (tmp_path / "d.jsonl").write_text("")
+    (tmp_path / "c.yaml").write_text("data:\n  eval_path: d.jsonl\n")
+    cfg = load_config(tmp_path / "c.yaml", None, ["model.name=m", "data.path=d.jsonl", "draft.head=h", "train.out_dir=out"])
+    assert (cfg.model.name, cfg.data.path, cfg.data.eval_path, cfg.draft.head) == (
+        str(tmp_path / "m"), str(tmp_path / "d.jsonl"), str(tmp_path / "d.jsonl"), str(tmp_path / "h"))
+    assert cfg.train.out_dir == "out"
+    cfg = load_config(None, None, ["model.name=smollm2-135m", "draft.head=random", "data.path=missing.jsonl"])
+    assert (cfg.model.name, cfg.draft.head, cfg.data.path) == ("smollm2-135m", "random", "missing.jsonl")
+    assert load_config(None, None, ["model.name=HuggingFaceTB/SmolLM2-135M"]).model.name == "HuggingFaceTB/SmolLM2-135M"

@@ -456,3 +456,23 @@ def test_a_failed_safetensors_write_is_one_line_naming_the_file(tmp_path, capsys
     err = capsys.readouterr().err
     assert "model.safetensors: No space left on device" in err and "Traceback" not in err, err
     assert not (tmp_path / "hf").exists()
+
+
+def test_relative_paths_are_saved_absolute_so_the_run_works_from_any_directory(tmp_path, capsys, monkeypatch):
+    """A relative data.path given at train time is saved absolute in the run's config.yaml: `eval` and
+    `--resume` from another directory still find the data (they failed with the path as typed)."""
+    monkeypatch.delenv("SPECROLL_DEBUG", raising=False)
+    a, b = tmp_path / "a", tmp_path / "b"
+    a.mkdir(), b.mkdir()
+    rows = [{"question": f"What is {i} + {i + 1}?", "answer": str(2 * i + 1)} for i in range(12)]
+    (a / "d.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    monkeypatch.chdir(a)
+    assert main(["train", "--out", "run", "data.path=d.jsonl", "train.steps=1", *TINY]) == 0
+    saved = (a / "run" / "config.yaml").read_text()
+    assert f"path: {a / 'd.jsonl'}" in saved, saved
+    monkeypatch.chdir(b)
+    capsys.readouterr()
+    assert main(["eval", "--checkpoint", str(a / "run")]) == 0, capsys.readouterr().err
+    assert main(["train", "--resume", "latest", "--out", str(a / "run"), "train.steps=2"]) == 0, capsys.readouterr().err
+    steps = [json.loads(line)["step"] for line in (a / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert steps[-1] == 2
