@@ -476,3 +476,74 @@ def test_relative_paths_are_saved_absolute_so_the_run_works_from_any_directory(t
     assert main(["train", "--resume", "latest", "--out", str(a / "run"), "train.steps=2"]) == 0, capsys.readouterr().err
     steps = [json.loads(line)["step"] for line in (a / "run" / "metrics.jsonl").read_text().splitlines()]
     assert steps[-1] == 2
+
+
+def _signal_during_step(monkeypatch, at_step: int, signals: list):
+    """Make ``Trainer.train_step`` deliver ``signals`` to this process in the middle of step ``at_step``."""
+    import os
+    import signal
+
+    from specroll.rl.trainer import Trainer
+
+    real = Trainer.train_step
+
+    def step(self):
+        if self.step + 1 == at_step:
+            for s in signals:
+                os.kill(os.getpid(), s)
+        return real(self)
+
+    monkeypatch.setattr(Trainer, "train_step", step)
+    return signal
+
+
+@pytest.mark.parametrize("sig,rc", [("SIGINT", 130), ("SIGTERM", 143)])
+def test_first_signal_finishes_the_step_checkpoints_it_and_the_run_resumes(tmp_path, capsys, monkeypatch, sig, rc):
+    """Ctrl-C (or SIGTERM) with the default train.save_every=0 used to leave a run with metrics but no
+    checkpoint: not resumable, and refused for a fresh run. Now the step in progress finishes and is saved."""
+    import signal
+
+    monkeypatch.delenv("SPECROLL_DEBUG", raising=False)
+    before = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
+    _signal_during_step(monkeypatch, 2, [getattr(signal, sig)])
+    out = tmp_path / "run"
+    assert main(["train", "--out", str(out), "train.steps=4", *TINY]) == rc
+    err = capsys.readouterr().err
+    assert f"stopped by {sig} after step 2 of 4" in err and "--resume latest" in err, err
+    assert {s: signal.getsignal(s) for s in before} == before  # the handlers are put back
+    assert [p.name for p in ckpt.list_checkpoints(out)] == ["step_000002"]
+    steps = [json.loads(line)["step"] for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert steps == [1, 2]
+    monkeypatch.undo()
+    assert main(["train", "--resume", "latest", "--out", str(out)]) == 0, capsys.readouterr().err
+    steps = [json.loads(line)["step"] for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert steps == [1, 2, 3, 4]
+
+
+def test_second_signal_stops_at_once_and_keeps_the_checkpoints(tmp_path, capsys, monkeypatch):
+    import signal
+
+    monkeypatch.delenv("SPECROLL_DEBUG", raising=False)
+    _signal_during_step(monkeypatch, 3, [signal.SIGINT, signal.SIGINT])
+    out = tmp_path / "run"
+    assert main(["train", "--out", str(out), "train.steps=4", "train.save_every=1", *TINY]) == 130
+    assert capsys.readouterr().err.strip().endswith("specroll: interrupted")
+    assert [p.name for p in ckpt.list_checkpoints(out)] == ["step_000001", "step_000002"]
+
+
+def test_the_reward_worker_ignores_ctrl_c(tmp_path):
+    """The terminal sends Ctrl-C to the whole process group: the math worker must outlive it, so the step the
+    trainer finishes before it stops still gets real rewards (not the timeout's 0)."""
+    import os
+    import signal
+
+    from specroll.rl.rewards import MathChecker
+
+    mc = MathChecker(timeout_s=30)
+    try:
+        assert mc.map([("1/2", "0.5", None)]) == [True]
+        os.kill(mc._proc.pid, signal.SIGINT)
+        assert mc.map([("3", "3", None), ("2", "5", None)]) == [True, False]
+        assert mc.n_timeouts == 0 and mc._proc.poll() is None
+    finally:
+        mc.close()

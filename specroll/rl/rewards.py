@@ -184,8 +184,10 @@ def _serve_stdio(fn_spec: str):
             sys.stdout.flush()
 
 
-_WORKER_CODE = "import sys, json; sys.path[:0] = json.loads(sys.argv[1]); " \
-    "from specroll.rl.rewards import _serve_stdio; _serve_stdio(sys.argv[2])"
+# the worker ignores SIGINT: Ctrl-C in a terminal reaches the whole process group, and the trainer finishes its
+# step (rewards included) before it stops (run.graceful_stop); the parent stops the worker itself
+_WORKER_CODE = "import signal, sys, json; signal.signal(signal.SIGINT, signal.SIG_IGN); " \
+    "sys.path[:0] = json.loads(sys.argv[1]); from specroll.rl.rewards import _serve_stdio; _serve_stdio(sys.argv[2])"
 
 
 class MathChecker:

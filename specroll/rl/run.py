@@ -6,9 +6,13 @@ This is glue only: everything that trains lives in ``trainer.py``. A run directo
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import logging
+import os
+import signal
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -209,7 +213,6 @@ def _launch(args, nproc: int) -> int:
     """``specroll train --nproc N``: the same command in N processes under torch.distributed's launcher
     (one machine, a free port), each with cores / N threads. One line if a process fails: the failing
     process has printed its own error above it."""
-    import os
 
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
@@ -256,8 +259,6 @@ def _follow_launcher() -> None:
     """A worker of ``specroll train --nproc``: have the kernel send it SIGTERM when its parent (the launcher's
     agent) dies, even by SIGKILL, so no orphaned worker goes on writing into the run directory."""
     import ctypes
-    import os
-    import signal
 
     launcher = os.environ.get("SPECROLL_LAUNCHER_PID")
     if not launcher or not sys.platform.startswith("linux"):
@@ -380,7 +381,8 @@ def _train_ranks(args, d) -> int:
                 prog.update(task, completed=step, info=info)
 
             try:
-                rows = trainer.fit(progress=on_step)
+                with graceful_stop(trainer, enabled=not d.active):
+                    rows = trainer.fit(progress=on_step)
             finally:
                 getattr(trainer.reward, "close", lambda: None)()
     except BaseException:
@@ -393,7 +395,44 @@ def _train_ranks(args, d) -> int:
     if d.main:
         console.print(summary_table(rows, wall, run_dir))
         save_draft_head(trainer, cfg, run_dir, console.print)
+    if trainer.stop_requested is not None:
+        sig = trainer.stop_requested
+        print(f"specroll: stopped by {sig} after step {trainer.step} of {cfg.train.steps}, checkpoint "
+              f"{run_dir / f'step_{trainer.step:06d}'} saved; continue with: specroll train --resume latest "
+              f"--out {run_dir}", file=sys.stderr)
+        return 128 + int(getattr(signal.Signals, sig))
     return 0
+
+
+@contextlib.contextmanager
+def graceful_stop(trainer, enabled: bool = True):
+    """While training: the first SIGINT (Ctrl-C) or SIGTERM lets the current step finish, checkpoints it and
+    stops (``Trainer.stop_requested``), so an interrupted run can always be resumed, whatever
+    ``train.save_every``; a second signal stops at once (KeyboardInterrupt), keeping the checkpoints written
+    so far. Off with data parallel (``enabled=False``): the processes would have to agree on the step, and
+    the launcher stops them itself. Only the main thread can install handlers; elsewhere it does nothing."""
+    if not enabled or threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def handler(signum, frame):
+        name = signal.Signals(signum).name
+        if trainer.stop_requested is not None:
+            raise KeyboardInterrupt
+        trainer.stop_requested = name
+        msg = (f"\nspecroll: {name}: stopping after step {trainer.step + 1} with a checkpoint "
+               f"({'Ctrl-C' if signum == signal.SIGINT else 'a second signal'} again stops at once)\n")
+        try:
+            os.write(sys.stderr.fileno(), msg.encode())
+        except (OSError, ValueError, AttributeError):  # no real stderr (e.g. captured): the state is what matters
+            pass
+
+    old = {s: signal.signal(s, handler) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield
+    finally:
+        for s, h in old.items():
+            signal.signal(s, h)
 
 
 def _config_changes(path: Path, cfg, limit: int = 6) -> str:

@@ -321,6 +321,8 @@ class Trainer:
         self.run_dir = Path(run_dir) if run_dir is not None else None
         self.console = console if dist.main else None
         self.metrics: list[dict] = []
+        # set (to the signal's name) to stop after the current step with a checkpoint: run.graceful_stop
+        self.stop_requested: str | None = None
         self.rollout_hooks: list[Callable] = []
         self._perms: dict[int, torch.Tensor] = {}
         self.writer = MetricsWriter(self.run_dir, tc.tensorboard) if self.run_dir is not None and dist.main else None
@@ -684,16 +686,25 @@ class Trainer:
         while self.step < tc.steps:
             m = self.train_step()
             last = self.step == tc.steps
-            if (tc.eval_every and self.step % tc.eval_every == 0) or (last and self.eval_set is not None):
+            stopping = self.stop_requested is not None  # a stop skips the scheduled eval, not the checkpoint
+            if not stopping and ((tc.eval_every and self.step % tc.eval_every == 0) or
+                                 (last and self.eval_set is not None)):
                 m.update(self.evaluate())
-            if self.run_dir is not None and ((tc.save_every and self.step % tc.save_every == 0) or last):
+            saved = False
+            if self.run_dir is not None and ((tc.save_every and self.step % tc.save_every == 0) or last
+                                             or self.stop_requested is not None):
                 t = time.perf_counter()
                 self.save(row=m)
                 m["timing/checkpoint"] = time.perf_counter() - t
+                saved = True
             self._log(m)
             self._say(step_line(self.step, tc.steps, m))
             if progress is not None:
                 progress(self.step, m)
+            if self.stop_requested is not None:
+                if not saved and self.run_dir is not None:  # the request came after the save decision
+                    self.save(row=m)
+                break
         if self.writer is not None:
             self.writer.close()
         return self.metrics
