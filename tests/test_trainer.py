@@ -231,7 +231,7 @@ def test_resume_applies_a_changed_lr_and_weight_decay(tmp_path):
     assert [(g["lr"], g["initial_lr"], g["weight_decay"]) for g in resumed.opt.param_groups] == [(now, 1e-5, 0.1)]
     assert resumed.console.lines == ["resume: train.lr changed from 0.003 to 1e-05, train.weight_decay changed "
                                      "from 0 to 0.1 (the checkpoint's optimizer state is kept)"]
-    assert resumed.train_step()["lr"] == pytest.approx(1e-5 * resumed.sched.lr_lambdas[0](2))
+    assert resumed.train_step()["lr"] == pytest.approx(now)  # the rate step 2's optimizer step used
     same = make_trainer(make_cfg("train.steps=4", "train.min_lr_ratio=0.5"), tmp_path)
     same.console = Console()
     same.resume(path)
@@ -532,3 +532,20 @@ def test_trainer_keeps_freed_memory_unless_told_not_to(monkeypatch):
     assert calls == []
     make_trainer(make_cfg())
     assert calls == [1]
+
+
+def test_the_lr_column_is_the_rate_the_steps_optimizer_used():
+    """metrics' ``lr`` was read after ``sched.step()``: one optimizer step ahead of the update it sat beside."""
+    tr = make_trainer(make_cfg("train.steps=4", "train.warmup=2", "train.mini_batches=2"))
+    used = []
+    real = tr.opt.step
+
+    def step(*a, **k):
+        used.append(tr.opt.param_groups[0]["lr"])
+        return real(*a, **k)
+
+    tr.opt.step = step
+    rows = [tr.train_step() for _ in range(3)]
+    firsts = [used[i] for i in range(0, len(used), 2)]
+    assert len(used) == 6 and len(set(used)) == 6  # warmup then cosine: every optimizer step its own rate
+    assert [r["lr"] for r in rows] == firsts

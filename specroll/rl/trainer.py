@@ -370,9 +370,10 @@ class Trainer:
         rewards, per_func = self.score(prompts, rollouts)
         m["timing/reward"] = time.perf_counter() - t
         m.update(self._rollout_metrics(self.dist.gather(self._rollout_summary(rollouts, rewards, per_func))))
+        lr = self.sched.get_last_lr()[0]  # the rate of this step's (first) optimizer step, read before it
         m.update(self.update(rollouts, rewards))
         self.step += 1
-        m["lr"] = self.sched.get_last_lr()[0]
+        m["lr"] = lr
         m["timing/step"] = time.perf_counter() - t_step
         m["timing/step_cpu"] = time.process_time() - cpu_step  # CPU seconds, all threads (wall on a busy box lies)
         return m
