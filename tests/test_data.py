@@ -372,3 +372,17 @@ def test_probe_end_to_end_tiny_model():
     p = list(res["pass"].values())
     assert all(0.0 <= a <= b <= 1.0 for a, b in zip(p, p[1:]))
     json.dumps(res)
+
+
+@pytest.mark.parametrize("bad", [{"value": 7}, [7], []])
+def test_an_answer_that_is_a_mapping_or_a_list_is_a_bad_row(tmp_path, bad):
+    """str({'value': 7}) matched no completion: the file loaded and every reward was 0, silently."""
+    p = tmp_path / "d.jsonl"
+    p.write_text(json.dumps({"question": "Q1", "answer": "7"}) + "\n"
+                 + json.dumps({"question": "Q2", "answer": bad}) + "\n")
+    cfg = DataConfig(task="file", path=str(p), n_eval=0)
+    kind = type(bad).__name__
+    with pytest.raises(DataError, match=rf"d\.jsonl:2: 'answer' is of type {kind} .*a string or a number"):
+        load_examples(cfg, "train")
+    ok = load_examples(DataConfig(task="file", path=str(p), n_eval=0, skip_bad_rows=True), "train")
+    assert [e["answer"] for e in ok] == ["7"]

@@ -470,6 +470,8 @@ def _row_problem(row: dict, qf: str, af: str | None, fmt: str) -> str | None:
     if af is None:
         return None
     a = row.get(af)
+    if isinstance(a, (dict, list, tuple)):  # str() of it never matches a completion: every reward would be 0
+        return f"{af!r} is of type {type(a).__name__} ({a!r:.60}); an answer must be a string or a number"
     if a is None or not str(a).strip():
         return f"empty or missing {af!r}"
     if final_of(a, fmt) is None:
