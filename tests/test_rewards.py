@@ -331,9 +331,32 @@ def test_a_function_that_never_succeeds_stops_the_run(tmp_path):
     reward = build_reward(RewardConfig(funcs=["sr_never:f"]))
     for _ in range(R.GIVE_UP_AFTER - 1):
         assert reward(["p"], ["x"])[0] == [None]
+    with pytest.raises(RewardError, match=rf"raised on every one of its {R.GIVE_UP_AFTER - 1} call"):
+        reward.check_ever_succeeded()  # what a run that ends here reports
     with pytest.raises(RewardError, match=rf"'sr_never:f' raised on each of its first {R.GIVE_UP_AFTER} calls "
                                           r"\(last: ValueError: no grader here\)"):
         reward(["p"], ["x"])
+
+
+def test_a_short_run_whose_reward_always_raised_ends_with_an_error(tmp_path, capsys, monkeypatch):
+    """Fewer calls than GIVE_UP_AFTER: the run used to end with rc 0, having learned nothing."""
+    from specroll.cli import main
+
+    monkeypatch.delenv("SPECROLL_DEBUG", raising=False)
+    _write_module(tmp_path, "sr_never2", """
+        def f(prompts, completions, **kw):
+            raise ValueError("no grader here")
+    """)
+    tiny = ["model.name=tiny-llama", "rollout.max_new_tokens=4", "data.n_train=8", "data.n_eval=2",
+            "train.prompts_per_step=2", "rollout.G=2", "model.rollout_dtype=float32", "train.eval_before=false"]
+    assert main(["train", "--out", str(tmp_path / "run"), "train.steps=2", "reward.funcs=[sr_never2:f]", *tiny]) == 2
+    err = [ln for ln in capsys.readouterr().err.splitlines() if ln.startswith("specroll: error:")]
+    # 3 calls: two steps and the final eval
+    assert len(err) == 1 and "'sr_never2:f' raised on every one of its 3 call(s) (last: ValueError: no grader " \
+        "here)" in err[0], err
+    ok = build_reward(RewardConfig(funcs=["format"]))
+    ok(["p"], ["Answer: 1"])
+    ok.check_ever_succeeded()
 
 
 @pytest.mark.parametrize("ret, match", [

@@ -548,6 +548,16 @@ class Reward:
         self.checker = checker  # the math-verify worker of the built-in accuracy reward, if any
         self.n_failures = {k: 0 for k in funcs}
         self.n_calls = {k: 0 for k in funcs}
+        self.last_error: dict[str, str] = {}
+
+    def check_ever_succeeded(self) -> None:
+        """At the end of a run: a ``RewardError`` if a function raised on every one of its calls. A run shorter
+        than ``GIVE_UP_AFTER`` calls never reached that stop, and ended as if it had trained."""
+        for name in self.funcs:
+            if self.n_calls[name] and self.n_failures[name] == self.n_calls[name]:
+                raise RewardError(f"reward {name!r} raised on every one of its {self.n_calls[name]} call(s) (last: "
+                                  f"{self.last_error[name]}), so every sample was excluded and nothing was "
+                                  "learned; fix the function")
 
     @property
     def names(self) -> list[str]:
@@ -582,9 +592,10 @@ class Reward:
                 logger.warning("reward %r raised %s: %s; its samples score None (excluded) until it "
                                "succeeds (warned once)", name, type(e).__name__, e)
             self.n_failures[name] += 1
+            self.last_error[name] = f"{type(e).__name__}: {e}"
             if self.n_failures[name] == self.n_calls[name] == GIVE_UP_AFTER:
                 raise RewardError(f"reward {name!r} raised on each of its first {GIVE_UP_AFTER} calls (last: "
-                                  f"{type(e).__name__}: {e}), so every sample was excluded and nothing was "
+                                  f"{self.last_error[name]}), so every sample was excluded and nothing was "
                                   "learned; fix the function") from e
             return [None] * n
         return _check_values(name, vals, n)
