@@ -233,6 +233,8 @@ OPTION_ERRORS = [
     (["draft", "train", "--out", "{tmp}/head", "--time-budget", "0"], "--time-budget must be > 0 seconds, got 0.0"),
     (["generate", "--prompt", "hi", "--max-new-tokens", "0"], "--max-new-tokens must be an int >= 1, got 0"),
     (["generate", "--prompt", "hi", "--temperature", "-1"], "--temperature must be >= 0 (0 = greedy), got -1.0"),
+    (["eval", "--temperature", "-1"], "--temperature must be a finite number >= 0 (0 = greedy), got -1.0"),
+    (["eval", "--temperature", "nan"], "--temperature must be a finite number >= 0 (0 = greedy), got nan"),
     (["generate", "--prompt", "hi", "--top-p", "5"], "--top-p must be in (0, 1], got 5.0"),
     (["generate", "--prompt", "hi", "--top-k", "-3"], "--top-k must be an int >= 0 (0 = off), got -3"),
     (["bench", "spec", "--draft", "{tmp}/head", "--depth", "0", "--out", "{tmp}/b.json"], "--depth must be >= 1, got 0"),

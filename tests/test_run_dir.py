@@ -261,6 +261,18 @@ def test_report_output_and_empty_runs(tmp_path, capsys, monkeypatch):
     assert (figs / "curves.png").is_file()  # a folder gets the default name, not figs.png beside it
     assert not (tmp_path / "figs.png").exists()
     capsys.readouterr()
+    # a new folder, named with a trailing slash: the figure goes in it (it was written as new.png beside it)
+    assert main(["report", str(out), "--out", f"{tmp_path / 'new'}/"]) == 0
+    assert (tmp_path / "new" / "curves.png").is_file() and not (tmp_path / "new.png").exists()
+    # the metrics file instead of its run directory: the same figure
+    assert main(["report", str(out / "metrics.jsonl"), "--out", str(tmp_path / "m.png")]) == 0
+    assert (tmp_path / "m.png").is_file()
+    capsys.readouterr()
+    (tmp_path / "f.txt").write_text("{}\n")
+    for bad, says in ((tmp_path / "f.txt", "is a file; give the run directory"), (tmp_path / "nope", "no such run")):
+        assert main(["report", str(bad)]) == 2
+        err = one_line_error(capsys)
+        assert says in err and "--out" not in err, err
     assert main(["report", str(out), "--out", str(tmp_path / "c.txt")]) == 2
     err = one_line_error(capsys)
     assert "c.txt" in err and ".png" in err and not (tmp_path / "c.txt").exists()

@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import itertools
 import logging
+import math
 import os
 import signal
 import sys
@@ -456,6 +457,8 @@ def eval_cli(args) -> int:
 
     if args.json:
         check_output(args.json, "--json")  # before the eval, not after it
+    if not (args.temperature >= 0 and math.isfinite(args.temperature)):  # before the model loads
+        raise CliError(f"--temperature must be a finite number >= 0 (0 = greedy), got {args.temperature}")
     console = _console()
     base = None
     if args.checkpoint:
@@ -497,8 +500,16 @@ def report_cli(args) -> int:
     from ..cli import CliError, check_output
     from .metrics import read_metrics
 
-    out = Path(args.out) if args.out else Path(args.run_dir) / "curves.png"
-    if out.is_dir():  # a folder: the figure goes in it, under the default name
+    run = Path(args.run_dir)
+    if run.is_file() and run.name == "metrics.jsonl":  # the run's metrics file named instead of its directory
+        run = run.parent
+    elif run.is_file():
+        raise CliError(f"{run} is a file; give the run directory (the one holding metrics.jsonl)")
+    elif not run.is_dir():
+        raise CliError(f"{run}: no such run directory")
+    args.run_dir = str(run)
+    out = Path(args.out) if args.out else run / "curves.png"
+    if out.is_dir() or (args.out and args.out.endswith(("/", os.sep))):  # a folder: the figure goes in it
         out = out / "curves.png"
     if not out.suffix:  # matplotlib would add .png itself: name the file it writes
         out = out.with_name(out.name + ".png")
