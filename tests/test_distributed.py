@@ -277,6 +277,18 @@ def test_cli_train_nproc_2(tmp_path, capsys):
     err = capsys.readouterr().err
     assert err.count("cannot be split between 2 processes") == 1 and "Traceback" not in err
     assert not (tmp_path / "x").exists()
+    # a resume is checked against the run's own config (3 prompts a step), not the command line's default (4)
+    y = tmp_path / "y"
+    assert main(["train", "--out", str(y), "train.steps=1", *common, "train.prompts_per_step=3"]) == 0
+    capsys.readouterr()
+    assert main(["train", "--nproc", "2", "--out", str(y), "--resume", "latest", "train.steps=2"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("train.prompts_per_step=3 cannot be split between 2 processes") == 1, err
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"question": "Q", "answer": "1"}\n{"question": "Q2"}\n')
+    assert main(["train", "--nproc", "2", "--out", str(tmp_path / "z"), *common, f"data.path={bad}"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("bad.jsonl:2: empty or missing 'answer'") == 1 and not (tmp_path / "z").exists(), err
     assert main(["train", "--nproc", "0"]) == 2
     assert "--nproc must be >= 1" in capsys.readouterr().err
 

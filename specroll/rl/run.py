@@ -221,8 +221,11 @@ def _launch(args, nproc: int) -> int:
 
     from ..cli import CliError
 
-    given = load_config(args.config, args.preset, args.overrides)
-    _check_splittable(given, nproc)  # one error line here rather than one per process
+    cfg = _run_config(args)[2]
+    _check_splittable(cfg, nproc)  # one error line here rather than one per process
+    from .data import load_examples
+
+    load_examples(cfg.data, "train")  # bad data too (every process would print the same error)
     argv = ["-m", "specroll", "train"]
     for flag in ("config", "preset", "out", "resume"):
         if getattr(args, flag, None):
@@ -299,6 +302,29 @@ def train_cli(args) -> int:
         distributed.close(d)
 
 
+def _out_dir(args, given: Config) -> tuple[str | None, str]:
+    """The run directory as given, and the option that gave it: --out, else train.out_dir as given on this
+    command line (preset, --config, overrides), never a resumed run's own config.yaml (written wherever that
+    run lived)."""
+    if args.out or not given.train.out_dir:
+        return args.out, "--out"
+    return given.train.out_dir, "train.out_dir"
+
+
+def _run_config(args, given: Config | None = None) -> tuple[Config, Path | None, Config]:
+    """(the config this command line gives, the checkpoint --resume names or None, the config the run trains
+    with): a resume takes the run's own config.yaml as its base unless --config or --preset is given."""
+    given = given or load_config(args.config, args.preset, args.overrides)
+    resume = getattr(args, "resume", None)
+    if not resume:
+        return given, None, given
+    ck = ckpt.resolve(resume, _out_dir(args, given)[0])
+    base = args.config
+    if base is None and args.preset is None:
+        base = str(ck / "config.yaml")
+    return given, ck, load_config(base, args.preset, args.overrides)
+
+
 def _train_ranks(args, d) -> int:
     """``train_cli`` in one process of ``d`` (the only one without data parallel). Rank 0 owns the run
     directory, the console and the files; the other ranks follow it."""
@@ -307,20 +333,14 @@ def _train_ranks(args, d) -> int:
 
     console = _console(quiet=not d.main)
     resume = getattr(args, "resume", None)
-    # the run directory: --out, else train.out_dir as given on this command line (preset, --config,
-    # overrides), never a resumed run's own config.yaml (written wherever that run lived)
     given = load_config(args.config, args.preset, args.overrides)
-    out, how = (args.out, "--out") if args.out or not given.train.out_dir else (given.train.out_dir, "train.out_dir")
+    out, how = _out_dir(args, given)
     if out:
         _not_a_file(Path(out), how)
     created = None  # the outermost directory this command creates for the run, if any
     if resume:
-        ck = ckpt.resolve(resume, out)
+        _, ck, cfg = _run_config(args, given)
         run_dir = Path(out) if out else ck.parent
-        base = args.config
-        if base is None and args.preset is None:
-            base = str(ck / "config.yaml")  # resume with the run's own config unless told otherwise
-        cfg = load_config(base, args.preset, args.overrides)
         if d.main:
             created = _first_missing(run_dir)
             _mkdir(run_dir, how)
