@@ -366,7 +366,8 @@ COMMANDS = [_models, _generate, _bench, _draft, _train, _eval, _export, _report,
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="specroll", description="Speculative rollouts for GRPO / RLVR training.")
+    parser = argparse.ArgumentParser(prog="specroll", description="Speculative rollouts for GRPO / RLVR training.",
+                                     epilog="Errors are one line; SPECROLL_DEBUG=1 shows their traceback.")
     sub = parser.add_subparsers(dest="command", required=True)
     for add in COMMANDS:
         add(sub)
@@ -407,9 +408,8 @@ def main(argv: list[str] | None = None) -> int:
     except (CliError, ValueError, OSError) as e:  # OSError: FileNotFoundError, IsADirectoryError, disk full, ...
         if debug():
             raise
+        # one line, whatever the class (README and `specroll --help`: SPECROLL_DEBUG=1 shows the traceback)
         print(f"specroll: error: {_os_message(e) if isinstance(e, OSError) else e}", file=sys.stderr)
-        if not isinstance(e, CliError):
-            print("(set SPECROLL_DEBUG=1 for the traceback)", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print("specroll: interrupted", file=sys.stderr)

@@ -129,6 +129,20 @@ def test_specroll_debug_off_values_mean_off(monkeypatch, capsys, value, raises):
         assert "--batches must be" in cli_error(capsys, argv)
 
 
+def test_value_and_os_errors_are_one_line_too(tmp_path, capsys):
+    """Not only CliError: a config ValueError and an OSError print exactly one line (a second line pointing at
+    SPECROLL_DEBUG contradicted the README; `specroll --help` says it once)."""
+    for argv in (["train", "--out", str(tmp_path / "r"), "train.lr=-1"],
+                 ["report", str(tmp_path)]):  # no metrics.jsonl there: FileNotFoundError
+        capsys.readouterr()
+        assert main(argv) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and err.startswith("specroll: error: "), err
+    with pytest.raises(SystemExit):
+        main(["--help"])
+    assert "SPECROLL_DEBUG=1" in capsys.readouterr().out
+
+
 # --- numeric options --------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("argv, msg", [
