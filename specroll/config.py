@@ -375,9 +375,10 @@ def _field(sec: str, key: str) -> tuple[Any, Any] | None:
     return None
 
 
-def _yaml_lines(text: str) -> dict[tuple[str, str], int]:
-    """{(section, key): line} of a YAML config text (for error messages; {} if it is not a mapping)."""
-    out: dict[tuple[str, str], int] = {}
+def _yaml_lines(text: str) -> dict[tuple[str, str | None], int]:
+    """{(section, key): line} of a YAML config text, and {(section, None): line} of each section (for error
+    messages; {} if it is not a mapping)."""
+    out: dict[tuple[str, str | None], int] = {}
     try:
         root = yaml.compose(text, Loader=_Loader)
     except yaml.YAMLError:
@@ -385,6 +386,7 @@ def _yaml_lines(text: str) -> dict[tuple[str, str], int]:
     if not isinstance(root, yaml.MappingNode):
         return out
     for sec, vals in root.value:
+        out[(str(sec.value), None)] = sec.start_mark.line + 1
         if isinstance(vals, yaml.MappingNode):
             for k, _ in vals.value:
                 out[(str(sec.value), str(k.value))] = k.start_mark.line + 1
@@ -422,21 +424,24 @@ def _merge(base: dict, update: dict, source: str, lines: dict | None = None, ori
     records where each merged key came from ("g.yaml:2", "override 'rollout.G=1'"), for ``build``'s messages."""
     if not isinstance(update, dict):
         raise ValueError(f"{source}: expected a mapping of sections {sorted(SECTIONS)}, got {type(update).__name__}")
+    def at(sec, key=None) -> str:
+        line = (lines or {}).get((sec, key))
+        return f"{source}{f':{line}' if line else ''}"
+
     for sec, vals in update.items():
         if sec not in SECTIONS:
-            raise ValueError(f"{source}: unknown config section {sec!r}{_suggest(sec, SECTIONS)}")
+            raise ValueError(f"{at(sec)}: unknown config section {sec!r}{_suggest(sec, SECTIONS)}")
         if vals is None:
             continue
         if not isinstance(vals, dict):
-            raise ValueError(f"{source}: section {sec!r} must be a mapping of keys, got {vals!r}")
+            raise ValueError(f"{at(sec)}: section {sec!r} must be a mapping of keys, got {vals!r}")
         fields = {f.name: f for f in dataclasses.fields(SECTIONS[sec])}
         for k, v in vals.items():
+            where = at(sec, k)
             if k not in fields:
                 full = [f"{sec}.{n}" for n in fields]
-                raise ValueError(f"{source}: unknown config key '{sec}.{k}'{_suggest(f'{sec}.{k}', full)}")
+                raise ValueError(f"{where}: unknown config key '{sec}.{k}'{_suggest(f'{sec}.{k}', full)}")
             tp, default = _hints(SECTIONS[sec])[k], _default(fields[k])
-            line = (lines or {}).get((sec, k))
-            where = f"{source}{f':{line}' if line else ''}"
             try:
                 v = _coerce(v, tp, default, f"{sec}.{k}")
             except ValueError as e:

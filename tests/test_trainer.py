@@ -373,8 +373,14 @@ def test_yaml_file_and_precedence(tmp_path):
     cfg = load_config(f, preset="quick", overrides=["train.steps=9"])
     assert (cfg.train.steps, cfg.train.lr, cfg.rollout.G) == (9, 2e-6, 6)
     assert cfg.train.prompts_per_step == PRESETS["quick"]["train"]["prompts_per_step"]
-    f.write_text("train:\n  stepz: 7\n")
-    with pytest.raises(ValueError, match=f"{f}: unknown config key 'train.stepz'"):
+    f.write_text("rollout:\n  G: 4\ntrain:\n  steps: 2\n  stepz: 7\n")
+    with pytest.raises(ValueError, match=f"{f}:5: unknown config key 'train.stepz'"):  # its line
+        load_config(f)
+    f.write_text("rollout:\n  G: 4\ntrian:\n  steps: 2\n")
+    with pytest.raises(ValueError, match=f"{f}:3: unknown config section 'trian'"):
+        load_config(f)
+    f.write_text("rollout:\n  G: 4\ntrain: 3\n")
+    with pytest.raises(ValueError, match=f"{f}:3: section 'train' must be a mapping"):
         load_config(f)
     f.write_text("train: [1, 2\n")
     with pytest.raises(ValueError, match="invalid YAML"):
