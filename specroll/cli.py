@@ -95,10 +95,12 @@ def _generate(sub):
     p.add_argument("--json", action="store_true", help="print one JSON object per completion")
     p.add_argument("--draft", default=None, help="speculate with this EAGLE draft head directory (`specroll draft "
                    "train --out DIR`, or a run's draft_head/): the same distribution as plain sampling, fewer forwards")
-    p.add_argument("--draft-plan", default="adaptive", choices=["adaptive", "chain"],
-                   help="adaptive: chains sized by the live rows and this machine's C_peak (profiled once on first "
-                   "use), plain decoding where drafting does not pay; chain: --draft-depth drafts at every step")
-    p.add_argument("--draft-depth", type=int, default=6, help="longest draft chain (tokens per step - 1)")
+    p.add_argument("--draft-plan", default=None, choices=["adaptive", "chain"],
+                   help="with --draft: adaptive (default): chains sized by the live rows and this machine's C_peak "
+                   "(profiled once on first use), plain decoding where drafting does not pay; chain: --draft-depth "
+                   "drafts at every step")
+    p.add_argument("--draft-depth", type=int, default=None, help="with --draft: longest draft chain (tokens per "
+                   "step - 1; default 6)")
     p.set_defaults(func=_run("specroll.generate:cli"))
 
 

@@ -47,6 +47,13 @@ def cli(args) -> int:
             raise CliError('no prompt given (empty standard input); pass --prompt "..." or pipe prompts, one per line')
     if args.n < 1:
         raise CliError(f"-n must be >= 1, got {args.n}")
+    if args.system is not None and args.raw:
+        raise CliError("--system needs the chat template, which --raw skips: drop one of them (with --raw, write "
+                       "the system text into the prompt itself)")
+    given = [o for o, v in (("--draft-plan", args.draft_plan), ("--draft-depth", args.draft_depth)) if v is not None]
+    if given and not args.draft:
+        raise CliError(f"{' and '.join(given)} {'tune' if len(given) > 1 else 'tunes'} speculation with a draft "
+                       f"head: add --draft DIR, or drop {'them' if len(given) > 1 else 'it'}")
     try:
         params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
                                 max_new_tokens=args.max_new_tokens, seed=args.seed)
@@ -104,17 +111,18 @@ def build_drafter(args, model, engine: Engine, model_name: str):
     from .drafters.eagle import EagleDrafter, Plan, load_head_as
 
     limit = model.cfg.max_position
-    if args.draft_depth < 1:
-        raise CliError(f"--draft-depth must be >= 1, got {args.draft_depth}")
-    if args.draft_depth >= limit:
-        raise CliError(f"--draft-depth must be below the model's context of {limit} tokens, got {args.draft_depth}")
+    depth = 6 if args.draft_depth is None else args.draft_depth
+    if depth < 1:
+        raise CliError(f"--draft-depth must be >= 1, got {depth}")
+    if depth >= limit:
+        raise CliError(f"--draft-depth must be below the model's context of {limit} tokens, got {depth}")
     head = load_head_as(f"--draft {args.draft}", args.draft, model)
     if args.draft_plan == "chain":
-        plan = Plan(args.draft_depth + 1, 1, args.draft_depth)
+        plan = Plan(depth + 1, 1, depth)
         return EagleDrafter(head, plan=plan, sampled=True)
     from .engine.profiler import adaptive_planner
 
-    planner = adaptive_planner(model_name, engine.dtype, engine=engine, k_max=1, l_max=args.draft_depth,
+    planner = adaptive_planner(model_name, engine.dtype, engine=engine, k_max=1, l_max=depth,
                                log=lambda m: print(m, file=sys.stderr))
     return EagleDrafter(head, plan_fn=planner, max_plan=planner.max_plan, sampled=True)
 

@@ -249,6 +249,13 @@ OPTION_ERRORS = [
     (["generate", "--prompt", "hi", "--temperature", "-1"], "--temperature must be >= 0 (0 = greedy), got -1.0"),
     (["eval", "--temperature", "-1"], "--temperature must be a finite number >= 0 (0 = greedy), got -1.0"),
     (["eval", "--temperature", "nan"], "--temperature must be a finite number >= 0 (0 = greedy), got nan"),
+    (["generate", "--prompt", "hi", "--raw", "--system", "Be brief."],
+     "--system needs the chat template, which --raw skips: drop one of them (with --raw, write the system text "
+     "into the prompt itself)"),
+    (["generate", "--prompt", "hi", "--draft-plan", "chain"],
+     "--draft-plan tunes speculation with a draft head: add --draft DIR, or drop it"),
+    (["generate", "--prompt", "hi", "--draft-plan", "chain", "--draft-depth", "3"],
+     "--draft-plan and --draft-depth tune speculation with a draft head: add --draft DIR, or drop them"),
     (["generate", "--prompt", "hi", "--top-p", "5"], "--top-p must be in (0, 1], got 5.0"),
     (["generate", "--prompt", "hi", "--top-k", "-3"], "--top-k must be an int >= 0 (0 = off), got -3"),
     (["bench", "spec", "--draft", "{tmp}/head", "--depth", "0", "--out", "{tmp}/b.json"], "--depth must be >= 1, got 0"),
