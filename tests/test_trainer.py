@@ -1,5 +1,6 @@
 """GRPO trainer on a tiny random decoder: learning, exact resume, atomic checkpoints, config errors."""
 
+import json
 import math
 from pathlib import Path
 
@@ -555,3 +556,28 @@ def test_the_lr_column_is_the_rate_the_steps_optimizer_used():
     firsts = [used[i] for i in range(0, len(used), 2)]
     assert len(used) == 6 and len(set(used)) == 6  # warmup then cosine: every optimizer step its own rate
     assert [r["lr"] for r in rows] == firsts
+
+
+def test_a_resume_with_another_prompts_per_step_continues_where_the_data_stopped(tmp_path):
+    """batch_indices used step x prompts_per_step: resuming 2 steps of 2 prompts with 4 a step started at
+    prompt 8 of the epoch, skipping 4 that were never trained on."""
+    part = make_trainer(make_cfg("train.steps=4", "train.prompts_per_step=2"), tmp_path / "b")
+    seen = [part.batch_indices(s) for s in range(2)]
+    part.train_step(), part.train_step()
+    assert part.data_position(part.step) == 4
+    path = part.save()
+    assert json.loads((path / "state.json").read_text())["data_position"] == 4
+    resumed = make_trainer(make_cfg("train.steps=4", "train.prompts_per_step=4"), tmp_path / "c")
+    resumed.resume(path)
+    nxt = resumed.batch_indices(resumed.step)
+    assert sorted(sum(seen, []) + nxt) == list(range(8))  # the epoch's 8 prompts, each exactly once
+    resumed.train_step()
+    assert resumed.data_position(resumed.step) == 8
+    assert json.loads((resumed.save() / "state.json").read_text())["data_position"] == 8
+    # a checkpoint without a position (older runs): steps x this run's prompts_per_step, as before
+    state = json.loads((path / "state.json").read_text())
+    del state["data_position"]
+    (path / "state.json").write_text(json.dumps(state))
+    old = make_trainer(make_cfg("train.steps=4", "train.prompts_per_step=4"), tmp_path / "d")
+    old.resume(path)
+    assert old.data_position(old.step) == 8

@@ -325,6 +325,7 @@ class Trainer:
         self.stop_requested: str | None = None
         self.rollout_hooks: list[Callable] = []
         self._perms: dict[int, torch.Tensor] = {}
+        self._data_base = (0, 0)  # (step, prompts drawn before it): data_position
         self.writer = MetricsWriter(self.run_dir, tc.tensorboard) if self.run_dir is not None and dist.main else None
 
     # -- data ---------------------------------------------------------------------------------
@@ -334,13 +335,16 @@ class Trainer:
             self._perms = {epoch: torch.randperm(len(self.train_set), generator=g)}
         return self._perms[epoch]
 
+    def data_position(self, step: int) -> int:
+        """Prompts drawn before ``step`` (0-based): ``step * prompts_per_step`` from the last resume on, counted
+        from the checkpoint's own position (a resume may change ``train.prompts_per_step``)."""
+        step0, pos0 = self._data_base
+        return pos0 + (step - step0) * self.cfg.train.prompts_per_step
+
     def batch_indices(self, step: int) -> list[int]:
         """Prompt indices of ``step`` (0-based): a fresh seeded permutation per epoch."""
-        n, k = len(self.train_set), self.cfg.train.prompts_per_step
-        out = []
-        for q in range(step * k, step * k + k):
-            out.append(int(self._perm(q // n)[q % n]))
-        return out
+        n, start = len(self.train_set), self.data_position(step)
+        return [int(self._perm(q // n)[q % n]) for q in range(start, start + self.cfg.train.prompts_per_step)]
 
     def rollout_params(self, step: int) -> SamplingParams:
         rc = self.cfg.rollout
@@ -625,7 +629,7 @@ class Trainer:
         if not self.dist.main:
             self.dist.barrier()
             return None
-        state = {"data_position": self.step * self.cfg.train.prompts_per_step,
+        state = {"data_position": self.data_position(self.step),
                  "rollout_seed_next": self.rollout_params(self.step).seed,
                  "policy_version": self.engine.policy_version}
         if row is not None:
@@ -645,6 +649,9 @@ class Trainer:
         ckpt.restore_rng(rng)
         self._apply_optimizer_config()
         self.step = info.step
+        pos = info.state.get("data_position")
+        # older checkpoints, or a hand-edited state.json: the steps at this run's prompts_per_step
+        self._data_base = (info.step, pos) if isinstance(pos, int) and pos >= 0 else (0, 0)
         self.engine.policy_version = int(info.state.get("policy_version", info.step))
         return info.step
 
