@@ -545,13 +545,7 @@ def test_the_lr_column_is_the_rate_the_steps_optimizer_used():
     """metrics' ``lr`` was read after ``sched.step()``: one optimizer step ahead of the update it sat beside."""
     tr = make_trainer(make_cfg("train.steps=4", "train.warmup=2", "train.mini_batches=2"))
     used = []
-    real = tr.opt.step
-
-    def step(*a, **k):
-        used.append(tr.opt.param_groups[0]["lr"])
-        return real(*a, **k)
-
-    tr.opt.step = step
+    tr.opt.register_step_pre_hook(lambda opt, args, kwargs: used.append(opt.param_groups[0]["lr"]))
     rows = [tr.train_step() for _ in range(3)]
     firsts = [used[i] for i in range(0, len(used), 2)]
     assert len(used) == 6 and len(set(used)) == 6  # warmup then cosine: every optimizer step its own rate
