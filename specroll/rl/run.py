@@ -416,7 +416,7 @@ def _train_ranks(args, d) -> int:
     if d.main:
         console.print(summary_table(rows, wall, run_dir))
         save_draft_head(trainer, cfg, run_dir, console.print)
-    if trainer.stop_requested is not None:
+    if trainer.stop_requested is not None and trainer.step < cfg.train.steps:  # (after the last step: done)
         sig = trainer.stop_requested
         print(f"specroll: stopped by {sig} after step {trainer.step} of {cfg.train.steps}, checkpoint "
               f"{run_dir / f'step_{trainer.step:06d}'} saved; continue with: specroll train --resume latest "
