@@ -546,10 +546,16 @@ def test_the_lr_column_is_the_rate_the_steps_optimizer_used():
     tr = make_trainer(make_cfg("train.steps=4", "train.warmup=2", "train.mini_batches=2"))
     used = []
     tr.opt.register_step_pre_hook(lambda opt, args, kwargs: used.append(opt.param_groups[0]["lr"]))
-    rows = [tr.train_step() for _ in range(3)]
-    firsts = [used[i] for i in range(0, len(used), 2)]
-    assert len(used) == 6 and len(set(used)) == 6  # warmup then cosine: every optimizer step its own rate
-    assert [r["lr"] for r in rows] == firsts
+    checked = 0
+    for _ in range(3):
+        used.clear()
+        lr_before = tr.sched.get_last_lr()[0]
+        row = tr.train_step()
+        # a step whose mini-batches all lack advantage takes no optimizer step: its rate is the next one's
+        assert row["lr"] == (used[0] if used else lr_before)
+        checked += bool(used) and tr.sched.get_last_lr()[0] != used[0]  # a step the old reading got wrong
+    assert checked >= 2
+
 
 
 def test_a_resume_with_another_prompts_per_step_continues_where_the_data_stopped(tmp_path):
