@@ -134,22 +134,26 @@ def _bench_spec(s):
                    "tuned / tuned-chain (trees / chains sized by measured tokens per second per live-batch size, "
                    "starting from adaptive), or several: static,adaptive,chain,adaptive-chain,tuned-chain")
     b.add_argument("--c-peak", type=float, default=None,
-                   help="adaptive plan's budget (default: this machine's `specroll profile`, quick-profiled if missing)")
-    b.add_argument("--n-verify", type=int, default=16, help="tree nodes verified per row, root included")
-    b.add_argument("--k", type=int, default=4, help="top-K expansion per level")
+                   help="budget of the adaptive, adaptive-chain, tuned and tuned-chain plans (default: this machine's "
+                   "`specroll profile`, quick-profiled if missing)")
+    b.add_argument("--n-verify", type=int, default=None, help="static plan: tree nodes verified per row, root included "
+                   "(default 16)")
+    b.add_argument("--k", type=int, default=None, help="static, adaptive and tuned plans: top-K expansion per level "
+                   "(default 4)")
     b.add_argument("--depth", type=int, default=5, help="draft tree depth")
     b.add_argument("--temperature", type=float, default=1.0)
     b.add_argument("--top-p", type=float, default=1.0)
     b.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"])
-    b.add_argument("--chain-stop", default="0",
-                   help="sampled chains stop once every row's product of draft probabilities is below this "
-                        "(comma list for side-by-side rows; 0 = full depth)")
+    b.add_argument("--chain-stop", default=None,
+                   help="chain, adaptive-chain and tuned-chain plans: sampled chains stop once every row's product of "
+                        "draft probabilities is below this (comma list for side-by-side rows; default 0 = full depth)")
     b.add_argument("--head-weights", default="auto", help="weights the draft head drafts with: fp32, bf16 "
                    "(bf16 weight panels, fp32 arithmetic), int8 (int8 panels with per-column scales, fp32 arithmetic), "
                    "auto (int8 up to 8 live rows, the rollout's precision beyond); lossless in every case; a comma "
                    "list runs them side by side: bf16,int8")
-    b.add_argument("--verify", default="block", help="how sampled chains are verified: block (jointly) or token "
-                   "(token by token); both exact; a comma list runs them side by side: token,block")
+    b.add_argument("--verify", default=None, help="chain, adaptive-chain and tuned-chain plans: how sampled chains "
+                   "are verified: block (jointly; the default) or token (token by token); both exact; a comma list "
+                   "runs them side by side: token,block")
     b.add_argument("--repeats", type=int, default=1, help="timed repetitions per system and batch (summed)")
     b.add_argument("--force-length", action="store_true", help="ignore stop tokens: every row emits max-new-tokens")
     b.add_argument("--seed", type=int, default=0)
@@ -200,7 +204,8 @@ def _draft(sub):
     t.add_argument("--extra-data", default=None,
                    help="comma-separated data caches of other prompts or seeds (same model and --dtype) whose "
                         "sequences join the training data")
-    t.add_argument("--draft-vocab", type=int, default=4096, help="reduced draft vocabulary (0 = full)")
+    t.add_argument("--draft-vocab", type=int, default=None, help="reduced draft vocabulary (0 = full; default 4096; "
+                   "with --init: the head's own)")
     t.add_argument("--time-budget", type=float, default=None, help="stop training after this many seconds")
     t.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"],
                    help="rollout / hidden-state dtype")
@@ -274,22 +279,31 @@ def _bench_e2e(s):
     b.add_argument("--systems", default="specroll,trl",
                    help="comma-separated: specroll (a row per --spec mode), trl (TRL's GRPOTrainer), trl+specroll "
                    "(the same GRPOTrainer with rollout_func=specroll_rollout_func: specroll's engine generates)")
-    b.add_argument("--spec", default="off", help="specroll rows, comma-separated: off, reuse, draft, reuse+draft")
-    b.add_argument("--draft", default="random", help="draft head of the draft modes: a `specroll draft train` "
-                   "directory, or random (a fresh head; add draft.online=true to let it learn)")
-    b.add_argument("--reuse-mode", default="lenient", choices=["lenient", "exact"], help="rule of the reuse modes")
-    b.add_argument("--lenience", type=float, default=None, help="lenient reuse's l (default: reuse.lenience's)")
+    b.add_argument("--spec", default=None, help="specroll rows, comma-separated: off (the default), reuse, draft, "
+                   "reuse+draft")
+    b.add_argument("--draft", default=None, help="draft head of the draft modes: a `specroll draft train` "
+                   "directory, or random (the default: a fresh head; add draft.online=true to let it learn)")
+    b.add_argument("--reuse-mode", default=None, choices=["lenient", "exact"], help="rule of the reuse modes "
+                   "(default lenient)")
+    b.add_argument("--lenience", type=float, default=None, help="lenient reuse's l: the specroll reuse modes with "
+                   "--reuse-mode lenient, trl+specroll with --trl-reuse lenient (default: reuse.lenience's)")
     b.add_argument("--trl-reuse", default=None, choices=["off", "lenient", "exact"],
                    help="the trl+specroll row's rollout reuse across epochs (specroll_rollout_func(reuse=...)); "
                    "default off")
     b.add_argument("--warmup", type=int, default=1,
                    help="untimed GRPO steps of a throwaway trainer before any timed row (the first update of a "
                    "process pays one-off costs); 0 = none")
-    b.add_argument("--order", default="interleaved", choices=["interleaved", "sequential"],
-                   help="interleaved: the specroll modes take their steps in turn (a drift in the machine's speed "
-                   "hits every mode alike); sequential: one mode after another (one trainer in memory at a time)")
+    b.add_argument("--order", default=None, choices=["interleaved", "sequential"],
+                   help="interleaved (the default): the specroll modes take their steps in turn (a drift in the "
+                   "machine's speed hits every mode alike); sequential: one mode after another (one trainer in "
+                   "memory at a time)")
     b.add_argument("overrides", nargs="*", metavar="key=value",
-                   help="config overrides for every specroll row, e.g. draft.plan=adaptive draft.online=true")
+                   help="config overrides, e.g. draft.plan=adaptive draft.online=true: the specroll rows follow every "
+                   "key (draft.* the rows with a head, reuse.* the reusing rows), the TRL rows only data.*, reward.*, "
+                   "rollout.temperature, rollout.top_p, train.lr, train.seed, train.grad_clip and loss.eps_low "
+                   "(trl+specroll with --trl-reuse also reuse.store_mb); each row's JSON lists the overrides it "
+                   "followed. Keys the options above set (e.g. model.name: --model) or the benchmark fixes (e.g. "
+                   "loss.beta) are refused")
     b.add_argument("--out", default="bench_e2e.json")
     b.set_defaults(func=_run("specroll.bench.e2e:cli"))
 
@@ -298,7 +312,8 @@ def _bench_reuse(s):
     b = s.add_parser("reuse", help="SPEC-RL rollout reuse (lenient / exact) vs plain rollouts over short GRPO runs")
     b.add_argument("--model", default="smollm2-135m")
     b.add_argument("--epochs", type=int, default=3, help="passes over the prompt set (epoch 1 has no drafts)")
-    b.add_argument("--lenience", default="1,1.2214,1.6487,2.7183,inf", help="lenient mode's l values (inf = reuse all)")
+    b.add_argument("--lenience", default=None, help="lenient mode's l values (inf = reuse all; default "
+                   "1,1.2214,1.6487,2.7183,inf)")
     b.add_argument("--modes", default="lenient,exact", help="compared against off (always run)")
     b.add_argument("--prompts", type=int, default=16, help="training prompts (the whole epoch)")
     b.add_argument("--prompts-per-step", type=int, default=8)
@@ -342,7 +357,8 @@ def _bench_online(s):
     b.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"], help="rollout activations")
     b.add_argument("--seed", type=int, default=0)
     b.add_argument("overrides", nargs="*", metavar="key=value",
-                   help="config overrides for both runs, e.g. draft.update_every=2 draft.buffer=8")
+                   help="config overrides for both runs, e.g. draft.update_every=2 draft.buffer=8; keys the options "
+                   "above set (e.g. draft.plan: --plan) or the design fixes (draft.online) are refused")
     b.add_argument("--out", default="bench_online.json")
     b.set_defaults(func=_run("specroll.bench.online:cli"))
 

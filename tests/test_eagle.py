@@ -1170,14 +1170,15 @@ def test_cli_draft_train_then_bench_spec(tmp_path, monkeypatch, capsys):
     assert f"--out {head_dir} already holds a draft head" in err and f"--init {head_dir} --out {head_dir}" in err
     assert (head_dir / "draft_head.safetensors").read_bytes() == before
     common = ["bench", "spec", "--model", "tiny-llama", "--draft", str(head_dir), "--batch-sizes", "1,2",
-              "--max-new-tokens", "4", "--n-verify", "4", "--k", "2", "--depth", "2", "--dtype", "float32"]
-    assert main(common + ["--out", str(out)]) == 0
+              "--max-new-tokens", "4", "--depth", "2", "--dtype", "float32"]
+    tree = ["--n-verify", "4", "--k", "2"]  # the static plan's (refused when no --plan uses them)
+    assert main(common + tree + ["--out", str(out)]) == 0
     rows = json.loads(out.read_text())["rows"]
     assert [r["batch"] for r in rows] == [1, 2]
     for r in rows:
         assert {"batch", "plan", "vanilla_tok_s", "spec_tok_s", "speedup", "accept_length", "accept_rate"} <= set(r)
         assert r["plan"] == "static" and r["accept_length"] >= 1.0
-    assert main(common + ["--plan", "static,chain", "--batch-sizes", "2", "--out", str(out)]) == 0
+    assert main(common + tree + ["--plan", "static,chain", "--batch-sizes", "2", "--out", str(out)]) == 0
     rows = json.loads(out.read_text())["rows"]
     assert [(r["plan"], r["plan_max"]["k"]) for r in rows] == [("static", 2), ("chain", 1)]
     assert [len(r["accept_by_depth"]) for r in rows] == [r["plan_max"]["depth"] for r in rows]

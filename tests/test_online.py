@@ -446,7 +446,7 @@ def test_cli_bench_online_writes_both_curves(tmp_path, monkeypatch, capsys, desi
     out = tmp_path / "b" / "online.json"
     args = ["bench", "online", "--model", "tiny-llama", "--steps", "2", "--prompts", "4", "--prompts-per-step", "2",
             "-G", "2", "--max-new-tokens", "6", "--dtype", "float32", "--draft-lr", "1e-2", "--out", str(out),
-            "--design", design, "draft.plan=static", "draft.n_verify=4", "draft.k=2", "draft.depth=2",
+            "--design", design, "draft.n_verify=4", "draft.k=2", "draft.depth=2",
             "train.micro_batch_size=4"]
     assert main(args) == 0
     res = json.loads(out.read_text())
@@ -495,7 +495,7 @@ def test_bench_online_probe_only_measures(tmp_path, monkeypatch, design):
         assert main(["bench", "online", "--model", "tiny-llama", "--steps", "3", "--prompts", "4",
                      "--prompts-per-step", "2", "-G", "2", "--max-new-tokens", "6", "--dtype", "float32",
                      "--draft-lr", "1e-2", "--probe", str(n), "--design", design, "--out", str(out),
-                     "draft.plan=static", "draft.n_verify=4", "draft.k=2", "draft.depth=2",
+                     "draft.n_verify=4", "draft.k=2", "draft.depth=2",
                      "train.micro_batch_size=4"]) == 0
         res[n] = json.loads(out.read_text())["rows"]
     keys = ("mode", "step", "accept_length", "draft_loss", "reward_mean", "tokens_generated")

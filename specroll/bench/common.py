@@ -10,6 +10,7 @@ import datetime
 import json
 import os
 import platform
+import re
 import shutil
 import statistics
 import time
@@ -130,6 +131,50 @@ def parse_float_list(s: str, name: str, ok, what: str) -> list[float]:
 
         raise CliError(f"{name} must be a comma-separated list of {what}, got {s!r}")
     return out
+
+
+def override_key(text: str) -> str:
+    """The dotted key of a ``key=value`` config override: "rollout.G=4" -> "rollout.G"."""
+    return text.split("=", 1)[0].strip()
+
+
+def check_overrides(overrides, command: str, options: dict[str, str], fixed: dict[str, str]) -> None:
+    """Refuse, before any work, a ``key=value`` override of a config key the benchmark sets itself: from one of its
+    options (``options``: key -> the option, "model.name" -> "--model"; the override would silently beat the
+    option while the JSON records the option's value), or to a value its design needs (``fixed``: key -> why)."""
+    from ..cli import CliError
+
+    bad = [o for o in overrides if "=" not in o]
+    if bad:
+        raise CliError(f"overrides must look like key=value, got {bad}")
+    for o in overrides:
+        key = override_key(o)
+        if key in options:
+            raise CliError(f"{o}: use {options[key]} ({command} sets {key} from it)")
+        if key in fixed:
+            raise CliError(f"{o}: {command} fixes {key} ({fixed[key]}); drop it")
+
+
+def load_bench_config(overrides: list[str], options: dict[str, str]):
+    """``load_config(overrides=...)``, whose errors about a key the benchmark sets from one of its options name the
+    option instead ("override 'data.level=0': data.level must be one of ..." -> "--level must be one of ...");
+    an error about an override the user typed keeps its ``override '...'`` prefix."""
+    from ..cli import CliError
+    from ..config import load_config
+
+    try:
+        return load_config(overrides=overrides)
+    except ValueError as e:
+        msg = str(e)
+        for o in overrides:
+            prefix = f"override {o!r}: "
+            if msg.startswith(prefix) and override_key(o) in options:
+                msg = msg[len(prefix):]
+                break
+        msg = re.sub(r"(?<![\w.])\w+\.\w+\b", lambda m: options.get(m.group(0), m.group(0)), msg)
+        if msg == str(e):
+            raise
+        raise CliError(msg) from None
 
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}

@@ -59,6 +59,14 @@ time per completion token; ``tokens_all`` per step) and the same two ratios of i
 ``speedup_vs_off_per_token`` and ``speedup_vs_trl_per_token``. Each row also has its per-step reward curve
 and spec metrics, and ``step_s_median_after_epoch1`` when there is more than one epoch;
 ``reward_curves`` and a PNG (reward and step time against step, every row) sit beside the timings.
+
+Trailing ``key=value`` config overrides: the specroll rows follow every key (draft.* the rows with a head, reuse.*
+the rows that reuse), the TRL rows only the keys ``run_trl`` reads (``TRL_SECTIONS``, ``TRL_KEYS``; trl+specroll
+with --trl-reuse also ``TRL_REUSE_KEYS``); each row lists the ones it followed as ``overrides``. A key the command
+sets from its options (``OPTION_KEYS``: model.name is --model's) or fixes (``FIXED_KEYS``) is refused, as is an
+option for rows that do not run (--spec or --order without the specroll system, --draft / --reuse-mode without a
+draft / reuse mode, --lenience without lenient reuse, --trl-reuse without trl+specroll); ``config`` records None
+for the options of rows that did not run.
 """
 
 from __future__ import annotations
@@ -71,7 +79,7 @@ from pathlib import Path
 
 import torch
 
-from .common import machine_info, save_figure, write_json
+from .common import check_overrides, load_bench_config, machine_info, override_key, save_figure, write_json
 
 SPEC_MODES = ("off", "reuse", "draft", "reuse+draft")
 SYSTEMS = ("specroll", "trl", "trl+specroll")
@@ -80,11 +88,48 @@ PHASES = ("rollout", "reward", "logprob", "update", "draft_update")
 SPEC_KEYS = ("spec/reuse_ratio", "spec/skip_ratio", "spec/avg_cut_idx", "spec/accept_length", "spec/accept_rate",
              "rollout/spec_accept_length", "rollout/spec_accept_rate", "rollout/tokens_generated", "timing/verify",
              "draft/loss", "actor/rows_forwarded")  # rows_forwarded: the update skips rows of zero advantage
+# the options' values when not given (their parser defaults are None, so that an option given for rows that do not
+# run is told apart from one left alone, see ``check_args``)
+DEFAULTS = {"spec": "off", "draft": "random", "reuse_mode": "lenient", "order": "interleaved"}
+
+# config keys bench e2e sets from its options: an override of one would silently beat the option while the JSON
+# records the option's value, so ``check_args`` refuses it, naming the option
+OPTION_KEYS = {"model.name": "--model", "model.rollout_dtype": "--dtype", "train.bf16": "--dtype",
+               "rollout.G": "--generations", "rollout.max_new_tokens": "--max-new-tokens",
+               "train.prompts_per_step": "--prompts-per-step", "train.steps": "--steps or --epochs",
+               "data.n_train": "--prompts", "reuse.mode": "--spec and --reuse-mode", "draft.head": "--spec and --draft",
+               "reuse.lenience": "--lenience"}
+# ... and the keys it fixes so that every system trains alike (the specroll rows as the TRL rows' GRPOTrainer)
+FIXED_KEYS = {
+    "model.dtype": "fp32 master weights, as the TRL rows' model; --dtype bfloat16 adds bf16 autocast",
+    "train.micro_batch_size": "one forward and backward over the step's rows, as the TRL rows",
+    "train.warmup": "a constant learning rate, as the TRL rows'",
+    "train.cosine": "a constant learning rate, as the TRL rows'",
+    "train.mu": "one optimisation pass per rollout, as the TRL rows' num_iterations=1",
+    "loss.type": "the TRL rows' loss: grpo",
+    "loss.scale_rewards": "the TRL rows' group-scaled advantages",
+    "loss.beta": "the TRL rows' beta = 0",
+    "train.eval_before": "steps are timed, nothing is evaluated",
+    "data.n_eval": "steps are timed, nothing is evaluated",
+}
+# the overrides the TRL rows follow too (``run_trl`` reads them from the same config): any data.* and reward.* key
+# and these; the trl+specroll row with --trl-reuse also TRL_REUSE_KEYS (``trl_rollout_func``). Every other override
+# applies to the specroll rows only (``follows``)
+TRL_SECTIONS = ("data", "reward")
+TRL_KEYS = ("rollout.temperature", "rollout.top_p", "train.lr", "train.seed", "train.grad_clip", "loss.eps_low")
+TRL_REUSE_KEYS = ("reuse.store_mb",)
 
 
-def spec_modes(s: str) -> list[str]:
+def option(args, name: str):
+    """``args.<name>``, or its value when not given (``DEFAULTS``)."""
+    v = getattr(args, name, None)
+    return DEFAULTS[name] if v is None else v
+
+
+def spec_modes(s: str | None) -> list[str]:
     from ..cli import CliError
 
+    s = DEFAULTS["spec"] if s is None else s
     out = [m.strip() for m in s.split(",") if m.strip()]
     bad = [m for m in out if m not in SPEC_MODES]
     if not out or bad or len(set(out)) != len(out):
@@ -114,7 +159,8 @@ def spec_overrides(args, spec: str) -> list[str]:
     reuse = spec in ("reuse", "reuse+draft")
     # quoted: YAML reads a bare off as false
     draft = spec in ("draft", "reuse+draft")
-    out = [f"reuse.mode='{args.reuse_mode if reuse else 'off'}'", f"draft.head='{args.draft if draft else ''}'"]
+    out = [f"reuse.mode='{option(args, 'reuse_mode') if reuse else 'off'}'",
+           f"draft.head='{option(args, 'draft') if draft else ''}'"]
     if not draft:  # the rows without a head ignore draft.* overrides; draft.online=true would be an error there
         out.append("draft.online=false")
     if reuse and args.lenience is not None:
@@ -122,12 +168,28 @@ def spec_overrides(args, spec: str) -> list[str]:
     return out
 
 
-def _config(args, spec: str = "off"):
-    from ..config import load_config
+def follows(key: str, system: str, spec: str = "off", trl_reuse: bool = False) -> bool:
+    """Whether a row follows a config override of ``key``: a specroll row every key but draft.* (followed by the
+    rows with a head only) and reuse.* (the rows that reuse only); the TRL rows the keys ``run_trl`` reads
+    (``TRL_SECTIONS``, ``TRL_KEYS``), and the trl+specroll row with --trl-reuse also ``TRL_REUSE_KEYS``."""
+    section = key.split(".")[0]
+    if system == "specroll":
+        return {"draft": "draft" in spec, "reuse": "reuse" in spec}.get(section, True)
+    return (section in TRL_SECTIONS or key in TRL_KEYS
+            or (system == "trl+specroll" and trl_reuse and key in TRL_REUSE_KEYS))
 
+
+def row_overrides(args, system: str, spec: str = "off") -> list[str]:
+    """The overrides (trailing ``key=value``) a row follows, recorded in the row as ``overrides``."""
+    trl_reuse = getattr(args, "trl_reuse", None) not in (None, "off")
+    return [o for o in getattr(args, "overrides", []) if follows(override_key(o), system, spec, trl_reuse)]
+
+
+def _config(args, spec: str = "off"):
     bf16 = args.dtype == "bfloat16"
-    return load_config(overrides=[
-        f"model.name={args.model}", f"model.rollout_dtype={args.dtype}", f"train.bf16={str(bf16).lower()}",
+    return load_bench_config([
+        f"model.name={args.model}", "model.dtype=float32", f"model.rollout_dtype={args.dtype}",
+        f"train.bf16={str(bf16).lower()}",
         f"rollout.G={args.generations}", f"rollout.max_new_tokens={args.max_new_tokens}",
         f"train.prompts_per_step={args.prompts_per_step}", f"train.steps={n_steps(args)}",
         "train.eval_before=false", "train.warmup=0", "train.cosine=false", "loss.type=grpo",
@@ -135,7 +197,7 @@ def _config(args, spec: str = "off"):
         f"train.micro_batch_size={args.prompts_per_step * args.generations}",
         *([f"data.n_train={args.prompts}"] if args.prompts else []),
         *getattr(args, "overrides", []), *spec_overrides(args, spec),
-    ])
+    ], OPTION_KEYS)
 
 
 def _summary(system: str, steps: list[dict], spec: str = "off", first_epoch: int = 0) -> dict:
@@ -349,14 +411,18 @@ def run_bench(args) -> dict:
 
     cfg = _config(args)
     wanted = systems(args.systems)
-    specs = spec_modes(getattr(args, "spec", "off"))
+    specs = spec_modes(getattr(args, "spec", None))
     steps = n_steps(args)
+    used = used_options(args)  # the row options of rows that do not run are recorded as None
+    lenience = cfg.reuse.lenience if getattr(args, "lenience", None) is None else args.lenience
     res: dict = {"config": {"model": args.model, "prompts_per_step": args.prompts_per_step,
                             "generations": args.generations, "max_new_tokens": args.max_new_tokens,
                             "steps": steps, "dtype": args.dtype, "lr": cfg.train.lr,
                             "prompts": args.prompts or None, "epochs": None if args.steps else args.epochs,
-                            "spec": specs, "draft": args.draft, "reuse_mode": args.reuse_mode,
-                            "lenience": cfg.reuse.lenience if args.lenience is None else args.lenience,
+                            "spec": specs if used["spec"] else None,
+                            "draft": option(args, "draft") if used["draft"] else None,
+                            "reuse_mode": option(args, "reuse_mode") if used["reuse_mode"] else None,
+                            "lenience": lenience if used["lenience"] else None,
                             "overrides": list(getattr(args, "overrides", [])), "systems": wanted,
                             "trl_reuse": getattr(args, "trl_reuse", None) or "off"},
                  "machine": machine_info(), "rows": []}
@@ -367,13 +433,13 @@ def run_bench(args) -> dict:
         warm_s, _warm_trainer = warm_up(_config(args, "off"), warm)  # held until this returns (see warm_up)
         res["config"]["warmup_s"] = round(warm_s, 3)
     res["config"]["warmup"] = warm
-    order = getattr(args, "order", "interleaved")
-    res["config"]["order"] = order
+    order = option(args, "order")
+    res["config"]["order"] = order if used["order"] else None
     if "specroll" in wanted:
         print(f"specroll, spec={','.join(specs)}: {steps} steps each, {order}", flush=True)
         rows = run_specroll_modes({spec: _config(args, spec) for spec in specs}, first_epoch,
                                   interleave=order == "interleaved", say=lambda m: print(m, flush=True))
-        res["rows"].extend(rows[spec] for spec in specs)
+        res["rows"].extend({**rows[spec], "overrides": row_overrides(args, "specroll", spec)} for spec in specs)
     trl_rows = [s for s in ("trl", "trl+specroll") if s in wanted]
     if trl_rows:
         try:
@@ -388,7 +454,8 @@ def run_bench(args) -> dict:
                 print(f"{system}: {steps} steps", flush=True)
                 c = _config(args)
                 rf = trl_rollout_func(args, c) if system == "trl+specroll" else None
-                res["rows"].append(run_trl(c, model_dir, rf, first_epoch))
+                res["rows"].append({**run_trl(c, model_dir, rf, first_epoch),
+                                    "overrides": row_overrides(args, system)})
     add_ratios(res)
     return res
 
@@ -451,6 +518,19 @@ def figure_path(out: str | Path) -> Path:
     return out.with_name(out.stem + "_reward_vs_step.png")
 
 
+def used_options(args) -> dict[str, bool]:
+    """Whether each row option applies to a row that runs: --spec and --order to the specroll rows, --draft to
+    their draft modes, --reuse-mode to their reuse modes, --lenience to lenient reuse (a specroll reuse row with
+    --reuse-mode lenient, or trl+specroll with --trl-reuse lenient)."""
+    wanted = systems(args.systems)
+    ours = "specroll" in wanted
+    specs = spec_modes(getattr(args, "spec", None)) if ours else []
+    reuse = any("reuse" in s for s in specs)
+    trl_lenient = "trl+specroll" in wanted and getattr(args, "trl_reuse", None) == "lenient"
+    return {"spec": ours, "order": ours, "draft": any("draft" in s for s in specs), "reuse_mode": reuse,
+            "lenience": (reuse and option(args, "reuse_mode") == "lenient") or trl_lenient}
+
+
 def check_args(args) -> None:
     from ..cli import CliError
 
@@ -467,18 +547,31 @@ def check_args(args) -> None:
         raise CliError("--generations must be >= 2 (GRPO groups)")
     if getattr(args, "warmup", 0) < 0:
         raise CliError(f"--warmup must be >= 0 (untimed steps before the timed rows), got {args.warmup}")
-    specs = spec_modes(args.spec)
+    spec_modes(args.spec)
     wanted = systems(args.systems)
     if getattr(args, "trl_reuse", None) not in (None, "off") and "trl+specroll" not in wanted:
         raise CliError(f"--trl-reuse {args.trl_reuse} applies to the trl+specroll row; add trl+specroll to --systems")
     if args.lenience is not None and not args.lenience > 0:
         raise CliError(f"--lenience must be > 0 (inf = reuse everything), got {args.lenience}")
-    if any("draft" in s for s in specs) and args.draft != "random" and not (Path(args.draft) / "draft_head.json").is_file():
-        raise CliError(f"--draft {args.draft}: no draft_head.json there; make a head with `specroll draft train "
+    used = used_options(args)
+    ours = "specroll" in wanted
+    not_run = {  # an option given for rows that do not run: where it applies, and what would run them
+        "spec": ("the specroll rows", "add specroll to --systems"),
+        "order": ("the specroll rows", "add specroll to --systems"),
+        "reuse_mode": ("the specroll reuse rows", "add reuse or reuse+draft to --spec" if ours else
+                       "add specroll to --systems (and reuse or reuse+draft to --spec)"),
+        "draft": ("the specroll draft rows", "add draft or reuse+draft to --spec" if ours else
+                  "add specroll to --systems (and draft or reuse+draft to --spec)"),
+        "lenience": ("lenient reuse (--spec reuse or reuse+draft with --reuse-mode lenient, or trl+specroll with "
+                     "--trl-reuse lenient)", "no row here reuses leniently: drop it")}
+    for name, (rows, fix) in not_run.items():
+        if getattr(args, name, None) is not None and not used[name]:
+            raise CliError(f"--{name.replace('_', '-')} {getattr(args, name)} applies to {rows}; {fix}")
+    draft = option(args, "draft")
+    if used["draft"] and draft != "random" and not (Path(draft) / "draft_head.json").is_file():
+        raise CliError(f"--draft {draft}: no draft_head.json there; make a head with `specroll draft train "
                        "--out DIR` or use --draft random")
-    bad = [o for o in args.overrides if "=" not in o]
-    if bad:
-        raise CliError(f"overrides must look like key=value, got {bad}")
+    check_overrides(args.overrides, "bench e2e", OPTION_KEYS, FIXED_KEYS)
 
 
 def cli(args) -> int:

@@ -40,15 +40,24 @@ import dataclasses
 import time
 from pathlib import Path
 
-from .common import machine_info, run_figure, save_figure, write_json
+from .common import check_overrides, load_bench_config, machine_info, run_figure, save_figure, write_json
 
 MODES = ("online", "frozen")
 DESIGNS = ("paired", "separate")
+# config keys bench online sets from its options: an override of one would silently beat the option (``draft.plan=``
+# against --plan) while the JSON's args record the option, so ``cli`` refuses it, naming the option
+OPTION_KEYS = {"model.name": "--model", "model.rollout_dtype": "--dtype", "data.level": "--level",
+               "data.n_train": "--prompts", "train.steps": "--steps", "train.prompts_per_step": "--prompts-per-step",
+               "train.lr": "--lr", "train.seed": "--seed", "rollout.G": "-G", "rollout.max_new_tokens": "--max-new-tokens",
+               "rollout.temperature": "--temperature", "draft.head": "--draft", "draft.plan": "--plan",
+               "draft.lr": "--draft-lr", "draft.update_steps": "--update-steps"}
+# ... and the keys its design fixes
+FIXED_KEYS = {"draft.online": "the online head learns, the frozen one does not",
+              "data.n_eval": "steps are measured, nothing is evaluated",
+              "train.eval_before": "steps are measured, nothing is evaluated"}
 
 
 def bench_config(args, online: bool):
-    from ..config import load_config
-
     over = [
         f"model.name={args.model}", f"model.rollout_dtype={args.dtype}",
         "data.n_eval=0", f"data.level={args.level}", f"train.steps={args.steps}",
@@ -60,7 +69,7 @@ def bench_config(args, online: bool):
     ]
     if args.prompts:
         over.append(f"data.n_train={args.prompts}")
-    return load_config(overrides=over + list(args.overrides))
+    return load_bench_config(over + list(args.overrides), OPTION_KEYS)
 
 
 def _row(mode: str, step: int, m: dict, cpu: float) -> dict:
@@ -305,6 +314,9 @@ def cli(args) -> int:
         from ..drafters.eagle import load_head_as
 
         load_head_as(f"--draft {args.draft}", args.draft)  # a damaged head, named as --draft, before the model loads
+    check_overrides(args.overrides, "bench online", OPTION_KEYS, FIXED_KEYS)
+    for online in (True, False):  # the options that become config keys (--draft-lr, --level), named as the options
+        bench_config(args, online)
     check_output(args.out, "--out")
     res = run(args)
     png, latest = run_figure(args.out, "accept_length_vs_step.png")

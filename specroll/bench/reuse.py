@@ -24,9 +24,16 @@ import time
 
 import torch
 
-from .common import machine_info, parse_float_list, write_json
+from .common import load_bench_config, machine_info, parse_float_list, write_json
 
 ROW_KEYS = ("tokens_generated", "rollout_s", "reward_mean", "reuse_ratio", "skip_ratio")
+LENIENCE = "1,1.2214,1.6487,2.7183,inf"  # --lenience when not given (the lenient mode's l values)
+# config keys bench reuse sets from its options, named as the options in the config's errors (``--level 0``)
+OPTION_KEYS = {"model.name": "--model", "model.rollout_dtype": "--dtype", "data.n_train": "--prompts",
+               "data.level": "--level", "train.steps": "--epochs", "train.prompts_per_step": "--prompts-per-step",
+               "train.lr": "--lr", "train.seed": "--seed", "train.micro_batch_size": "--micro-batch-size",
+               "train.bf16": "--train-bf16", "rollout.G": "-G", "rollout.max_new_tokens": "--max-new-tokens",
+               "rollout.temperature": "--temperature"}
 
 
 def _floats(s: str, name: str) -> list[float]:
@@ -65,11 +72,14 @@ def check_counts(args) -> None:
     check_grpo_options(args)
 
 
-def bench_config(args):
-    from ..config import load_config
+def lenience(args) -> list[float]:
+    """--lenience's l values (``LENIENCE`` when not given)."""
+    return _floats(LENIENCE if args.lenience is None else args.lenience, "--lenience")
 
+
+def bench_config(args):
     steps_per_epoch = math.ceil(args.prompts / args.prompts_per_step)
-    return load_config(overrides=[
+    return load_bench_config([
         f"model.name={args.model}", f"model.rollout_dtype={args.dtype}",
         f"data.n_train={args.prompts}", "data.n_eval=0", f"data.level={args.level}",
         f"train.steps={args.epochs * steps_per_epoch}", f"train.prompts_per_step={args.prompts_per_step}",
@@ -78,7 +88,7 @@ def bench_config(args):
         f"train.bf16={'auto' if args.train_bf16 is None else str(args.train_bf16).lower()}",
         f"rollout.G={args.G}", f"rollout.max_new_tokens={args.max_new_tokens}",
         f"rollout.temperature={args.temperature}",
-    ]), steps_per_epoch
+    ], OPTION_KEYS), steps_per_epoch
 
 
 def _recorder(seed: int):
@@ -173,10 +183,10 @@ def run(args, say=print) -> dict:
     from ..rl.run import build_trainer
 
     modes = _modes(args.modes)
-    lenience = _floats(args.lenience, "--lenience")
+    lams = lenience(args)
     cfg, spe = bench_config(args)
     rows_per_step = args.prompts_per_step * args.G
-    settings = [("off", None)] + [(m, lam) for m in modes if m == "lenient" for lam in lenience]
+    settings = [("off", None)] + [(m, lam) for m in modes if m == "lenient" for lam in lams]
     settings += [(m, None) for m in modes if m == "exact"]
     tr = build_trainer(cfg, None, drafter=_recorder(args.seed))
     _time_generate(tr.engine)
@@ -193,7 +203,9 @@ def run(args, say=print) -> dict:
         for r in _run_epochs(tr, range(2, args.epochs + 1), spe, rows_per_step, say):
             rows.append({"mode": mode, "lenience": lam, **r, "shared": False})
     return {"benchmark": "reuse", "rows": rows, "summary": summarize(rows, args.epochs),
-            "config": cfg.to_dict(), "args": {k: v for k, v in vars(args).items() if k != "func"},
+            "config": cfg.to_dict(), "args": {**{k: v for k, v in vars(args).items() if k != "func"},
+                                              "lenience": LENIENCE if args.lenience is None and "lenient" in modes
+                                              else args.lenience},  # the l values the rows ran
             "wall_s": time.perf_counter() - t0, "machine": machine_info()}
 
 
@@ -224,6 +236,10 @@ def cli(args) -> int:
     if args.prompts_per_step < 1:
         raise CliError(f"--prompts-per-step must be >= 1, got {args.prompts_per_step}")
     check_counts(args)
+    lenience(args)  # a bad value, then a value no mode uses
+    if args.lenience is not None and "lenient" not in _modes(args.modes):
+        raise CliError(f"--lenience {args.lenience} applies to the lenient mode; add lenient to --modes")
+    bench_config(args)  # the options that become config keys (--level), named as the options
     check_output(args.out, "--out")
     res = run(args)
     write_json(args.out, res)

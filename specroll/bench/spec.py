@@ -13,7 +13,10 @@ of ``--depth`` tokens sampled from the head, rejection-sampled), ``adaptive-chai
 min(C_peak / B_active - 1, ``--depth``) tokens, plain decoding once that is 0), ``tuned`` / ``tuned-chain``
 (trees / chains sized by measured throughput per live-batch bucket, ``budget.TunedPlanner``; one planner per
 plan name learns across batch sizes and repeats, and each row records its choices). ``PLANS`` maps a name to a factory
-``(args) -> (plan_fn(B_active) -> Plan, max_plan)``; the concurrency-aware budget registers here.
+``(args) -> (plan_fn(B_active) -> Plan, max_plan)``; the concurrency-aware budget registers here. Options that
+shape some plans only (``PLAN_OPTIONS``: --n-verify, --k, --c-peak, --chain-stop, --verify) are refused when no
+--plan uses them; a tree plan runs once per --head-weights setting and its rows record ``chain_stop`` and ``verify``
+None.
 """
 
 from __future__ import annotations
@@ -83,6 +86,41 @@ SAMPLED = {"chain", "adaptive-chain", "tuned-chain"}  # plans whose drafter samp
 # the kernels run (AVX2 or AVX-512; else bf16), the rollout's precision beyond; bf16 / int8: those panels at every row count
 HEAD_WEIGHTS = {"auto": {"bf16_head": None}, "fp32": {"bf16_head": False},
                 "bf16": {"bf16_head": True, "int8_head": False}, "int8": {"bf16_head": True, "int8_head": True}}
+# options that shape some plans only: option -> (its attribute, the plans that use it, its value when not given; the
+# parser's default is None, so that a given option is told apart). One given for none of the --plan plans is refused
+# (``check_plan_options``): its rows would be labelled with a setting they did not use. --depth and --head-weights
+# shape every plan.
+PLAN_OPTIONS = {
+    "--n-verify": ("n_verify", ("static",), 16),
+    "--k": ("k", ("static", "adaptive", "tuned"), 4),
+    "--c-peak": ("c_peak", ("adaptive", "adaptive-chain", "tuned", "tuned-chain"), None),
+    "--chain-stop": ("chain_stop", tuple(p for p in PLANS if p in SAMPLED), "0"),
+    "--verify": ("verify", tuple(p for p in PLANS if p in SAMPLED), "block"),
+}
+
+
+def plan_options_given(args) -> list[str]:
+    """The ``PLAN_OPTIONS`` given on the command line; the others take their defaults in ``args``."""
+    given = []
+    for opt, (name, _, default) in PLAN_OPTIONS.items():
+        if getattr(args, name) is None:
+            setattr(args, name, default)
+        else:
+            given.append(opt)
+    return given
+
+
+def check_plan_options(given: list[str], plans: list[str]) -> None:
+    """Refuse an option of ``given`` that shapes none of ``plans`` (``PLAN_OPTIONS``)."""
+    from ..cli import CliError
+
+    for opt in given:
+        uses = PLAN_OPTIONS[opt][1]
+        if not any(p in uses for p in plans):
+            where = f"the {uses[0]} plan" if len(uses) == 1 else f"the {', '.join(uses[:-1])} and {uses[-1]} plans"
+            add = uses[0] if len(uses) == 1 else "one of them"
+            raise CliError(f"{opt} applies to {where} only, not to --plan {','.join(plans)}: add {add} to --plan or "
+                           f"drop {opt}")
 
 
 def bench_prompts(tokenizer, n: int, seed: int) -> list[list[int]]:
@@ -105,7 +143,8 @@ def bench_batch(engine: Engine, head, prompts, params: SamplingParams, plan_name
     speculative run per variant, a (head weights, chain stop, chain verification) triple, in every repeat, their order rotating from
     repeat to repeat, so the variants are compared side by side on the same prompts and seeds against the same
     vanilla runs. Repeat r takes the ``batch`` prompts from r * batch on (cycling through ``prompts``; ``batch``
-    None = all of them every time), so small batches are not measured on one prompt only. One row per variant."""
+    None = all of them every time), so small batches are not measured on one prompt only. One row per variant. A
+    tree plan's variants have chain stop and verification None: they shape sampled chains only."""
     B = batch or len(prompts)
     van_t = 0.0
     van_n = 0
@@ -120,7 +159,7 @@ def bench_batch(engine: Engine, head, prompts, params: SamplingParams, plan_name
             v = (j + r) % len(variants)
             hw, cs, vf = variants[v]
             drafter = EagleDrafter(head, plan_fn=plan_fn, max_plan=max_plan, sampled=plan_name in SAMPLED,
-                                   chain_stop=cs, verify=vf, **HEAD_WEIGHTS[hw])
+                                   chain_stop=0.0 if cs is None else cs, verify=vf or "block", **HEAD_WEIGHTS[hw])
             dt, outs = _timed(engine.generate, prompts_r, p, drafter=drafter)
             a = acc[v]
             a["t"], a["n"] = a["t"] + dt, a["n"] + sum(len(o.completion_ids) for o in outs)
@@ -144,6 +183,7 @@ def run_bench(args) -> dict:
     from ..cli import CliError, as_option_error, check_at_least
     from ..models import hub
 
+    given = plan_options_given(args)
     batches = parse_int_list(args.batch_sizes, "--batch-sizes")
     if args.repeats < 1:
         raise CliError(f"--repeats must be >= 1, got {args.repeats}")
@@ -165,6 +205,7 @@ def run_bench(args) -> dict:
         if v not in EagleDrafter.VERIFY:
             raise CliError(f"--verify {v!r}: choose from {', '.join(EagleDrafter.VERIFY)}")
     stops = parse_float_list(args.chain_stop, "--chain-stop", lambda x: 0 <= x < 1, "numbers in [0, 1), e.g. 0,0.15")
+    check_plan_options(given, plans)  # after the values: a bad value is named as such whatever the plan
     dtype = DTYPES[args.dtype]
     try:
         params = SamplingParams(temperature=args.temperature, top_p=args.top_p, max_new_tokens=args.max_new_tokens,
@@ -182,13 +223,15 @@ def run_bench(args) -> dict:
     rows = []
     for name in plans:
         plan_fn, max_plan = PLANS[name](args)
-        variants = [(hw, cs, vf) for hw in head_weights for cs in stops for vf in verifies]  # side by side
+        variants = ([(hw, cs, vf) for hw in head_weights for cs in stops for vf in verifies] if name in SAMPLED
+                    else [(hw, None, None) for hw in head_weights])  # side by side
         for B in batches:
             for row in bench_batch(engine, head, prompts, params, name, plan_fn, max_plan, args.repeats, variants,
                                    batch=B):
                 hw, cs, vf = row["head_weights"], row["chain_stop"], row["verify"]
-                tag = ((f" head {hw}" if len(head_weights) > 1 else "") + (f" stop {cs:g}" if len(stops) > 1 else "")
-                       + (f" verify {vf}" if len(verifies) > 1 else ""))
+                tag = ((f" head {hw}" if len(head_weights) > 1 else "")
+                       + (f" stop {cs:g}" if cs is not None and len(stops) > 1 else "")
+                       + (f" verify {vf}" if vf is not None and len(verifies) > 1 else ""))
                 print(f"batch {B:3d} {name:8s}{tag} vanilla {row['vanilla_tok_s']:7.1f} tok/s  spec "
                       f"{row['spec_tok_s']:7.1f} tok/s  x{row['speedup']:.2f}  accept_length {row['accept_length']:.2f}"
                       "  by depth " + "/".join("-" if a is None else f"{a:.2f}" for a in row["accept_by_depth"]),
