@@ -5,7 +5,9 @@ and the run's ``config.yaml``; the tokenizer and the architecture come from the 
 ``export`` joins them into a directory that ``transformers.AutoModelForCausalLM.from_pretrained``, TRL, vLLM and
 ``specroll generate --model DIR`` load without specroll's checkpoint format or the base model: the base model's
 config, tokenizer and generation files, and the trained weights under HF's names (``decoder_to_hf_state``).
-The directory is written next to its destination and renamed into place, so a failed export leaves nothing.
+A new directory is written next to its destination and renamed into place; an existing empty one (the current
+directory, say) is kept and filled from a temporary folder inside it, never removed or replaced. Either way a failed
+export leaves nothing.
 """
 
 from __future__ import annotations
@@ -46,32 +48,48 @@ def checkpoint_policy(checkpoint: str | Path, model: str | None = None, dtype=No
 
 
 def export_checkpoint(checkpoint: str | Path, out: str | Path, model: str | None = None) -> Path:
-    """Write ``checkpoint`` (or a run directory's latest) as an HF model directory at ``out`` (which must not
-    exist, or be empty). Returns ``out``."""
+    """Write ``checkpoint`` (or a run directory's latest) as an HF model directory at ``out``: a new directory, or
+    an existing empty one, which is kept (it may be a shell's working directory: ``--out .``). Returns ``out``."""
     from safetensors.torch import save_file
 
     from .models.decoder import decoder_to_hf_state, write_safetensors
+    from .models.hub import share_mode
 
-    out = Path(out)
-    if out.exists() and (not out.is_dir() or any(out.iterdir())):
-        raise CliError(f"{out} already exists and is not an empty directory; pick another --out or delete it")
+    if not str(out).strip():  # Path("") would be the current directory: an empty variable, most likely
+        raise CliError("--out is empty; give the directory to write (a new one, or an existing empty one)")
+    given, out = str(out), Path(out)  # errors name the path as given ("$PWD/." reads as $PWD once a Path)
+    target = out.resolve()  # "." and "dir/.." have no name of their own
+    if target.exists() and (not target.is_dir() or any(target.iterdir())):
+        cwd = Path.cwd().resolve()
+        if target == cwd or target in cwd.parents:
+            where = "the current directory" if target == cwd else "a folder holding the current directory"
+            raise CliError(f"--out {given} is {where} ({target}), which is not empty; pick another --out")
+        raise CliError(f"{given} already exists and is not an empty directory; pick another --out or delete it")
     ck, policy, _, base = checkpoint_policy(checkpoint, model)
-    tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
+    keep = target.is_dir()  # an existing empty directory: filled in place, never replaced
+    tmp = target / f".export.tmp-{os.getpid()}" if keep else target.with_name(f".{target.name}.tmp-{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
+    moved = []
     try:
         for name in META_FILES:
             if (base / name).is_file():
                 shutil.copy2(base / name, tmp / name)
         write_safetensors(save_file, tmp / "model.safetensors", decoder_to_hf_state(policy), metadata={"format": "pt"})
-        umask = os.umask(0)
-        os.umask(umask)
-        os.chmod(tmp / "model.safetensors", 0o666 & ~umask)  # safetensors writes 0600; a shared model is read by others
-        if out.exists():
-            out.rmdir()
-        os.replace(tmp, out)
+        share_mode(tmp / "model.safetensors")
+        if not keep:
+            os.replace(tmp, target)
+        elif any(p != tmp for p in target.iterdir()):
+            raise CliError(f"{given} is no longer empty (something wrote into it during the export); pick another --out")
+        else:
+            for f in sorted(tmp.iterdir()):
+                os.replace(f, target / f.name)
+                moved.append(target / f.name)
+            tmp.rmdir()
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
+        for f in moved:
+            f.unlink(missing_ok=True)
         raise
     return out
 

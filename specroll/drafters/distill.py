@@ -55,6 +55,8 @@ from .eagle import HEAD_CONFIG, DraftHead, DraftVocab, head_for, load_head_as, s
 from .reuse import prompt_key
 from .verify import vocab_columns
 
+DEFAULT_DRAFT_VOCAB = 4096  # a new head's draft vocabulary (`draft train` without --draft-vocab)
+
 
 @dataclass
 class DistillConfig:
@@ -80,6 +82,7 @@ class DistillConfig:
     def __post_init__(self):
         ranges = (("steps", self.steps >= 0, ">= 0"), ("batch", self.batch >= 1, ">= 1"), ("lr", self.lr > 0, "> 0"),
                   *((k, getattr(self, k) >= 0, ">= 0") for k in ("w_feat", "w_ce", "w_tv", "w_block")),
+                  ("noise", self.noise >= 0, ">= 0 (0 = off)"),
                   ("eval_frac", 0 <= self.eval_frac < 1, "in [0, 1)"), ("eval_every", self.eval_every >= 1, ">= 1"),
                   ("unroll", self.unroll >= 1, ">= 1"), ("unroll_decay", 0 < self.unroll_decay <= 1, "in (0, 1]"),
                   ("eval_depth", self.eval_depth >= 1, ">= 1"))
@@ -526,7 +529,7 @@ def train_head(head: DraftHead, policy: Decoder, seqs: list[torch.Tensor], hid: 
 
 
 def distill(policy: Decoder, prompts: list[list[int]], *, eos_ids=(), n: int = 4, max_new_tokens: int = 128,
-            temperature: float = 1.0, dtype: torch.dtype = torch.bfloat16, draft_vocab: int = 4096,
+            temperature: float = 1.0, dtype: torch.dtype = torch.bfloat16, draft_vocab: int = DEFAULT_DRAFT_VOCAB,
             cfg: DistillConfig | None = None, log=None, time_budget: float | None = None,
             init: DraftHead | None = None, note=None, data_cache: str | Path | None = None, setup: dict | None = None,
             extra_data=()):
@@ -538,6 +541,7 @@ def distill(policy: Decoder, prompts: list[list[int]], *, eos_ids=(), n: int = 4
     ``extra_data``: more such files (other prompts or seeds) whose sequences join the training data; each
     must come from the same model and rollout dtype (``load_extra``)."""
     cfg = cfg or DistillConfig()
+    check_caches(data_cache, extra_data)
     t0 = time.perf_counter()
     key = {**(setup or {}), "n": n, "max_new_tokens": max_new_tokens, "temperature": temperature,
            "dtype": str(dtype), "seed": cfg.seed, "prompts": _digest(prompts)}
@@ -656,9 +660,30 @@ def load_extra(path: str | Path, key: dict) -> tuple[list[torch.Tensor], list[to
     if meta.get("format") != DATA_FORMAT:
         raise ValueError(f"{path} is not a specroll distillation data cache of format {DATA_FORMAT}")
     stored = json.loads(meta.get("setup", "{}"))
-    want = {**stored, **{k: key[k] for k in ("model", "dtype") if k in key}}
-    seqs, hid, plen = load_sequences(path, want)
+    diff = [k for k in ("model", "dtype") if k in key and stored.get(k) != key[k]]
+    if diff:  # a valid cache of another model: left out of this run, not deleted
+        made, now = (" and ".join(f"{k} {d.get(k)!r}" for k in diff) for d in (stored, key))
+        raise ValueError(f"extra data cache {path} belongs to another model or dtype ({', '.join(diff)} differ: "
+                         f"made with {made}, this run uses {now}); its hidden states are not this model's: drop it "
+                         "from --extra-data (keep the file, it is valid for its own model)")
+    seqs, hid, plen = load_sequences(path, stored)
     return seqs, hid, plen, int(stored.get("n", 1))
+
+
+def check_caches(data_cache, extra_data) -> None:
+    """Refuse an extra data cache that is already included: the --data-cache itself, or one listed twice (by
+    resolved path), whose sequences would otherwise join the training data twice."""
+    seen = {Path(data_cache).resolve(): None} if data_cache else {}
+    for path in extra_data:
+        r = Path(path).resolve()
+        if r in seen and seen[r] is None:
+            raise ValueError(f"--extra-data {path} is the --data-cache {data_cache}, whose sequences are already "
+                             "included; drop it from --extra-data")
+        if r in seen:
+            twice = f"{path} twice" if str(seen[r]) == str(path) else f"{seen[r]} and {path}, the same file,"
+            raise ValueError(f"--extra-data lists {twice} whose sequences would join the training data twice; "
+                             "drop the repeat")
+        seen[r] = path
 
 
 def load_caches(paths, key: dict) -> tuple[list[torch.Tensor], list[torch.Tensor], list[int]]:
@@ -720,7 +745,8 @@ def cli(args) -> int:
     if args.steps < 0:
         raise CliError(f"--steps must be >= 0, got {args.steps}")
     check_at_least("-n", args.n, 1, "generations per prompt")
-    check_at_least("--draft-vocab", args.draft_vocab, 0, "0 = full")
+    if args.draft_vocab is not None:  # None: 4096, or with --init the head's own
+        check_at_least("--draft-vocab", args.draft_vocab, 0, "0 = full")
     if args.time_budget is not None and not args.time_budget > 0:
         raise CliError(f"--time-budget must be > 0 seconds, got {args.time_budget}")
     try:  # the options' ranges, before the model loads
@@ -742,6 +768,8 @@ def cli(args) -> int:
                        "or pick another --out (or delete that one)")
     if args.data_cache:
         check_output(args.data_cache, "--data-cache")
+    extra = [x for x in (args.extra_data or "").split(",") if x]
+    check_caches(args.data_cache, extra)
     loaded = _examples(args)  # bad --data / --prompts fail before the model loads
     torch.manual_seed(args.seed)
     policy, tok = hub.load(args.model, torch.float32)
@@ -757,12 +785,19 @@ def cli(args) -> int:
               f"top1 {info['top1']:.3f}{ev}  {info['elapsed']:.0f}s", flush=True)
 
     init = load_head_as(f"--init {args.init}", args.init, policy) if args.init else None
+    vocab = DEFAULT_DRAFT_VOCAB if args.draft_vocab is None else args.draft_vocab
+    if init is not None and args.draft_vocab is not None:  # a head keeps its vocabulary: said, not ignored
+        V = policy.cfg.vocab_size
+        if (V if vocab == 0 or vocab >= V else vocab) != init.draft_vocab:
+            raise CliError(f"--draft-vocab {vocab} differs from the --init head's draft vocabulary of "
+                           f"{init.draft_vocab} tokens{' (full)' if init.draft_vocab == V else ''}, which continued "
+                           "training keeps; drop --draft-vocab, or train a new head without --init")
     head, info = distill(policy, prompts, eos_ids=eos, n=args.n, max_new_tokens=args.max_new_tokens,
-                         temperature=args.temperature, dtype=getattr(torch, args.dtype), draft_vocab=args.draft_vocab,
+                         temperature=args.temperature, dtype=getattr(torch, args.dtype), draft_vocab=vocab,
                          cfg=cfg, log=log, time_budget=args.time_budget, init=init,
                          note=lambda msg: print(msg, flush=True), data_cache=args.data_cache,
                          setup={"model": args.model, "data": args.data},
-                         extra_data=[x for x in (args.extra_data or "").split(",") if x])
+                         extra_data=extra)
     meta = {"model": args.model, "prompts": len(prompts), **info, "config": asdict(cfg)}
     out = save_head(head, args.out, meta)
     print(json.dumps({k: v for k, v in info.items() if k != "final"}, indent=None))

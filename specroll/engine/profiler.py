@@ -157,6 +157,11 @@ def load_profile(model: str, dtype, fp: dict | None = None) -> dict | None:
     if data.get("format") != FORMAT or not isinstance(data.get("c_peak"), int) or data["c_peak"] < 1:
         raise ValueError(f"{path}: field 'format'/'c_peak' is not a specroll profile; delete it or rerun "
                          "`specroll profile --force`")
+    knee = data.get("knee")
+    if isinstance(knee, dict) and knee.get("base_tokens", 1) != 1:  # measured without batch 1 (before `check_batches`)
+        batches = ",".join(map(str, data.get("batches") or []))
+        raise ValueError(f"{path}: measured without a single-token baseline (--batches {batches} lacks 1), so its "
+                         "C_peak is no per-row budget; rerun `specroll profile --force`")
     return data
 
 
@@ -224,6 +229,8 @@ def measure(engine, max_tokens: int = 512, batches=DEFAULT_BATCHES, context: int
     pts = []
     for b in batches:
         grid = token_grid(max(1, max_tokens // b))
+        if log:  # a long context takes a while to prefill (not timed): say so before it
+            log(f"B={b:3d}: prefilling {b} x {context} context tokens")
         cache = _prefilled_cache(engine, b, context, grid[-1], gen)
         pts += [VerifyPoint(engine, cache, t, gen) for t in grid]
     for pt in pts:
@@ -382,6 +389,36 @@ def _options(values: dict, keys) -> str:
                                                    else str(v)) for k in keys)
 
 
+def check_batches(batches, max_tokens: int) -> None:
+    """Refuse, before any measuring, a grid the knee rule cannot read: C_peak is read off the single-row curve
+    (``summarise``: its baseline is the single-token latency), so --batches must hold 1, each batch size once, and
+    none above --max-tokens (its single-token point alone would already exceed the budget measured)."""
+    from ..cli import CliError
+
+    listed = ",".join(map(str, batches))
+    if 1 not in batches:
+        raise CliError(f"--batches must include 1 (C_peak is read off the single-row curve, whose single-token "
+                       f"latency is the baseline; other batch sizes check it), got {listed}")
+    if len(set(batches)) != len(batches):
+        raise CliError(f"--batches lists a batch size twice, got {listed}; give each once")
+    over = [b for b in batches if b > max_tokens]
+    if over:
+        sizes = f"batch size {over[0]} is" if len(over) == 1 else f"batch sizes {','.join(map(str, over))} are"
+        raise CliError(f"--batches {listed}: {sizes} above --max-tokens {max_tokens} (the largest batch x tokens per "
+                       f"forward measured); raise --max-tokens to at least {max(over)} or drop "
+                       f"{'it' if len(over) == 1 else 'them'}")
+
+
+def check_positions(context: int, max_tokens: int, limit: int) -> None:
+    """Refuse a --context that, with the tokens per row measured after it (up to --max-tokens, at batch 1), runs
+    past the model's maximum position ``limit``."""
+    from ..cli import CliError
+
+    if context + max_tokens > limit:
+        raise CliError(f"--context {context} + --max-tokens {max_tokens} = {context + max_tokens} positions per row, "
+                       f"beyond the model's maximum position of {limit}; keep --context + --max-tokens <= {limit}")
+
+
 def cli(args) -> int:
     from ..bench.common import parse_int_list
     from ..cli import CliError, check_output
@@ -395,13 +432,15 @@ def cli(args) -> int:
     if not args.delta > 0:
         raise CliError(f"--delta must be > 0, got {args.delta}")
     batches = tuple(parse_int_list(args.batches, "--batches"))
+    check_batches(batches, args.max_tokens)
     if args.out_dir:
         check_output(args.out_dir, "--out-dir", "dir")
     cached = None if args.force else load_profile(args.model, args.dtype)
     if cached is not None and cached.get("mode") == "full":
         result, path, wrote = cached, profile_path(args.model, args.dtype), []
         print(f"cached: {path} (use --force to measure again)")
-        asked = {"max_tokens": args.max_tokens, "batches": list(batches), "context": args.context}
+        asked = {"max_tokens": args.max_tokens, "batches": list(batches), "context": args.context,
+                 "repeats": args.repeats}
         differ = [k for k, v in asked.items() if cached.get(k) != v]
         if differ:  # said, rather than ignored silently
             print(f"the cached grid is used ({_options(cached, differ)}); --force measures {_options(asked, differ)}")
@@ -411,15 +450,20 @@ def cli(args) -> int:
             print(f"--delta {args.delta:g} applied to the cached points (the profile had --delta "
                   f"{cached.get('delta')}; updated, no re-measuring)")
     else:
-        result = run_profile(args.model, args.dtype, max_tokens=args.max_tokens, batches=batches,
+        engine = _load_engine(args.model, args.dtype)
+        check_positions(args.context, args.max_tokens, engine.model.cfg.max_position)
+        result = run_profile(args.model, args.dtype, engine, max_tokens=args.max_tokens, batches=batches,
                              context=args.context, repeats=args.repeats, delta=args.delta,
                              log=None if args.quiet else print)
         path = save_profile(result)
         wrote = [path]
-    out_dir = Path(args.out_dir) if args.out_dir else path.parent
-    if args.out_dir:
+    elsewhere = bool(args.out_dir) and Path(args.out_dir).resolve() != path.parent.resolve()
+    if wrote or not elsewhere:  # the PNG beside the cached JSON: rewritten whenever that is, so the two agree
+        wrote.append(plot_profile(result, path.with_suffix(".png")))
+    if elsewhere:
+        out_dir = Path(args.out_dir)
         wrote.append(save_profile(result, out_dir / path.name))
-    wrote.append(plot_profile(result, out_dir / f"{path.stem}.png"))
+        wrote.append(plot_profile(result, out_dir / f"{path.stem}.png"))
     print(describe(result))
     print(f"by batch (total tokens): {result['c_peak_by_batch']}")
     print(f"wrote {', '.join(map(str, wrote[:-1]))}{' and ' if len(wrote) > 1 else ''}{wrote[-1]}")

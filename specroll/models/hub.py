@@ -187,6 +187,14 @@ def _weight_files(d: Path) -> list[Path]:
     return sorted(d.glob("*.safetensors"))
 
 
+def share_mode(path: Path) -> None:
+    """Give ``path`` the mode a new file gets under the umask (safetensors writes 0600): a shared model is read
+    by others."""
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(path, 0o666 & ~umask)
+
+
 def write_marker(d: Path, source: dict) -> None:
     files = {}
     for f in _weight_files(d):
@@ -273,6 +281,8 @@ def _cached(label: str, target: Path, build, force: bool, quiet: bool) -> Path:
                            "set SPECROLL_HOME to a writable directory") from e
         try:
             build(tmp)
+            for f in _weight_files(tmp):
+                share_mode(f)
         except OSError as e:
             shutil.rmtree(tmp, ignore_errors=True)
             raise HubError(f"writing {label} into {target.parent} failed ({_first_line(e)}); "
