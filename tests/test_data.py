@@ -19,6 +19,7 @@ from specroll.rl.data import (
     arithmetic,
     build_prompts,
     load_examples,
+    one_answer_needed,
     split_of,
 )
 from specroll.rl.rewards import as_integer
@@ -376,13 +377,17 @@ def test_probe_end_to_end_tiny_model():
 
 @pytest.mark.parametrize("bad", [{"value": 7}, [7], []])
 def test_an_answer_that_is_a_mapping_or_a_list_is_a_bad_row(tmp_path, bad):
-    """str({'value': 7}) matched no completion: the file loaded and every reward was 0, silently."""
+    """str({'value': 7}) matched no completion: the file loaded and every accuracy reward was 0, silently."""
     p = tmp_path / "d.jsonl"
     p.write_text(json.dumps({"question": "Q1", "answer": "7"}) + "\n"
                  + json.dumps({"question": "Q2", "answer": bad}) + "\n")
     cfg = DataConfig(task="file", path=str(p), n_eval=0)
     kind = type(bad).__name__
-    with pytest.raises(DataError, match=rf"d\.jsonl:2: 'answer' is of type {kind} .*a string or a number"):
-        load_examples(cfg, "train")
-    ok = load_examples(DataConfig(task="file", path=str(p), n_eval=0, skip_bad_rows=True), "train")
+    with pytest.raises(DataError, match=rf"d\.jsonl:2: 'answer' is of type {kind} .*accuracy reward checks one"):
+        load_examples(cfg, "train", one_answer=one_answer_needed(["accuracy", "format"]))
+    ok = load_examples(DataConfig(task="file", path=str(p), n_eval=0, skip_bad_rows=True), "train", one_answer=True)
     assert [e["answer"] for e in ok] == ["7"]
+    # a reward of one's own may take a list of answers: the row loads and keeps it as answer_raw
+    assert not one_answer_needed(["mymod:score"])
+    rows = load_examples(cfg, "train")
+    assert len(rows) == 2 and rows[1].get("answer_raw", rows[1]["answer"]) in (bad, str(bad))

@@ -397,7 +397,8 @@ def final_of(value, fmt: str) -> str | None:
     return s or None
 
 
-def _convert(rows, path, cfg: DataConfig, answers: bool = True, advice: Advice = TRAIN_ADVICE) -> list[dict]:
+def _convert(rows, path, cfg: DataConfig, answers: bool = True, advice: Advice = TRAIN_ADVICE,
+             one_answer: bool = False) -> list[dict]:
     if not rows:
         raise DataError(f"{path}: the file has no rows")
     columns = set().union(*(r.keys() for _, r in rows))
@@ -405,7 +406,7 @@ def _convert(rows, path, cfg: DataConfig, answers: bool = True, advice: Advice =
     af = _pick_field(cfg.answer_field, "answer", ANSWER_ALIASES, columns, path, "answer", advice) if answers else None
     out, bad = [], []
     for ln, row in rows:
-        msg = _row_problem(row, qf, af, cfg.answer_format)
+        msg = _row_problem(row, qf, af, cfg.answer_format, one_answer)
         if msg:
             bad.append(f"{path}:{ln}: {msg}")
             continue
@@ -455,8 +456,9 @@ def _chat_problem(messages: list, qf: str) -> str | None:
     return None
 
 
-def _row_problem(row: dict, qf: str, af: str | None, fmt: str) -> str | None:
-    """Why ``row`` is unusable, or None (``af`` None: the answer is not needed)."""
+def _row_problem(row: dict, qf: str, af: str | None, fmt: str, one_answer: bool = False) -> str | None:
+    """Why ``row`` is unusable, or None (``af`` None: the answer is not needed; ``one_answer``: it must be a single
+    value, as the built-in accuracy reward reads it; a custom reward may take a list, kept in ``answer_raw``)."""
     q = row.get(qf)
     if q is None or (isinstance(q, str) and not q.strip()):
         return f"empty or missing {qf!r}"
@@ -470,8 +472,9 @@ def _row_problem(row: dict, qf: str, af: str | None, fmt: str) -> str | None:
     if af is None:
         return None
     a = row.get(af)
-    if isinstance(a, (dict, list, tuple)):  # str() of it never matches a completion: every reward would be 0
-        return f"{af!r} is of type {type(a).__name__} ({a!r:.60}); an answer must be a string or a number"
+    if one_answer and isinstance(a, (dict, list)):  # str() of it never matches a completion: every reward 0
+        return (f"{af!r} is of type {type(a).__name__} ({a!r:.60}); the built-in accuracy reward checks one answer, "
+                "a string or a number (score a list of answers with a reward.funcs function of your own)")
     if a is None or not str(a).strip():
         return f"empty or missing {af!r}"
     if final_of(a, fmt) is None:
@@ -495,18 +498,22 @@ def _holdout(examples: list[dict], cfg: DataConfig, path) -> tuple[list[dict], l
     return [examples[i] for i in perm[n_eval:]], [examples[i] for i in perm[:n_eval]]
 
 
-def load_examples(cfg: DataConfig, split: str, answers: bool = True, advice: Advice = TRAIN_ADVICE) -> list[dict]:
+def load_examples(cfg: DataConfig, split: str, answers: bool = True, advice: Advice = TRAIN_ADVICE,
+                  one_answer: bool = False) -> list[dict]:
     """Examples of ``split`` ("train" | "eval") for ``cfg``. ``answers=False`` (prompts only, e.g. for
     distilling a draft head): a file needs no answer column and its answers are not checked (each
-    example keeps its row's ``answer`` as it is, None if the row has none). ``advice``: see ``Advice``."""
+    example keeps its row's ``answer`` as it is, None if the row has none). ``advice``: see ``Advice``.
+    ``one_answer``: a list or mapping in the answer column is a bad row (the built-in accuracy reward's need:
+    ``one_answer_needed``)."""
     if split not in _SPLITS:
         raise DataError(f"split must be 'train' or 'eval', got {split!r}")
     if cfg.task == "arithmetic":
         return arithmetic(split, cfg.n_train if split == "train" else cfg.n_eval, cfg.level, cfg.seed)
     if cfg.eval_path and split == "eval":
-        ev = _convert(read_rows(cfg.eval_path, cfg.skip_bad_rows, advice), cfg.eval_path, cfg, answers, advice)
+        ev = _convert(read_rows(cfg.eval_path, cfg.skip_bad_rows, advice), cfg.eval_path, cfg, answers, advice,
+                      one_answer)
         return ev[: cfg.n_eval] if cfg.n_eval else ev  # n_eval caps an eval file (0 = all of it)
-    rows = _convert(read_rows(cfg.path, cfg.skip_bad_rows, advice), cfg.path, cfg, answers, advice)
+    rows = _convert(read_rows(cfg.path, cfg.skip_bad_rows, advice), cfg.path, cfg, answers, advice, one_answer)
     if cfg.eval_path:
         train = rows
     else:
@@ -514,6 +521,11 @@ def load_examples(cfg: DataConfig, split: str, answers: bool = True, advice: Adv
         if split == "eval":
             return ev
     return train[: cfg.n_train] if cfg.n_train else train
+
+
+def one_answer_needed(reward_funcs) -> bool:
+    """Whether the answer column must hold single values: the built-in accuracy reward compares one."""
+    return "accuracy" in reward_funcs
 
 
 # ------------------------------------------------------------------------------------------------

@@ -55,12 +55,13 @@ def load_policy(cfg: Config, checkpoint: str | Path | None = None):
 
 def build_trainer(cfg: Config, run_dir: str | Path | None, console=None, drafter=None, dist=None) -> Trainer:
     """Everything a run needs, in the order that fails fastest: reward, data, then the model."""
-    from .data import load_examples
+    from .data import load_examples, one_answer_needed
     from .rewards import build_reward
 
     say = console.print if console is not None else print
     reward = build_reward(cfg.reward)  # a reward that will not import fails before any rollout
-    train_ex, eval_ex = load_examples(cfg.data, "train"), load_examples(cfg.data, "eval")
+    one = one_answer_needed(cfg.reward.funcs)
+    train_ex, eval_ex = [load_examples(cfg.data, split, one_answer=one) for split in ("train", "eval")]
     model, tok, eos = load_policy(cfg)
     train_set = prompt_set(train_ex, tok, cfg.data, "train", say)
     eval_set = prompt_set(eval_ex, tok, cfg.data, "eval", say) if eval_ex else None
@@ -223,9 +224,10 @@ def _launch(args, nproc: int) -> int:
 
     cfg = _run_config(args)[2]
     _check_splittable(cfg, nproc)  # one error line here rather than one per process
-    from .data import load_examples
+    from .data import load_examples, one_answer_needed
 
-    load_examples(cfg.data, "train")  # bad data too (every process would print the same error)
+    # bad data too: one error line here, not the same one from every process
+    load_examples(cfg.data, "train", one_answer=one_answer_needed(cfg.reward.funcs))
     argv = ["-m", "specroll", "train"]
     for flag in ("config", "preset", "out", "resume"):
         if getattr(args, flag, None):
@@ -472,7 +474,7 @@ def _config_changes(path: Path, cfg, limit: int = 6) -> str:
 
 def eval_cli(args) -> int:
     from ..cli import CliError, check_output
-    from .data import load_examples
+    from .data import load_examples, one_answer_needed
     from .rewards import build_reward
 
     if args.json:
@@ -485,7 +487,7 @@ def eval_cli(args) -> int:
         ck = ckpt.resolve(args.checkpoint)
         base = str(ck / "config.yaml")
     cfg = load_config(base, None, list(args.overrides) + ([f"model.name={args.model}"] if args.model else []))
-    examples = load_examples(cfg.data, "eval")  # bad data fails before the model loads
+    examples = load_examples(cfg.data, "eval", one_answer=one_answer_needed(cfg.reward.funcs))  # before the model
     if not examples:
         raise CliError(f"data.n_eval={cfg.data.n_eval} selects no eval problems: set data.n_eval >= 1 (e.g. "
                        "data.n_eval=64)" if cfg.data.n_eval < 1 else "the eval split is empty")
