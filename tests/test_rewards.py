@@ -357,6 +357,12 @@ def test_a_short_run_whose_reward_always_raised_ends_with_an_error(tmp_path, cap
     ok = build_reward(RewardConfig(funcs=["format"]))
     ok(["p"], ["Answer: 1"])
     ok.check_ever_succeeded()
+    # data parallel: the counts of every process decide (this one's rows all failed, another's did not)
+    never = build_reward(RewardConfig(funcs=["sr_never2:f"]))
+    never(["p"], ["x"])
+    never.check_ever_succeeded({"sr_never2:f": (4, 1)})
+    with pytest.raises(RewardError, match="every one of its 4 call"):
+        never.check_ever_succeeded({"sr_never2:f": (4, 4)})
 
 
 @pytest.mark.parametrize("ret, match", [

@@ -532,15 +532,47 @@ def test_first_signal_finishes_the_step_checkpoints_it_and_the_run_resumes(tmp_p
     assert steps == [1, 2, 3, 4]
 
 
-def test_second_signal_stops_at_once_and_keeps_the_checkpoints(tmp_path, capsys, monkeypatch):
+def test_second_signal_stops_at_once_and_keeps_the_checkpoints(tmp_path, capfd, monkeypatch):
     import signal
 
     monkeypatch.delenv("SPECROLL_DEBUG", raising=False)
     _signal_during_step(monkeypatch, 3, [signal.SIGINT, signal.SIGINT])
     out = tmp_path / "run"
     assert main(["train", "--out", str(out), "train.steps=4", "train.save_every=1", *TINY]) == 130
-    assert capsys.readouterr().err.strip().endswith("specroll: interrupted")
+    err = capfd.readouterr().err
+    assert "SIGINT: stopping after step 3 with a checkpoint (Ctrl-C again stops at once)" in err, err  # the first
+    assert err.strip().endswith("specroll: interrupted")  # the second
     assert [p.name for p in ckpt.list_checkpoints(out)] == ["step_000001", "step_000002"]
+
+
+def test_a_signal_during_an_eval_names_that_step_and_one_in_the_last_step_completes_the_run(tmp_path, capfd,
+                                                                                              monkeypatch):
+    """The message named step + 1 once train_step had counted the step (its eval, its save); a stop in the last
+    step skipped the final eval and then reported nothing."""
+    import os
+    import signal
+
+    from specroll.rl.trainer import Trainer
+
+    monkeypatch.delenv("SPECROLL_DEBUG", raising=False)
+    real = Trainer.evaluate
+
+    def evaluate(self):
+        if self.step in (2, 3):
+            os.kill(os.getpid(), signal.SIGINT)
+        return real(self)
+
+    monkeypatch.setattr(Trainer, "evaluate", evaluate)
+    out = tmp_path / "run"
+    assert main(["train", "--out", str(out), "train.steps=6", "train.eval_every=2", *TINY]) == 130
+    assert "stopping after step 2 with a checkpoint" in capfd.readouterr().err
+    assert [p.name for p in ckpt.list_checkpoints(out)] == ["step_000002"]
+    # resumed to 3 steps: a stop during step 3's final eval still evaluates, and the run is complete (rc 0)
+    assert main(["train", "--resume", "latest", "--out", str(out), "train.steps=3"]) == 0
+    err = capfd.readouterr().err
+    assert "stopping after step 3" in err and "stopped by" not in err, err
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2, 3] and "eval/accuracy" in rows[-1] and "eval/accuracy" in rows[1]
 
 
 def test_the_reward_worker_ignores_ctrl_c(tmp_path):
@@ -548,14 +580,18 @@ def test_the_reward_worker_ignores_ctrl_c(tmp_path):
     trainer finishes before it stops still gets real rewards (not the timeout's 0)."""
     import os
     import signal
+    import time
 
     from specroll.rl.rewards import MathChecker
 
     mc = MathChecker(timeout_s=30)
     try:
         assert mc.map([("1/2", "0.5", None)]) == [True]
-        os.kill(mc._proc.pid, signal.SIGINT)
+        pid = mc._proc.pid
+        os.kill(pid, signal.SIGINT)
+        time.sleep(0.5)  # time enough to die of it
+        assert mc._proc.poll() is None
         assert mc.map([("3", "3", None), ("2", "5", None)]) == [True, False]
-        assert mc.n_timeouts == 0 and mc._proc.poll() is None
+        assert mc.n_timeouts == 0 and mc._proc.pid == pid  # the same worker, not a restarted one
     finally:
         mc.close()

@@ -550,14 +550,17 @@ class Reward:
         self.n_calls = {k: 0 for k in funcs}
         self.last_error: dict[str, str] = {}
 
-    def check_ever_succeeded(self) -> None:
+    def check_ever_succeeded(self, counts: dict[str, tuple[int, int]] | None = None) -> None:
         """At the end of a run: a ``RewardError`` if a function raised on every one of its calls. A run shorter
-        than ``GIVE_UP_AFTER`` calls never reached that stop, and ended as if it had trained."""
+        than ``GIVE_UP_AFTER`` calls never reached that stop, and ended as if it had trained. ``counts``:
+        {name: (calls, failures)} summed over the processes of data parallel (default: this process's)."""
         for name in self.funcs:
-            if self.n_calls[name] and self.n_failures[name] == self.n_calls[name]:
-                raise RewardError(f"reward {name!r} raised on every one of its {self.n_calls[name]} call(s) (last: "
-                                  f"{self.last_error[name]}), so every sample was excluded and nothing was "
-                                  "learned; fix the function")
+            calls, fails = (counts or {}).get(name, (self.n_calls[name], self.n_failures[name]))
+            if calls and fails == calls:
+                last = self.last_error.get(name)
+                raise RewardError(f"reward {name!r} raised on every one of its {calls} call(s)"
+                                  f"{f' (last: {last})' if last else ''}, so every sample was excluded and nothing "
+                                  "was learned; fix the function")
 
     @property
     def names(self) -> list[str]:

@@ -11,6 +11,7 @@ import itertools
 import logging
 import math
 import os
+import shlex
 import signal
 import sys
 import threading
@@ -422,7 +423,7 @@ def _train_ranks(args, d) -> int:
         sig = trainer.stop_requested
         print(f"specroll: stopped by {sig} after step {trainer.step} of {cfg.train.steps}, checkpoint "
               f"{run_dir / f'step_{trainer.step:06d}'} saved; continue with: specroll train --resume latest "
-              f"--out {run_dir}", file=sys.stderr)
+              f"--out {shlex.quote(str(run_dir))}", file=sys.stderr)
         return 128 + int(getattr(signal.Signals, sig))
     return 0
 
@@ -443,19 +444,21 @@ def graceful_stop(trainer, enabled: bool = True):
         if trainer.stop_requested is not None:
             raise KeyboardInterrupt
         trainer.stop_requested = name
-        msg = (f"\nspecroll: {name}: stopping after step {trainer.step + 1} with a checkpoint "
-               f"({'Ctrl-C' if signum == signal.SIGINT else 'a second signal'} again stops at once)\n")
+        again = "Ctrl-C again" if signum == signal.SIGINT else "another SIGTERM or Ctrl-C"
+        msg = (f"\nspecroll: {name}: stopping after step {trainer.step_in_progress} with a checkpoint ({again} "
+               "stops at once)\n")
         try:
             os.write(sys.stderr.fileno(), msg.encode())
         except (OSError, ValueError, AttributeError):  # no real stderr (e.g. captured): the state is what matters
             pass
 
+    trainer.stop_requested = None
     old = {s: signal.signal(s, handler) for s in (signal.SIGINT, signal.SIGTERM)}
     try:
         yield
     finally:
-        for s, h in old.items():
-            signal.signal(s, h)
+        for s, h in old.items():  # None: a handler installed outside Python, which cannot be put back as such
+            signal.signal(s, signal.SIG_DFL if h is None else h)
 
 
 def _config_changes(path: Path, cfg, limit: int = 6) -> str:

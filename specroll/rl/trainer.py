@@ -323,6 +323,7 @@ class Trainer:
         self.metrics: list[dict] = []
         # set (to the signal's name) to stop after the current step with a checkpoint: run.graceful_stop
         self.stop_requested: str | None = None
+        self.step_in_progress = 1
         self.rollout_hooks: list[Callable] = []
         self._perms: dict[int, torch.Tensor] = {}
         self._data_base = (0, 0)  # (step, prompts drawn before it): data_position
@@ -687,16 +688,19 @@ class Trainer:
     def fit(self, progress=None) -> list[dict]:
         """Train until ``train.steps``; eval and save on schedule. Returns the metrics rows."""
         tc = self.cfg.train
+        self.step_in_progress = self.step + 1  # the step a stop request lets finish (run.graceful_stop's message)
         if tc.eval_before and self.step == 0 and self.eval_set is not None:
             e = self.evaluate()
             self._log(e)
             self._say(f"step 0/{tc.steps}  base eval accuracy {e.get('eval/accuracy', float('nan')):.3f}")
         while self.step < tc.steps:
+            self.step_in_progress = self.step + 1
             m = self.train_step()
             last = self.step == tc.steps
-            stopping = self.stop_requested is not None  # a stop skips the scheduled eval, not the checkpoint
-            if not stopping and ((tc.eval_every and self.step % tc.eval_every == 0) or
-                                 (last and self.eval_set is not None)):
+            # a stop skips an eval that train.eval_every schedules (a resume does not redo it), not the final one:
+            # the run is then complete
+            scheduled = tc.eval_every and self.step % tc.eval_every == 0 and self.stop_requested is None
+            if scheduled or (last and self.eval_set is not None):
                 m.update(self.evaluate())
             saved = False
             if self.run_dir is not None and ((tc.save_every and self.step % tc.save_every == 0) or last
@@ -715,5 +719,17 @@ class Trainer:
                 break
         if self.writer is not None:
             self.writer.close()
-        getattr(self.reward, "check_ever_succeeded", lambda: None)()  # a reward that always raised: an error
+        if self.step == tc.steps:  # a finished run (a stopped one says how to resume instead)
+            self._check_reward()
         return self.metrics
+
+    def _check_reward(self) -> None:
+        """A ``RewardError`` if a reward function raised on every one of its calls, counted over every process
+        (each scores its own rows): a short run never reaches ``rewards.GIVE_UP_AFTER``."""
+        r = self.reward
+        if not hasattr(r, "check_ever_succeeded"):
+            return
+        names = list(r.n_calls)
+        n = self.dist.sum_(torch.tensor([float(c[k]) for k in names for c in (r.n_calls, r.n_failures)],
+                                        dtype=torch.float64))
+        r.check_ever_succeeded({k: (int(n[2 * i]), int(n[2 * i + 1])) for i, k in enumerate(names)})
