@@ -399,7 +399,7 @@ PATH_FIELDS = frozenset({("model", "name"), ("train", "out_dir"), ("data", "path
                          ("draft", "head")})
 
 
-def _absolute_path(sec: str, key: str, value: str) -> str:
+def absolute_path(sec: str, key: str, value: str) -> str:
     """A path field's value as the config keeps it: ``~`` expanded, and a relative path that exists made absolute,
     so the run's saved config.yaml still finds the model, data and head when eval, generate, export or --resume run
     from another directory. Names that are not paths stay as given: model aliases, Hub ids, ``draft.head=random``,
@@ -447,7 +447,7 @@ def _merge(base: dict, update: dict, source: str, lines: dict | None = None, ori
             except ValueError as e:
                 raise ValueError(f"{where}: {e}") from None
             if (sec, k) in PATH_FIELDS and isinstance(v, str):
-                v = _absolute_path(sec, k, v)
+                v = absolute_path(sec, k, v)
             base.setdefault(sec, {})[k] = v
             if origins is not None:
                 origins[(sec, k)] = where

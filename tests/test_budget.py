@@ -269,6 +269,16 @@ def test_profile_key_depends_on_everything_the_result_depends_on():
         profiler.profile_key("m", "float16", fp)
 
 
+def test_a_local_model_has_one_profile_however_its_path_is_spelled(tmp_path, monkeypatch):
+    """A run's config keeps a local model's absolute path: `profile --model ./m` must find the same profile."""
+    fp = {"cpu": "X", "cores": 2, "torch_threads": 2, "torch": "2.13.0"}
+    (tmp_path / "m").mkdir()
+    monkeypatch.chdir(tmp_path)
+    key = profiler.profile_key(str(tmp_path / "m"), "float32", fp)
+    assert profiler.profile_key("m", "float32", fp) == profiler.profile_key("./m", "float32", fp) == key
+    assert profiler.profile_key("other", "float32", fp) != key  # no such directory: a name, as given
+
+
 def test_the_fingerprint_names_the_kernels_source(monkeypatch):
     """A kernel change moves the latency curve, so the profile's key carries the kernels' source hash: an edited
     kernel is profiled again instead of reusing a stale C_peak."""

@@ -160,7 +160,7 @@ def test_a_cached_profile_without_a_batch_1_baseline_is_not_used(tmp_path, monke
            "knee": {"base_tokens": 4, "single_token_ms": 0.15, "c_peak_ms": 0.15, "ratio": 1.0}}
     profiler.save_profile(bad, path)
     with pytest.raises(ValueError, match=r"--batches 4,16 lacks 1\), so its C_peak is no per-row budget; rerun "
-                                         r"`specroll profile --force`$"):
+                                         r"`specroll profile --model tiny-llama --dtype float32 --force`$"):
         profiler.get_c_peak("tiny-llama", "float32", profile_if_missing=False)
     profiler.save_profile({**bad, "batches": [1], "knee": {**bad["knee"], "base_tokens": 1}}, path)
     assert profiler.get_c_peak("tiny-llama", "float32", profile_if_missing=False) == 4

@@ -128,9 +128,13 @@ def dtype_name(dtype) -> str:
 
 def profile_key(model: str, dtype, fp: dict | None = None) -> str:
     """File stem of a profile: readable model/dtype plus a hash of everything the result depends on."""
+    from ..config import absolute_path
+
     fp = fp or fingerprint()
     d = dtype_name(dtype)
-    ident = json.dumps({"model": str(model), "dtype": d, **fp}, sort_keys=True)
+    # a local model directory by its absolute path, as a run's config keeps it: `profile --model ./m` and
+    # `train model.name=./m` (saved as /abs/m) share a profile
+    ident = json.dumps({"model": absolute_path("model", "name", str(model)), "dtype": d, **fp}, sort_keys=True)
     slug = re.sub(r"[^A-Za-z0-9._-]+", "_", Path(str(model)).name or str(model))[:48]
     return f"{slug}__{d}__{hashlib.sha1(ident.encode()).hexdigest()[:12]}"
 
@@ -148,20 +152,20 @@ def profile_path(model: str, dtype, fp: dict | None = None) -> Path:
 def load_profile(model: str, dtype, fp: dict | None = None) -> dict | None:
     """The cached profile for this (model, dtype, machine, torch), or None."""
     path = profile_path(model, dtype, fp)
+    again = f"`specroll profile --model {model} --dtype {dtype_name(dtype)} --force`"
     if not path.is_file():
         return None
     try:
         data = json.loads(path.read_text())
     except (OSError, json.JSONDecodeError) as e:
-        raise ValueError(f"{path}: unreadable profile ({e}); delete it or rerun `specroll profile --force`") from e
+        raise ValueError(f"{path}: unreadable profile ({e}); delete it or rerun {again}") from e
     if data.get("format") != FORMAT or not isinstance(data.get("c_peak"), int) or data["c_peak"] < 1:
-        raise ValueError(f"{path}: field 'format'/'c_peak' is not a specroll profile; delete it or rerun "
-                         "`specroll profile --force`")
+        raise ValueError(f"{path}: field 'format'/'c_peak' is not a specroll profile; delete it or rerun {again}")
     knee = data.get("knee")
     if isinstance(knee, dict) and knee.get("base_tokens", 1) != 1:  # measured without batch 1 (before `check_batches`)
         batches = ",".join(map(str, data.get("batches") or []))
         raise ValueError(f"{path}: measured without a single-token baseline (--batches {batches} lacks 1), so its "
-                         "C_peak is no per-row budget; rerun `specroll profile --force`")
+                         f"C_peak is no per-row budget; rerun {again}")
     return data
 
 
