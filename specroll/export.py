@@ -7,7 +7,8 @@ and the run's ``config.yaml``; the tokenizer and the architecture come from the 
 config, tokenizer and generation files, and the trained weights under HF's names (``decoder_to_hf_state``).
 A new directory is written next to its destination and renamed into place; an existing empty one (the current
 directory, say) is kept and filled from a temporary folder inside it, never removed or replaced. Either way a failed
-export leaves nothing.
+export leaves nothing; only a process killed while moving the files into an existing directory can leave some of
+them, and the weights move last, so such a directory has no ``model.safetensors``.
 """
 
 from __future__ import annotations
@@ -82,7 +83,7 @@ def export_checkpoint(checkpoint: str | Path, out: str | Path, model: str | None
         elif any(p != tmp for p in target.iterdir()):
             raise CliError(f"{given} is no longer empty (something wrote into it during the export); pick another --out")
         else:
-            for f in sorted(tmp.iterdir()):
+            for f in sorted(tmp.iterdir(), key=lambda f: (f.name == "model.safetensors", f.name)):  # weights last
                 os.replace(f, target / f.name)
                 moved.append(target / f.name)
             tmp.rmdir()

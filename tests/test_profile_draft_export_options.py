@@ -319,3 +319,24 @@ def test_a_pulled_model_is_readable_by_others_like_an_export(tmp_path, umask_022
     d = hub.resolve("tiny-llama", home=tmp_path, quiet=True)
     assert (d / "model.safetensors").stat().st_mode & 0o777 == umask_022
     assert hub.cache_problem(d) is None
+
+
+def test_share_mode_follows_the_umask_without_changing_it(tmp_path):
+    """It read the umask by setting it to 0 and back: a file another thread made meanwhile was world-writable."""
+    import os
+
+    f = tmp_path / "w.safetensors"
+    f.write_bytes(b"x")
+    os.chmod(f, 0o600)
+    old = os.umask(0o027)
+    try:
+        seen = []
+        real = os.umask
+        os.umask = lambda m: seen.append(m) or real(m)  # noqa: E731 - any call would be a change, however brief
+        try:
+            hub.share_mode(f)
+        finally:
+            os.umask = real
+        assert seen == [] and os.stat(f).st_mode & 0o777 == 0o640
+    finally:
+        os.umask(old)

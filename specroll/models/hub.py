@@ -187,12 +187,24 @@ def _weight_files(d: Path) -> list[Path]:
     return sorted(d.glob("*.safetensors"))
 
 
+def _umask() -> int:
+    """The process's umask, read without changing it where Linux tells it (``os.umask`` can only set it: a
+    thread creating a file meanwhile would get the temporary mask); elsewhere set briefly to the strictest."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("Umask:"):
+                return int(line.split()[1], 8)
+    except (OSError, ValueError, IndexError):
+        pass
+    umask = os.umask(0o077)
+    os.umask(umask)
+    return umask
+
+
 def share_mode(path: Path) -> None:
     """Give ``path`` the mode a new file gets under the umask (safetensors writes 0600): a shared model is read
     by others."""
-    umask = os.umask(0)
-    os.umask(umask)
-    os.chmod(path, 0o666 & ~umask)
+    os.chmod(path, 0o666 & ~_umask())
 
 
 def write_marker(d: Path, source: dict) -> None:
