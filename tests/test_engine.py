@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import re
 
 import pytest
 import torch
@@ -653,3 +654,54 @@ def test_cache_mask_tree_visibility():
     assert m.shape == (3, 3, 6 + 3)
     assert m[0, 2, :4].all() and m[0, 2, 4] and not m[0, 2, 5] and m[0, 2, 6] and not m[0, 2, 7]
     assert m[1, 0, :6].all() and m[1, 0, 6] and not m[1, 0, 7]
+
+
+@pytest.mark.parametrize("bad, says", [
+    ([5, 6, 7], "got int 5; prompts is a list of prompts: [ids], not ids"),  # the outer list forgotten
+    ([[[5, 6], [7]]], "must be a sequence of integer token ids"),  # nested: was read as [5, 6, 7]
+    ([[5.7, 9.2]], "must be a sequence of integer token ids"),  # floats: were truncated to ids 5 and 9
+    (["What is 2+2?"], "tokenize text first"),
+    ([torch.tensor([[5, 6]])], "must be a 1-D tensor of integer token ids, got shape (1, 2)"),
+])
+def test_prompts_that_are_not_flat_token_id_sequences_are_refused(bad, says):
+    _, model = tiny_hf("llama")
+    e = Engine(model, eos_ids=[], dtype=torch.float32)
+    with pytest.raises(ValueError, match=re.escape(says)):
+        e.generate(bad, SamplingParams(max_new_tokens=2))
+    ok = e.generate([[5, 6], (7, 8), torch.tensor([9, 10], dtype=torch.int32)], SamplingParams(max_new_tokens=2, seed=1))
+    assert [r.prompt_ids.tolist() for r in ok] == [[5, 6], [7, 8], [9, 10]]
+
+
+def test_bf16_weights_with_fp32_activations_run_the_python_loop():
+    """The one-call layer stack takes fp32 norm vectors: bf16 weights (a model loaded in bf16) under an fp32
+    engine crashed in the kernel instead of taking the loop, which casts."""
+    _, model = tiny_hf("llama")
+    ref = Engine(copy.deepcopy(model).to(torch.bfloat16).float(), eos_ids=[], dtype=torch.float32)
+    e = Engine(model.to(torch.bfloat16), eos_ids=[], dtype=torch.float32)
+    p = SamplingParams(max_new_tokens=6, temperature=0.0)
+    assert [r.completion_ids.tolist() for r in e.generate([[5, 6, 7]], p)] == \
+        [r.completion_ids.tolist() for r in ref.generate([[5, 6, 7]], p)]
+
+
+@pytest.mark.parametrize("extra, says", [
+    ({"hidden_act": "gelu"}, "hidden_act 'gelu' is not supported"),
+    ({"mlp_bias": True}, "mlp_bias=true is not supported"),
+])
+def test_configs_the_decoder_does_not_implement_are_refused(extra, says):
+    """They loaded, and their log-probs were silently those of another model (0.6-1.2 nats off for gelu)."""
+    cfg = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                      num_attention_heads=4, num_key_value_heads=2, **extra)
+    with pytest.raises(ValueError, match=re.escape(says)):
+        DecoderConfig.from_hf(cfg)
+
+
+def test_sliding_window_attention_is_refused_unless_it_spans_the_context():
+    from transformers import Qwen2Config
+
+    common = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, max_position_embeddings=128)
+    with pytest.raises(ValueError, match="sliding-window attention"):
+        DecoderConfig.from_hf(Qwen2Config(**common, use_sliding_window=True, sliding_window=8, max_window_layers=0))
+    assert DecoderConfig.from_hf(Qwen2Config(**common, use_sliding_window=True, sliding_window=128,
+                                             max_window_layers=0)).arch == "qwen2"
+    assert DecoderConfig.from_hf(Qwen2Config(**common)).arch == "qwen2"

@@ -256,7 +256,7 @@ def test_bad_inputs_are_one_line_errors(trainer, tmp_path, monkeypatch):
     one_line_error(rf, repeat(CHAT[:1], 2), trainer, "PEFT")
     del trainer.model.peft_config
     biased = make_trainer(tmp_path, model=tiny_hf_model("llama", mlp_bias=True).train())
-    one_line_error(rf, repeat(CHAT[:1], 2), biased, "does not model")
+    one_line_error(rf, repeat(CHAT[:1], 2), biased, "mlp_bias=true is not supported")
     mistral = make_trainer(tmp_path, model=tiny_hf_model_mistral().train())
     one_line_error(specroll_rollout_func(), repeat(CHAT[:1], 2), mistral, "'mistral' is not supported")
     for kw, match in [({"reuse": "yes"}, "reuse"), ({"dtype": "float16"}, "dtype"),

@@ -15,6 +15,8 @@ sampling distribution's.
 from __future__ import annotations
 
 import contextlib
+import numbers
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -59,6 +61,23 @@ class DecodeState:
     # final hidden states of every prompt position, (len_p, D) per prompt, kept from the prefill when
     # the drafter sets ``wants_prompt_hidden`` (a draft head reads them instead of a second pass)
     prompt_hidden: list[torch.Tensor] | None = None
+
+
+def _token_ids(p, i: int) -> torch.Tensor:
+    """Prompt ``i`` as a 1-D long tensor: a sequence of integer token ids or a 1-D integer tensor. Anything else
+    (a bare id, a nested list, floats, text) is a ValueError: ``as_tensor(...).flatten()`` read a flat list of
+    ids given without the outer list as one-token prompts, and a nested one as their concatenation."""
+    if isinstance(p, torch.Tensor):
+        if p.dim() != 1 or p.is_floating_point() or p.is_complex() or p.dtype == torch.bool:
+            raise ValueError(f"prompt {i} must be a 1-D tensor of integer token ids, got shape {tuple(p.shape)} "
+                             f"and dtype {p.dtype}")
+        return p.to(torch.long)
+    if isinstance(p, (str, bytes)) or not isinstance(p, Sequence) or not all(
+            isinstance(x, numbers.Integral) and not isinstance(x, bool) for x in p):
+        what = f"{type(p).__name__} {p!r:.40}"
+        hint = "; prompts is a list of prompts: [ids], not ids" if isinstance(p, numbers.Integral) else ""
+        raise ValueError(f"prompt {i} must be a sequence of integer token ids (tokenize text first), got {what}{hint}")
+    return torch.tensor(p, dtype=torch.long)
 
 
 class Engine:
@@ -222,14 +241,16 @@ class Engine:
         out = []
         limit = self.model.cfg.max_position
         for i, p in enumerate(prompts):
-            t = torch.as_tensor(p, dtype=torch.long).flatten()
+            t = _token_ids(p, i)
             if t.numel() == 0:
                 raise ValueError(f"prompt {i} is empty")
             if t.numel() + params.max_new_tokens + extra > limit:
                 drafts = f" + {extra - 1} draft tokens" if extra > 1 else ""  # a step verifies extra - 1 drafts
                 raise ValueError(
                     f"prompt {i} has {t.numel()} tokens; with max_new_tokens={params.max_new_tokens}{drafts} it "
-                    f"exceeds the model's context of {limit} tokens"
+                    f"exceeds the model's context of {limit} tokens (the cache needs "
+                    f"{t.numel() + params.max_new_tokens + extra} positions: prompt, new tokens"
+                    f"{', drafts' if extra > 1 else ''} and one spare)"
                 )
             if int(t.max()) >= self.model.cfg.vocab_size or int(t.min()) < 0:
                 raise ValueError(f"prompt {i} has token ids outside the vocabulary [0, {self.model.cfg.vocab_size})")

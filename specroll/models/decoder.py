@@ -86,6 +86,17 @@ class DecoderConfig:
             v = d.get(k)
             if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
                 raise ValueError(f"config field {k} is {v!r}, expected a positive integer")
+        act = d.get("hidden_act", "silu")
+        if act != "silu":
+            raise ValueError(f"hidden_act {act!r} is not supported by the specroll decoder, whose MLP is SwiGLU with "
+                             "silu; supported: 'silu'")
+        if d.get("mlp_bias"):
+            raise ValueError("mlp_bias=true is not supported by the specroll decoder (its MLP has no biases)")
+        window = d.get("sliding_window")
+        sliding = bool(d.get("use_sliding_window")) or any(t != "full_attention" for t in d.get("layer_types") or ())
+        if sliding and window and window < int(d.get("max_position_embeddings", 4096)):
+            raise ValueError(f"sliding-window attention (sliding_window={window}) is not supported by the specroll "
+                             "decoder, which attends to the whole context")
         n_heads = d["num_attention_heads"]
         return cls(
             arch=mt,
@@ -572,9 +583,11 @@ class Decoder(nn.Module):
         """Whether a forward of B x T tokens in activations of ``dtype`` over ``cache`` runs as the one-call layer
         stack (``kernels``' ``decoder_layers``); not with autograd on, not fp32 activations, no kernels, q/k
         norms, more rows than the skinny kernel takes (``kernels.max_rows()``), more folded queries than a step's
-        attention kernel's (``STEP_KERNEL_QUERIES``), or no ``KVCache`` (a cache-free pass, a packed prefill)."""
+        attention kernel's (``STEP_KERNEL_QUERIES``), no ``KVCache`` (a cache-free pass, a packed prefill), or
+        weights not in fp32 (a model loaded in bf16: the stack takes fp32 norm vectors; the loop casts)."""
         cfg = self.cfg
         return not (dtype != torch.float32 or torch.is_grad_enabled() or cfg.qk_norm or B * T > kernels.max_rows()
+                    or self.layers[0].attn_norm.weight.dtype != torch.float32
                     or cfg.num_heads // cfg.num_kv_heads * T > STEP_KERNEL_QUERIES
                     or not isinstance(getattr(cache, "k", None), torch.Tensor) or cache.k.dim() != 5
                     or not kernel_cache(cache.k) or kernels.skinny() is None)
