@@ -407,7 +407,15 @@ def test_type_error_on_the_first_call_is_an_error(tmp_path, caplog):
             if calls["n"] == 2:
                 raise TypeError("unsupported operand")
             return [1.0] * len(completions)
+        def conversational(prompts, completions, **kw):  # TRL's chat format: completions[i][0]["content"]
+            return [float(len(c[0]["content"])) for c in completions]
     """)
+    # a TypeError inside a function whose signature is fine is no signature problem: not blamed on **kwargs
+    reward = build_reward(RewardConfig(funcs=["sr_nokw:conversational"]))
+    with caplog.at_level(logging.WARNING, logger=R.logger.name):
+        assert reward(["p"], ["a"], answer=["1"])[0] == [None]
+    assert "string indices must be integers" in caplog.text and "**kwargs" not in caplog.text
+    caplog.clear()
     reward = build_reward(RewardConfig(funcs=["sr_nokw:strict"]))
     with pytest.raises(RewardError, match=r"reward 'sr_nokw:strict' raised TypeError on its first call: .*answer.*"
                                           r"add \*\*kwargs to its signature"):

@@ -528,6 +528,20 @@ def load_function(spec: str) -> Callable:
 GIVE_UP_AFTER = 8  # a function that has raised on this many calls and never returned stops the run
 
 
+def _signature_error(e: TypeError, f, kwargs: dict) -> bool:
+    """Whether ``e`` is the call's own TypeError (``f`` refusing the keywords ``kwargs`` it is called with), not
+    one raised inside ``f`` (e.g. a text completion indexed as TRL's conversational message list)."""
+    import inspect
+
+    try:
+        inspect.signature(f).bind(**kwargs)
+        return False
+    except TypeError:
+        return True
+    except ValueError:  # no signature to read: the call's own error has no frame of ``f`` after the caller's
+        return e.__traceback__ is not None and e.__traceback__.tb_next is None
+
+
 class Reward:
     """Weighted sum of reward functions.
 
@@ -587,7 +601,8 @@ class Reward:
         except RewardError:
             raise  # a contract problem (e.g. a missing column): retrying cannot fix it
         except Exception as e:  # noqa: BLE001 - user code: skip the batch, keep training
-            if isinstance(e, TypeError) and self.n_calls[name] == 1:  # its signature: every call would fail
+            if isinstance(e, TypeError) and self.n_calls[name] == 1 and _signature_error(
+                    e, f, dict(prompts=prompts, completions=completions, **columns)):  # every call would fail
                 raise RewardError(f"reward {name!r} raised TypeError on its first call: {e}; it is called as "
                                   "f(prompts=..., completions=..., **columns): add **kwargs to its "
                                   "signature") from e
