@@ -27,6 +27,8 @@ class SamplingParams:
     top_k: int = 0  # 0 = off
     max_new_tokens: int = 64
     stop_ids: tuple[int, ...] = field(default_factory=tuple)
+    # the sampling stream: the same seed gives the same samples at the same weights, so a loop of your own passes a
+    # new one per call (the trainer seeds each step), or None for a fresh stream
     seed: int | None = 0
     min_new_tokens: int = 0  # stop ids are ignored before this many tokens (benchmarks force lengths)
 
