@@ -66,3 +66,21 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(n)
+
+
+@pytest.fixture
+def no_debug(monkeypatch):
+    """SPECROLL_DEBUG unset: errors print their one line instead of raising (``pytest.mark.usefixtures``)."""
+    monkeypatch.delenv("SPECROLL_DEBUG", raising=False)
+
+
+@pytest.fixture
+def no_work(monkeypatch):
+    """Loading or resolving a model (the start of every command's work) fails the test."""
+    from specroll.models import hub
+
+    def work(*a, **k):
+        raise AssertionError("the command started its work")
+
+    monkeypatch.setattr(hub, "load", work)
+    monkeypatch.setattr(hub, "resolve", work)

@@ -11,24 +11,7 @@ import pytest
 
 from specroll.cli import CliError, main
 
-pytestmark = pytest.mark.usefixtures("one_thread")
-
-
-@pytest.fixture(autouse=True)
-def no_debug(monkeypatch):
-    monkeypatch.delenv("SPECROLL_DEBUG", raising=False)
-
-
-@pytest.fixture
-def no_work(monkeypatch):
-    """Loading or resolving a model (the start of every command's work) fails the test."""
-    from specroll.models import hub
-
-    def work(*a, **k):
-        raise AssertionError("the command started its work")
-
-    monkeypatch.setattr(hub, "load", work)
-    monkeypatch.setattr(hub, "resolve", work)
+pytestmark = pytest.mark.usefixtures("one_thread", "no_debug")
 
 
 def cli_error(capsys, argv: list[str]) -> str:

@@ -17,22 +17,7 @@ from specroll.drafters import distill as D
 from specroll.engine import profiler
 from specroll.models import hub
 
-pytestmark = pytest.mark.usefixtures("one_thread")
-
-
-@pytest.fixture(autouse=True)
-def no_debug(monkeypatch):
-    monkeypatch.delenv("SPECROLL_DEBUG", raising=False)
-
-
-@pytest.fixture
-def no_work(monkeypatch):
-    """Loading or resolving a model (the start of every command's work) fails the test."""
-    def work(*a, **k):
-        raise AssertionError("the command started its work")
-
-    monkeypatch.setattr(hub, "load", work)
-    monkeypatch.setattr(hub, "resolve", work)
+pytestmark = pytest.mark.usefixtures("one_thread", "no_debug")
 
 
 @pytest.fixture
