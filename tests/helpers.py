@@ -117,3 +117,15 @@ def random_chains(B: int, L: int, V: int, temperature: float, seed: int = 0):
     tree = DraftTree.build(toks, (ar - 1).clamp(min=0).expand(B, L + 1), ar.expand(B, L + 1))
     tree.q_logp, tree.q_vocab = q, ids
     return tree, logits, params
+
+
+def cli_error(capsys, argv: list[str]) -> str:
+    """Run the CLI, expect exit code 2 and return its one error line."""
+    from specroll.cli import main
+
+    capsys.readouterr()
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    lines = [ln for ln in err.splitlines() if ln.startswith("specroll: error: ")]
+    assert len(lines) == 1 and "Traceback" not in err, err
+    return lines[0]

@@ -8,20 +8,11 @@ from __future__ import annotations
 import json
 
 import pytest
+from helpers import cli_error
 
 from specroll.cli import CliError, main
 
 pytestmark = pytest.mark.usefixtures("one_thread", "no_debug")
-
-
-def cli_error(capsys, argv: list[str]) -> str:
-    """Run the CLI, expect exit code 2 and return its one error line."""
-    capsys.readouterr()
-    assert main(argv) == 2
-    err = capsys.readouterr().err
-    lines = [ln for ln in err.splitlines() if ln.startswith("specroll: error: ")]
-    assert len(lines) == 1 and "Traceback" not in err, err
-    return lines[0]
 
 
 def fake_run(d, lines: list[str], end: str = "\n"):

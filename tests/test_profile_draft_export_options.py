@@ -11,6 +11,7 @@ import os
 
 import pytest
 import torch
+from helpers import cli_error
 
 from specroll.cli import main
 from specroll.drafters import distill as D
@@ -33,16 +34,6 @@ def umask_022():
     old = os.umask(0o022)
     yield 0o644
     os.umask(old)
-
-
-def cli_error(capsys, argv: list[str]) -> str:
-    """Run the CLI, expect exit code 2 and return its one error line."""
-    capsys.readouterr()
-    assert main(argv) == 2
-    err = capsys.readouterr().err
-    lines = [ln for ln in err.splitlines() if ln.startswith("specroll: error: ")]
-    assert len(lines) == 1 and "Traceback" not in err, err
-    return lines[0]
 
 
 # --- profile ------------------------------------------------------------------------------------------
