@@ -705,3 +705,18 @@ def test_sliding_window_attention_is_refused_unless_it_spans_the_context():
     assert DecoderConfig.from_hf(Qwen2Config(**common, use_sliding_window=True, sliding_window=128,
                                              max_window_layers=0)).arch == "qwen2"
     assert DecoderConfig.from_hf(Qwen2Config(**common)).arch == "qwen2"
+
+
+@pytest.mark.parametrize("call, says", [
+    (lambda e: e.generate([[5, 6]], SamplingParams(max_new_tokens=2), n=2.0), "n must be an int >= 1"),
+    (lambda e: e.generate([[5, 6]], SamplingParams(max_new_tokens=2), n=True), "n must be an int >= 1"),
+    (lambda e: e.generate([[5, 6]], None), "params must be a SamplingParams, got NoneType"),
+    (lambda e: SamplingParams(top_p="0.5"), "SamplingParams.top_p must be in (0, 1], got '0.5'"),
+    (lambda e: SamplingParams(seed=2 ** 64), "SamplingParams.seed must be None or an int in [-2**63, 2**64)"),
+    (lambda e: SamplingParams(seed=1.5), "SamplingParams.seed must be None or an int"),
+])
+def test_bad_generate_arguments_are_one_line_value_errors(call, says):
+    """They were a TypeError deep in the cache code, an AttributeError, a raw TypeError, an OverflowError."""
+    _, model = tiny_hf("llama")
+    with pytest.raises(ValueError, match=re.escape(says)):
+        call(Engine(model, eos_ids=[], dtype=torch.float32))

@@ -334,8 +334,10 @@ class Engine:
             return self._generate(prompts, params, n, drafter)
 
     def _generate(self, prompts, params: SamplingParams, n: int, drafter) -> list[Rollout]:
-        if n < 1:
-            raise ValueError(f"n must be >= 1, got {n}")
+        if isinstance(n, bool) or not isinstance(n, numbers.Integral) or n < 1:
+            raise ValueError(f"n must be an int >= 1 (completions per prompt), got {n!r}")
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"params must be a SamplingParams, got {type(params).__name__}")
         extra = drafter.max_tokens_per_step() if drafter is not None else 1
         prompts = self._check_prompts(prompts, params, extra)
         P, R, M = len(prompts), len(prompts) * n, params.max_new_tokens

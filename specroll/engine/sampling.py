@@ -15,6 +15,7 @@ Two log-probabilities are produced for every emitted token:
 from __future__ import annotations
 
 import math
+import numbers
 from dataclasses import dataclass, field
 
 import torch
@@ -35,7 +36,7 @@ class SamplingParams:
     def __post_init__(self):
         if not isinstance(self.temperature, (int, float)) or math.isnan(self.temperature) or self.temperature < 0:
             raise ValueError(f"SamplingParams.temperature must be >= 0 (0 = greedy), got {self.temperature!r}")
-        if not (0.0 < self.top_p <= 1.0):
+        if isinstance(self.top_p, bool) or not isinstance(self.top_p, (int, float)) or not (0.0 < self.top_p <= 1.0):
             raise ValueError(f"SamplingParams.top_p must be in (0, 1], got {self.top_p!r}")
         if not isinstance(self.top_k, int) or self.top_k < 0:
             raise ValueError(f"SamplingParams.top_k must be an int >= 0 (0 = off), got {self.top_k!r}")
@@ -46,6 +47,9 @@ class SamplingParams:
                 f"SamplingParams.min_new_tokens must be in [0, max_new_tokens], got {self.min_new_tokens!r}"
             )
         self.stop_ids = tuple(int(s) for s in self.stop_ids)
+        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, numbers.Integral)
+                                      or not -2 ** 63 <= self.seed < 2 ** 64):  # torch.Generator's range
+            raise ValueError(f"SamplingParams.seed must be None or an int in [-2**63, 2**64), got {self.seed!r}")
 
     @property
     def greedy(self) -> bool:
