@@ -487,7 +487,8 @@ def _string_override(text: str) -> str | None:
     return text
 
 
-_KEY_RE = re.compile(rf"(?<![\w.])({'|'.join(SECTIONS)})\.(\w+)")
+# a "section.key" in a message (its section one of SECTIONS)
+KEY_RE = re.compile(rf"(?<![\w.])({'|'.join(SECTIONS)})\.(\w+)")
 
 
 def build(merged: dict, origins: dict | None = None) -> Config:
@@ -500,7 +501,7 @@ def build(merged: dict, origins: dict | None = None) -> Config:
         try:
             sections[name] = cls(**merged.get(name, {}))
         except ValueError as e:
-            where = next((origins[k] for k in _KEY_RE.findall(str(e)) if k in (origins or {})), None)
+            where = next((origins[k] for k in KEY_RE.findall(str(e)) if k in (origins or {})), None)
             if where is None:
                 raise
             raise type(e)(f"{where}: {e}") from None

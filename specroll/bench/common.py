@@ -10,7 +10,6 @@ import datetime
 import json
 import os
 import platform
-import re
 import shutil
 import statistics
 import time
@@ -160,7 +159,7 @@ def load_bench_config(overrides: list[str], options: dict[str, str]):
     option instead ("override 'data.level=0': data.level must be one of ..." -> "--level must be one of ...");
     an error about an override the user typed keeps its ``override '...'`` prefix."""
     from ..cli import CliError
-    from ..config import load_config
+    from ..config import KEY_RE, load_config
 
     try:
         return load_config(overrides=overrides)
@@ -171,7 +170,7 @@ def load_bench_config(overrides: list[str], options: dict[str, str]):
             if msg.startswith(prefix) and override_key(o) in options:
                 msg = msg[len(prefix):]
                 break
-        msg = re.sub(r"(?<![\w.])\w+\.\w+\b", lambda m: options.get(m.group(0), m.group(0)), msg)
+        msg = KEY_RE.sub(lambda m: options.get(m.group(0), m.group(0)), msg)
         if msg == str(e):
             raise
         raise CliError(msg) from None
