@@ -150,19 +150,20 @@ def test_generate_that_cannot_allocate_its_rows_says_what_to_lower(capsys, monke
     assert line.endswith(" tokens each; lower -n or --max-new-tokens")
 
 
-def test_prompt_too_long_counts_the_draft_tokens(tmp_path, capsys):
+def test_draft_depth_and_prompt_length_are_checked_against_the_context(tmp_path, capsys):
     from specroll.drafters.eagle import head_for, save_head
     from specroll.models import hub
 
     model, _ = hub.load("tiny-llama")
     save_head(head_for(model), tmp_path / "head")
     limit = model.cfg.max_position
-    argv = ["generate", "--model", "tiny-llama", "--prompt", "hi", "--raw", "--max-new-tokens", "4", "--dtype",
-            "float32", "--draft", str(tmp_path / "head"), "--draft-plan", "chain", "--draft-depth"]
-    line = cli_error(capsys, [*argv, str(limit)])
+    argv = ["generate", "--model", "tiny-llama", "--prompt", "hi", "--raw", "--dtype", "float32",
+            "--draft", str(tmp_path / "head"), "--draft-plan", "chain", "--draft-depth"]
+    line = cli_error(capsys, [*argv, str(limit), "--max-new-tokens", "4"])
     assert line == f"specroll: error: --draft-depth must be below the model's context of {limit} tokens, got {limit}"
-    line = cli_error(capsys, [*argv, str(limit - 2)])
-    assert f"; with max_new_tokens=4 + {limit - 2} draft tokens it exceeds the model's context of {limit}" in line
+    # drafts past the context's end are never kept, so only the prompt and the new tokens count
+    line = cli_error(capsys, [*argv, "4", "--max-new-tokens", str(limit)])
+    assert f"; with max_new_tokens={limit} it exceeds the model's context of {limit} tokens" in line
     line = cli_error(capsys, ["generate", "--model", "tiny-llama", "--prompt", "hi", "--raw", "--max-new-tokens",
                               str(limit)])
     assert f"; with max_new_tokens={limit} it exceeds the model's context of {limit} tokens" in line

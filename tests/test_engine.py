@@ -91,6 +91,25 @@ def test_greedy_matches_naive_reference_with_stops_and_compaction():
     assert len(lengths) > 1, "test setup: rows should finish at different steps"
 
 
+def test_a_prompt_and_its_new_tokens_may_fill_the_whole_context():
+    """prompt + max_new_tokens == max_position is allowed (as in HF generate and TRL), with and without a drafter
+    whose drafts run past the context's end: a token at the last position is never fed, and a draft past the end
+    is never kept. One token more is refused before any work."""
+    from specroll.drafters.eagle import EagleDrafter, Plan, head_for
+
+    _, model = tiny_hf("llama", seed=4)
+    limit, M = model.cfg.max_position, 6
+    prompt = [(7 * i) % V for i in range(limit - M)]
+    ref = naive_greedy(model, prompt, M)
+    params = SamplingParams(temperature=0, max_new_tokens=M)
+    for drafter in (None, EagleDrafter(head_for(model), Plan(n_verify=5, k=1, depth=4), sampled=True)):
+        out = Engine(model, eos_ids=[]).generate([prompt], params, drafter=drafter)[0]
+        assert out.completion_ids.tolist() == ref
+    with pytest.raises(ValueError, match=rf"prompt 0 has {limit - M + 1} tokens; with max_new_tokens={M} it "
+                                         rf"exceeds the model's context of {limit} tokens"):
+        Engine(model, eos_ids=[]).generate([prompt + [1]], params)
+
+
 def test_prefill_hands_over_every_prompt_hidden_state_when_asked():
     _, model = tiny_hf("llama", seed=2)
     eng = Engine(model, eos_ids=[], prefill_chunk=8)  # small chunks: prompts span several prefill passes

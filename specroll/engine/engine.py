@@ -237,20 +237,18 @@ class Engine:
         """The context every policy forward of a rollout runs in (``bf16_weights`` in the bf16 weight mode)."""
         return bf16_weights(self.bf16_weights)
 
-    def _check_prompts(self, prompts, params: SamplingParams, extra: int) -> list[torch.Tensor]:
+    def _check_prompts(self, prompts, params: SamplingParams) -> list[torch.Tensor]:
         out = []
         limit = self.model.cfg.max_position
         for i, p in enumerate(prompts):
             t = _token_ids(p, i)
             if t.numel() == 0:
                 raise ValueError(f"prompt {i} is empty")
-            if t.numel() + params.max_new_tokens + extra > limit:
-                drafts = f" + {extra - 1} draft tokens" if extra > 1 else ""  # a step verifies extra - 1 drafts
+            if t.numel() + params.max_new_tokens > limit:
                 raise ValueError(
-                    f"prompt {i} has {t.numel()} tokens; with max_new_tokens={params.max_new_tokens}{drafts} it "
-                    f"exceeds the model's context of {limit} tokens (the cache needs "
-                    f"{t.numel() + params.max_new_tokens + extra} positions: prompt, new tokens"
-                    f"{', drafts' if extra > 1 else ''} and one spare)"
+                    f"prompt {i} has {t.numel()} tokens; with max_new_tokens={params.max_new_tokens} it exceeds the "
+                    f"model's context of {limit} tokens (prompt + max_new_tokens = "
+                    f"{t.numel() + params.max_new_tokens})"
                 )
             if int(t.max()) >= self.model.cfg.vocab_size or int(t.min()) < 0:
                 raise ValueError(f"prompt {i} has token ids outside the vocabulary [0, {self.model.cfg.vocab_size})")
@@ -339,7 +337,7 @@ class Engine:
         if not isinstance(params, SamplingParams):
             raise ValueError(f"params must be a SamplingParams, got {type(params).__name__}")
         extra = drafter.max_tokens_per_step() if drafter is not None else 1
-        prompts = self._check_prompts(prompts, params, extra)
+        prompts = self._check_prompts(prompts, params)
         P, R, M = len(prompts), len(prompts) * n, params.max_new_tokens
         if P == 0:
             return []
