@@ -113,3 +113,40 @@ def test_the_library_example_runs_as_shown(smollm2, monkeypatch):
         n = len(r.completion_ids)
         assert 1 <= n <= 32 and r.logprobs.shape == r.sample_logprobs.shape == (n,)
         assert (r.logprobs <= 0).all() and r.finish_reason in ("stop", "length")
+
+
+def _metrics_table() -> set[str]:
+    """The keys the README's "### Metrics" table names (``reward/<func>`` as a pattern)."""
+    sec = README.split("### Metrics", 1)[1].split("\n## ", 1)[0]
+    rows = [line.split("|")[1] for line in sec.splitlines() if line.startswith("| `")]
+    return {k for row in rows for k in re.findall(r"`([^`]+)`", row)}
+
+
+def test_every_metric_a_run_writes_is_in_the_readme_table(tmp_path, capsys, monkeypatch):
+    """Two tiny runs that between them write every step metric but --nproc's: reuse with KL and recomputed old
+    log-probs, then an online draft head; each key of their metrics.jsonl must have a row in the table."""
+    import json
+
+    from specroll.cli import main
+
+    monkeypatch.delenv("SPECROLL_DEBUG", raising=False)
+    tiny = ["model.name=tiny-llama", "rollout.max_new_tokens=4", "data.n_train=2", "data.n_eval=2",
+            "train.prompts_per_step=2", "rollout.G=2", "model.rollout_dtype=float32", "train.eval_before=false",
+            "train.steps=2", "train.save_every=1"]
+    runs = {"reuse": ["reuse.mode=lenient", "reuse.lenience=inf", "loss.beta=0.01", "train.mu=2",
+                      "reward.funcs=[accuracy,format]"],
+            "draft": ["draft.head=random", "draft.online=true", "draft.update_after=1", "draft.w_tv=1"]}
+    keys: set[str] = set()
+    for name, extra in runs.items():
+        assert main(["train", "--out", str(tmp_path / name), *tiny, *extra]) == 0
+        for line in (tmp_path / name / "metrics.jsonl").read_text().splitlines():
+            keys |= set(json.loads(line))
+    capsys.readouterr()
+    table = _metrics_table()
+    assert {"timing/grad_sync", "reward/<func>"} <= table
+    documented = lambda k: k in table or (k.startswith("reward/") and k.count("/") == 1)  # noqa: E731
+    missing = sorted(k for k in keys if not documented(k))
+    assert not missing, f"metrics.jsonl keys without a row in the README's Metrics table: {missing}"
+    # the runs wrote what the table describes for them (so the check above covered them)
+    assert {"spec/reuse_ratio", "spec/skip_ratio", "actor/kl", "draft/tv", "draft/pairs", "eval/accuracy",
+            "reward/accuracy", "reward/format", "timing/checkpoint", "spec/accept_length"} <= keys

@@ -1,4 +1,4 @@
-"""Tree verification rules as pure functions (the sampler-match rule of DESIGN.md).
+"""Tree verification rules as pure functions (the sampler-match rule).
 
 The policy has produced logits at every node of a batched draft tree (``DraftTree``). The
 sampler-match rule draws ONE token from the policy at every node with the full ``SamplingParams``

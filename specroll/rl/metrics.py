@@ -1,8 +1,8 @@
 """Run metrics: a JSONL line per step, optional TensorBoard, a console line per step, a summary table.
 
-Metric names follow DESIGN.md (``timing/rollout``, ``reward/mean``, ``actor/kl``, ``spec/...``) so
-dashboards built for verl/TRL read them unchanged. TensorBoard is used only if it is installed and
-asked for; nothing here is required for training.
+Metric names use verl-style prefixes (``timing/rollout``, ``reward/mean``, ``actor/kl``, ``spec/...``); every
+key and its meaning is in the README's "Metrics" table (``tests/test_readme.py`` checks that a run writes no
+other). TensorBoard is used only if it is installed and asked for; nothing here is required for training.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The GRPO training loop (DESIGN.md "one GRPO step"), checkpoints and metrics wiring.
+"""The GRPO training loop (one GRPO step: rollout, reward, advantages, update), checkpoints and metrics wiring.
 
 One step: take ``prompts_per_step`` prompts -> ``Engine.generate(prompts, n=G, drafter)`` ->
 rewards -> group advantages -> ``mu`` x ``mini_batches`` optimizer steps of the clipped surrogate
