@@ -181,9 +181,9 @@ PRESETS: dict[str, dict] = {
 
 # -- building ------------------------------------------------------------------------------------
 
-def _suggest(key: str, options) -> str:
+def _suggest(key: str, options, kind: str = "keys") -> str:
     close = difflib.get_close_matches(key, list(options), n=3, cutoff=0.5)
-    return f"; did you mean {' or '.join(repr(c) for c in close)}?" if close else f"; valid keys: {sorted(options)}"
+    return f"; did you mean {' or '.join(repr(c) for c in close)}?" if close else f"; valid {kind}: {sorted(options)}"
 
 
 class _Loader(yaml.SafeLoader):
@@ -430,7 +430,7 @@ def _merge(base: dict, update: dict, source: str, lines: dict | None = None, ori
 
     for sec, vals in update.items():
         if sec not in SECTIONS:
-            raise ValueError(f"{at(sec)}: unknown config section {sec!r}{_suggest(sec, SECTIONS)}")
+            raise ValueError(f"{at(sec)}: unknown config section {sec!r}{_suggest(sec, SECTIONS, 'sections')}")
         if vals is None:
             continue
         if not isinstance(vals, dict):
@@ -515,7 +515,7 @@ def load_config(path: str | Path | None = None, preset: str | None = None,
     origins: dict = {}  # (section, key) -> where its value was set, for range errors
     if preset is not None:
         if preset not in PRESETS:
-            raise ValueError(f"unknown preset {preset!r}{_suggest(preset, PRESETS)}")
+            raise ValueError(f"unknown preset {preset!r}{_suggest(preset, PRESETS, 'presets')}")
         _merge(merged, PRESETS[preset], f"preset {preset}", origins=origins)
     if path is not None:
         p = Path(path)

@@ -100,7 +100,7 @@ def cli(args) -> int:
         sm = drafter.summary()
         spec = (f"; draft head: {sm['accept_length']:.2f} tokens per step, {sm['accepted']} of {sm['drafted']} "
                 "drafted tokens accepted")
-    print(f"{len(outs)} completions, {n_tok} tokens in {dt:.2f}s ({n_tok / dt:.1f} tok/s, {args.dtype}){spec}",
+    print(f"{len(outs)} completion{'s' * (len(outs) != 1)}, {n_tok} tokens in {dt:.2f}s ({n_tok / dt:.1f} tok/s, {args.dtype}){spec}",
           file=sys.stderr)
     return 0
 

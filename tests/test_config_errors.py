@@ -358,3 +358,10 @@ def test_relative_paths_that_exist_become_absolute_and_names_stay_as_given(tmp_p
     cfg = load_config(None, None, ["model.name=smollm2-135m", "draft.head=random", "data.path=missing.jsonl"])
     assert (cfg.model.name, cfg.draft.head, cfg.data.path) == ("smollm2-135m", "random", "missing.jsonl")
     assert load_config(None, None, ["model.name=HuggingFaceTB/SmolLM2-135M"]).model.name == "HuggingFaceTB/SmolLM2-135M"
+
+
+def test_unknown_preset_and_section_list_what_is_valid_by_name():
+    with pytest.raises(ValueError, match=r"unknown preset 'zzzz'; valid presets: \['default', 'long', 'quick'\]$"):
+        load_config(None, "zzzz", [])
+    with pytest.raises(ValueError, match=r"unknown config section 'qqqq'; valid sections: \['data', "):
+        load_config(None, None, ["qqqq.x=1"])

@@ -141,7 +141,7 @@ def summary_table(rows: list[dict], wall: float, run_dir: str | Path):
 
     steps = [r for r in rows if "reward/mean" in r]
     tot = phase_totals(rows)
-    table = Table(title=f"specroll train: {len(steps)} steps in {wall:.1f}s -> {run_dir}")
+    table = Table(title=f"specroll train: {len(steps)} step{'s' * (len(steps) != 1)} in {wall:.1f}s -> {run_dir}")
     table.add_column("phase")
     table.add_column("total s", justify="right")
     table.add_column("per step s", justify="right")
