@@ -246,13 +246,35 @@ def _export(sub):
 
 
 def _eval(sub):
-    p = sub.add_parser("eval", help="pass@1 of a model or checkpoint on the eval split")
+    p = sub.add_parser("eval", help="pass@1 of a model or checkpoint on the eval split (a run's: its held-out "
+                       "problems; data.eval_path=FILE: that file)")
     p.add_argument("--model", default=None, help="model alias or HF dir (default: the config's)")
-    p.add_argument("--checkpoint", default=None, help="checkpoint dir or run dir (its latest checkpoint)")
+    p.add_argument("--checkpoint", default=None, help="checkpoint dir or run dir (its latest checkpoint); scores the "
+                   "run's held-out rows: a smaller data.n_eval takes fewer of them, overrides that would add training "
+                   "rows are refused (data.eval_path=FILE: an eval set of your own)")
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     p.add_argument("--json", default=None, help="also write the metrics to this JSON file")
-    p.add_argument("overrides", nargs="*", metavar="key=value", help="dotted overrides, e.g. data.n_eval=128")
-    p.set_defaults(func=_run("specroll.rl.run:eval_cli"))
+    p.add_argument("overrides", nargs="*", metavar="key=value", help="dotted overrides, e.g. "
+                   "data.eval_path=test.jsonl data.answer_format=gsm8k rollout.max_new_tokens=256")
+    p.set_defaults(func=_eval_cli)
+
+
+def _eval_cli(args):
+    """`specroll eval`, after refusing overrides that would put a checkpoint's training rows into its eval split."""
+    if args.checkpoint:
+        from .config import load_config
+        from .rl import checkpoint as ckpt
+        from .rl.data import check_held_out, one_answer_needed
+
+        try:
+            config = str(ckpt.resolve(args.checkpoint) / "config.yaml")
+            run = load_config(config, None, [])
+            cfg = load_config(config, None, list(args.overrides))
+        except (ValueError, OSError):
+            pass  # eval_cli says what is wrong, after its own option checks
+        else:
+            check_held_out(run.data, cfg.data, one_answer_needed(run.reward.funcs), one_answer_needed(cfg.reward.funcs))
+    return _run("specroll.rl.run:eval_cli")(args)
 
 
 def _report(sub):

@@ -391,3 +391,129 @@ def test_an_answer_that_is_a_mapping_or_a_list_is_a_bad_row(tmp_path, bad):
     assert not one_answer_needed(["mymod:score"])
     rows = load_examples(cfg, "train")
     assert len(rows) == 2 and rows[1].get("answer_raw", rows[1]["answer"]) in (bad, str(bad))
+
+
+# -- eval split: data.eval_path with the built-in task, held-out rows of a run, long held-out prompts ----------
+
+def test_eval_path_alone_is_the_eval_split_of_the_built_in_task(tmp_path):
+    """data.eval_path without data.path was ignored: eval scored the arithmetic task. Now the eval split is the
+    file (answer_format applies to it, n_eval caps it) and training stays on the built-in task."""
+    from specroll.config import load_config
+
+    e = _jsonl(tmp_path / "eval.jsonl", [{"question": f"Q{i}", "answer": f"work\n#### {i}"} for i in range(6)])
+    cfg = load_config(None, None, [f"data.eval_path={e}", "data.answer_format=gsm8k", "data.n_eval=4"]).data
+    assert cfg.task == "arithmetic" and cfg.path is None
+    ev = load_examples(cfg, "eval")
+    assert [(x["question"], x["answer"]) for x in ev] == [(f"Q{i}", str(i)) for i in range(4)]
+    assert [x["question"] for x in load_examples(DataConfig(eval_path=str(e), answer_format="gsm8k", n_eval=0),
+                                                   "eval")] == [f"Q{i}" for i in range(6)]  # 0 = all of it
+    train = load_examples(cfg, "train")
+    assert len(train) == cfg.n_train and all(split_of(x["question"]) == "train" for x in train)
+    with pytest.raises(DataError, match="no final answer"):  # answer_format is the eval file's
+        load_examples(DataConfig(eval_path=str(e), answer_format="boxed"), "eval")
+
+
+def _questions(exs) -> list:
+    return [x["question"] for x in exs]
+
+
+def test_check_held_out_refuses_eval_overrides_that_take_training_rows(tmp_path):
+    """A file's eval split is the first n_eval rows of a seeded shuffle; a larger n_eval, another seed or an
+    eval_fraction at eval time put rows the run trained on into it, silently."""
+    from dataclasses import replace
+
+    from specroll.rl.data import check_held_out
+
+    p = _jsonl(tmp_path / "d.jsonl", _rows(40))
+    run = DataConfig(task="file", path=str(p), n_eval=8, n_train=0, seed=0)
+    trained = set(_questions(load_examples(run, "train")))
+    for kw, names in [({"n_eval": 20}, "data.n_eval=20 (the run's: 8)"), ({"seed": 1}, "data.seed=1 (the run's: 0)"),
+                      ({"eval_fraction": 0.5}, "data.eval_fraction=0.5 (the run's: null)"),
+                      ({"n_eval": 12, "seed": 3}, "data.n_eval=12 (the run's: 8), data.seed=3 (the run's: 0)")]:
+        cfg = replace(run, **kw)
+        leaked = sum(q in trained for q in _questions(load_examples(cfg, "eval")))
+        assert leaked > 0
+        with pytest.raises(DataError) as err:
+            check_held_out(run, cfg)
+        msg = str(err.value)
+        assert "\n" not in msg and msg.startswith(f"with {names}, {leaked} of the ") and "data.eval_path=FILE" in msg
+        assert "a smaller data.n_eval than its 8 is fine" in msg
+    # a smaller n_eval is a subset of the run's held-out rows; the run's own config, an eval file, the built-in task
+    held = _questions(load_examples(run, "eval"))
+    for n in (1, 5, 8):
+        sub = replace(run, n_eval=n)
+        check_held_out(run, sub)
+        assert _questions(load_examples(sub, "eval")) == held[:n]
+    check_held_out(run, replace(run, eval_fraction=0.1))  # round(0.1 * 40) = 4 rows: a subset again
+    check_held_out(run, replace(run, eval_path=str(p)))  # a file the user named
+    check_held_out(run, DataConfig(n_eval=500, seed=7))  # arithmetic: split by a hash of the question
+    # only rows actually trained on count: n_train=5 trained perm[8:13]
+    capped = replace(run, n_train=5)
+    check_held_out(capped, replace(capped, n_eval=8))
+    with pytest.raises(DataError, match="with data.n_eval=9 .*, 1 of the 9 eval problems"):
+        check_held_out(capped, replace(capped, n_eval=9))
+    # a run that evaluated on an eval file trained on every row of data.path: no holdout of it is unseen
+    ev_file = _jsonl(tmp_path / "e.jsonl", _rows(3))
+    with_file = replace(run, eval_path=str(ev_file))
+    with pytest.raises(DataError, match=r"with data.eval_path=null \(the run's: .*e.jsonl\), 8 of the 8"):
+        check_held_out(with_file, replace(with_file, eval_path=None))
+    # the run's file moved, the same rows named at their new place: the run's split of them
+    moved = tmp_path / "moved.jsonl"
+    p.rename(moved)
+    check_held_out(run, replace(run, path=str(moved), n_eval=4))
+    with pytest.raises(DataError, match="data.n_eval=9"):
+        check_held_out(run, replace(run, path=str(moved), n_eval=9))
+
+
+def test_built_in_task_eval_split_never_holds_training_problems():
+    """The claim check_held_out relies on: any n_eval or seed of the arithmetic eval split is disjoint from any
+    seed's training problems (questions split by a hash)."""
+    trained = {q for seed in (0, 1) for q in _questions(arithmetic("train", 2000, 1, seed))}
+    for seed in (0, 1, 5):
+        assert trained.isdisjoint(_questions(load_examples(DataConfig(n_eval=200, seed=seed), "eval")))
+
+
+def test_duplicate_questions_in_both_splits_are_warned_and_do_not_fail_the_check(tmp_path, caplog):
+    from specroll.rl.data import check_held_out
+
+    rows = _rows(10) + [{"question": "What is 3 + 1?", "answer": "4", "id": 100 + k} for k in range(11)]
+    p = _jsonl(tmp_path / "dups.jsonl", rows)
+    cfg = DataConfig(task="file", path=str(p), n_eval=4, n_train=0, seed=0)
+    with caplog.at_level(logging.WARNING):
+        ev = load_examples(cfg, "eval")
+    shared = [q for q in _questions(ev) if q in set(_questions(load_examples(cfg, "train")))]
+    assert shared  # the split is by row (unchanged, for resume), so a repeated question sits in both
+    said = [r.getMessage() for r in caplog.records]
+    assert any(m.startswith(f"{len(shared)} of the 4 held-out eval questions of {p} also occur in its training rows")
+               for m in said), said
+    check_held_out(cfg, cfg)  # the run's own split (duplicates and all) is always allowed
+    caplog.clear()
+    with caplog.at_level(logging.WARNING):
+        load_examples(DataConfig(task="file", path=str(_jsonl(tmp_path / "u.jsonl", _rows(10))), n_eval=4), "eval")
+    assert not caplog.records
+
+
+def test_all_long_held_out_prompts_name_the_eval_split(tmp_path, tok):
+    """The error read "all 2 prompts are longer than data.max_prompt_tokens=..." as if the whole file was."""
+    rows = [{"question": ("word " * 300 if i in (3, 7) else f"What is {i} + 1?"), "answer": str(i)} for i in range(10)]
+    p = _jsonl(tmp_path / "long.jsonl", rows)
+    import torch
+
+    # a seed whose 2 held-out rows are the long ones, as in the review's file
+    seed = next(s for s in range(1000) if set(torch.randperm(10, generator=torch.Generator().manual_seed(s))
+                                              .tolist()[:2]) == {3, 7})
+    cfg = DataConfig(task="file", path=str(p), n_eval=2, seed=seed)
+    train = load_examples(cfg, "train")
+    assert build_prompts(train, tok, cfg)[2] == 0  # training rows fit
+    with pytest.raises(DataError) as err:
+        build_prompts(load_examples(cfg, "eval"), tok, cfg)
+    msg = str(err.value)
+    assert msg.startswith("eval split: all 2 held-out prompts are longer than data.max_prompt_tokens=256; ") and \
+        str(p) in msg and "data.eval_path=FILE" in msg and "\n" not in msg, msg
+    e = _jsonl(tmp_path / "e.jsonl", [rows[3]])
+    with pytest.raises(DataError, match=rf"^eval split: all 1 prompts of {re.escape(str(e))} are longer"):
+        build_prompts(load_examples(DataConfig(eval_path=str(e)), "eval"), tok, cfg)
+    with pytest.raises(DataError, match="^eval split: all 4 prompts are longer than data.max_prompt_tokens=2;"):
+        build_prompts(load_examples(DataConfig(n_eval=4), "eval"), tok, DataConfig(max_prompt_tokens=2))
+    with pytest.raises(DataError, match="^all 2 prompts are longer"):  # not an eval split: as before
+        build_prompts([rows[3], rows[7]], tok, cfg)

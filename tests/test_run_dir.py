@@ -595,3 +595,83 @@ def test_the_reward_worker_ignores_ctrl_c(tmp_path):
         assert mc.n_timeouts == 0 and mc._proc.pid == pid  # the same worker, not a restarted one
     finally:
         mc.close()
+
+
+def _gsm_rows(n: int, tag: str) -> str:
+    return "".join(json.dumps({"question": f"{tag} {i}: what is {i} + 1?", "answer": f"{i} + 1\n#### {i + 1}"}) + "\n"
+                   for i in range(n))
+
+
+def _scored(monkeypatch) -> list:
+    """The questions of each prompt set the command builds (train, eval), recorded."""
+    sets = []
+    real = run.prompt_set
+
+    def record(examples, tokenizer, data_cfg, label, say=print):
+        sets.append((label, [e["question"] for e in examples]))
+        return real(examples, tokenizer, data_cfg, label, say)
+
+    monkeypatch.setattr(run, "prompt_set", record)
+    return sets
+
+
+def test_eval_path_alone_is_what_eval_and_train_score(tmp_path, capsys, monkeypatch):
+    """`specroll eval --model M data.eval_path=F` (no data.path) scored the built-in arithmetic task, as did a
+    `specroll train` on the built-in task with data.eval_path."""
+    monkeypatch.delenv("SPECROLL_DEBUG", raising=False)
+    f = tmp_path / "gsm.jsonl"
+    f.write_text(_gsm_rows(5, "file"))
+    sets = _scored(monkeypatch)
+    assert main(["eval", "--model", "tiny-llama", f"data.eval_path={f}", "data.answer_format=gsm8k", "data.n_eval=3",
+                 "rollout.max_new_tokens=2"]) == 0, capsys.readouterr().err
+    assert sets == [("eval", [f"file {i}: what is {i} + 1?" for i in range(3)])]
+    assert "on 3 problems" in capsys.readouterr().out
+    sets.clear()
+    assert main(["train", "--out", str(tmp_path / "run"), "train.steps=1", f"data.eval_path={f}",
+                 "data.answer_format=gsm8k", *TINY]) == 0, capsys.readouterr().err
+    (_, train), (_, ev) = sets
+    assert ev == [f"file {i}: what is {i} + 1?" for i in range(2)] and all(q.startswith("What is") for q in train)
+
+
+def test_eval_checkpoint_refuses_overrides_that_score_its_training_rows(tmp_path, capsys, monkeypatch):
+    """`eval --checkpoint RUN data.n_eval=N` (N above the run's) or another data.seed scored rows the run trained
+    on as if held out; a smaller n_eval (a subset of the held-out rows) and data.eval_path still work."""
+    monkeypatch.delenv("SPECROLL_DEBUG", raising=False)
+    f = tmp_path / "gsm.jsonl"
+    f.write_text(_gsm_rows(12, "row"))
+    out = tmp_path / "run"
+    assert main(["train", "--out", str(out), "train.steps=1", f"data.path={f}", "data.answer_format=gsm8k",
+                 *TINY]) == 0, capsys.readouterr().err
+    capsys.readouterr()
+    load_policy = run.load_policy
+
+    def no_model(*a, **k):
+        raise AssertionError("the model loaded before the refusal")
+
+    monkeypatch.setattr(run, "load_policy", no_model)  # refused before the model loads
+    for override, says in [("data.n_eval=6", "with data.n_eval=6 (the run's: 2), 4 of the 6 eval problems are ones "
+                            "the run trained on"),
+                           ("data.seed=3", "with data.seed=3 (the run's: 0), "),
+                           ("data.eval_fraction=0.5", "with data.eval_fraction=0.5 (the run's: null), ")]:
+        assert main(["eval", "--checkpoint", str(out), override]) == 2
+        err = one_line_error(capsys)
+        assert says in err and "data.eval_path=FILE" in err and "a smaller data.n_eval than its 2 is fine" in err, err
+    monkeypatch.setattr(run, "load_policy", load_policy)
+    sets = _scored(monkeypatch)
+    assert main(["eval", "--checkpoint", str(out)]) == 0, capsys.readouterr().err
+    assert main(["eval", "--checkpoint", str(out), "data.n_eval=1"]) == 0, capsys.readouterr().err
+    e = tmp_path / "other.jsonl"
+    e.write_text(_gsm_rows(3, "other"))
+    assert main(["eval", "--checkpoint", str(out), f"data.eval_path={e}", "data.n_eval=0"]) == 0, \
+        capsys.readouterr().err
+    (_, held), (_, sub), (_, other) = sets
+    assert len(held) == 2 and sub == held[:1] and len(other) == 3
+
+
+def test_eval_help_does_not_suggest_widening_the_held_out_rows(capsys):
+    """`specroll eval --help` gave data.n_eval=128 as its example override: with --checkpoint, the one that scores
+    training rows of a file run."""
+    with pytest.raises(SystemExit):
+        main(["eval", "--help"])
+    out = " ".join(capsys.readouterr().out.split())
+    assert "data.n_eval=128" not in out and "e.g. data.eval_path=" in out and "overrides that would add training rows are refused" in out

@@ -11,7 +11,8 @@ keyword arguments (TRL's convention).
   ``torch.Generator`` stream.
 - ``load_examples(cfg, split)``: JSONL / JSON / CSV / Parquet files with field mapping; GSM8K
   (``#### 42``) and MATH (``problem`` / ``solution`` with ``\\boxed{}``) conventions; a seeded holdout
-  of ``n_eval`` rows (or ``eval_path``) for evaluation.
+  of ``n_eval`` rows (or ``eval_path``, with either task) for evaluation. ``check_held_out``: whether a
+  changed data config would score a run on problems it trained on.
 - ``build_prompts(examples, tokenizer, cfg)``: system prompt + the tokenizer's chat template, length
   filter (``prompt_text`` says how a string question and a chat question become a prompt).
 
@@ -26,7 +27,7 @@ import io
 import json
 import logging
 import zlib
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -73,6 +74,9 @@ class DataConfig:
     ``level``: arithmetic difficulty (``LEVELS``). ``n_train`` / ``n_eval``: examples per split (for a
     file, ``n_train`` caps the training rows, 0 = all; ``n_eval`` rows are held out unless
     ``eval_path`` is given; ``eval_fraction`` overrides ``n_eval`` with a share of the file).
+    ``eval_path``: the eval split is this file (its first ``n_eval`` rows, 0 = all), with either task: the
+    built-in arithmetic task trains on its own problems and evaluates on the file; ``question_field``,
+    ``answer_field``, ``answer_format`` and ``skip_bad_rows`` apply to it as to ``path``.
     ``skip_bad_rows``: skip malformed rows (with a logged count) instead of raising.
 
     A file's question column (``question_field``) holds, per row, either
@@ -498,29 +502,95 @@ def _holdout(examples: list[dict], cfg: DataConfig, path) -> tuple[list[dict], l
     return [examples[i] for i in perm[n_eval:]], [examples[i] for i in perm[:n_eval]]
 
 
+class Examples(list):
+    """A list of examples that knows where it came from, for ``build_prompts``' messages: ``split`` ("eval"
+    or None), ``held_out`` (rows held out of ``data.path``), ``source`` (the file, or None)."""
+
+    def __init__(self, items, split: str | None = None, held_out: bool = False, source: str | None = None):
+        super().__init__(items)
+        self.split, self.held_out, self.source = split, held_out, source
+
+
+def _file_splits(cfg: DataConfig, answers: bool = True, advice: Advice = TRAIN_ADVICE, one_answer: bool = False
+                 ) -> tuple[list[dict], list[dict] | None]:
+    """A file task's (training rows, n_train applied; held-out eval rows, or None with ``eval_path``)."""
+    rows = _convert(read_rows(cfg.path, cfg.skip_bad_rows, advice), cfg.path, cfg, answers, advice, one_answer)
+    train, ev = (rows, None) if cfg.eval_path else _holdout(rows, cfg, cfg.path)
+    return (train[: cfg.n_train] if cfg.n_train else train), ev
+
+
+def _question_key(q) -> str:
+    """A question (a string, or a chat: a list of messages) as a comparable string."""
+    return q if isinstance(q, str) else json.dumps(q, sort_keys=True, default=str)
+
+
 def load_examples(cfg: DataConfig, split: str, answers: bool = True, advice: Advice = TRAIN_ADVICE,
                   one_answer: bool = False) -> list[dict]:
     """Examples of ``split`` ("train" | "eval") for ``cfg``. ``answers=False`` (prompts only, e.g. for
     distilling a draft head): a file needs no answer column and its answers are not checked (each
     example keeps its row's ``answer`` as it is, None if the row has none). ``advice``: see ``Advice``.
     ``one_answer``: a list or mapping in the answer column is a bad row (the built-in accuracy reward's need:
-    ``one_answer_needed``)."""
+    ``one_answer_needed``). The eval split is ``eval_path`` when it is set, whatever the task."""
     if split not in _SPLITS:
         raise DataError(f"split must be 'train' or 'eval', got {split!r}")
-    if cfg.task == "arithmetic":
-        return arithmetic(split, cfg.n_train if split == "train" else cfg.n_eval, cfg.level, cfg.seed)
     if cfg.eval_path and split == "eval":
         ev = _convert(read_rows(cfg.eval_path, cfg.skip_bad_rows, advice), cfg.eval_path, cfg, answers, advice,
                       one_answer)
-        return ev[: cfg.n_eval] if cfg.n_eval else ev  # n_eval caps an eval file (0 = all of it)
-    rows = _convert(read_rows(cfg.path, cfg.skip_bad_rows, advice), cfg.path, cfg, answers, advice, one_answer)
-    if cfg.eval_path:
-        train = rows
-    else:
-        train, ev = _holdout(rows, cfg, cfg.path)
+        # n_eval caps an eval file (0 = all of it)
+        return Examples(ev[: cfg.n_eval] if cfg.n_eval else ev, "eval", source=cfg.eval_path)
+    if cfg.task == "arithmetic":
         if split == "eval":
-            return ev
-    return train[: cfg.n_train] if cfg.n_train else train
+            return Examples(arithmetic(split, cfg.n_eval, cfg.level, cfg.seed), "eval")
+        return arithmetic(split, cfg.n_train, cfg.level, cfg.seed)
+    train, ev = _file_splits(cfg, answers, advice, one_answer)
+    if split == "train":
+        return train
+    seen = {_question_key(ex["question"]) for ex in train}
+    shared = sum(_question_key(ex["question"]) in seen for ex in ev)
+    if shared:  # the split is by row, not by question (kept so: runs resume on the split they started with)
+        _warn_once(Path(cfg.path), "%d of the %d held-out eval questions of %s also occur in its training rows "
+                   "(duplicate questions): their eval scores are not held out", shared, len(ev), cfg.path)
+    return Examples(ev, "eval", held_out=True, source=cfg.path)
+
+
+SPLIT_KEYS = ("path", "eval_path", "eval_fraction", "n_eval", "seed", "question_field", "answer_field", "answer_format",
+              "skip_bad_rows")  # the data keys that decide which rows of a file the eval split holds
+
+
+def check_held_out(run: DataConfig, cfg: DataConfig, run_one_answer: bool = False, one_answer: bool = False) -> None:
+    """Refuse (``DataError``, one line) a data config ``cfg`` whose eval split holds problems that a run with the
+    data config ``run`` trained on, e.g. a run's ``data.n_eval`` raised or its ``data.seed`` changed at eval time:
+    a file's eval split is the first ``n_eval`` rows of a seeded shuffle and training takes the rest. Compared by
+    question, against the rows the run trained on (``n_train`` applied) that were not also among its own
+    held-out ones (a file with duplicate questions). Nothing to check when ``cfg`` evaluates on the built-in
+    task (disjoint from its training problems by a hash of the question) or on an ``eval_path`` file the user
+    named."""
+    if cfg.task != "file" or cfg.eval_path or run.task != "file":
+        return  # a run on the built-in task never trained on a file's rows (barring a file of its problems)
+    for key in ("path", "eval_path"):  # a run's file since moved (and named anew): the run's split of the new place
+        if getattr(run, key) and not Path(getattr(run, key)).exists() and getattr(cfg, key):
+            run = replace(run, **{key: getattr(cfg, key)})
+    trained, run_ev = _file_splits(run, one_answer=run_one_answer)
+    _, ev = _file_splits(cfg, one_answer=one_answer)
+    subset = ""
+    if run_ev is None:  # the run evaluated on its eval_path file (gone: every training row counts)
+        run_ev = (_convert(read_rows(run.eval_path, run.skip_bad_rows), run.eval_path, run, True, TRAIN_ADVICE,
+                           run_one_answer) if Path(run.eval_path).is_file() else [])
+    else:
+        subset = f" (a smaller data.n_eval than its {len(run_ev)} is fine: a subset of its held-out rows)"
+    held = {_question_key(ex["question"]) for ex in run_ev}
+    seen = {_question_key(ex["question"]) for ex in trained} - held
+    leaked = sum(_question_key(ex["question"]) in seen for ex in ev)
+    if not leaked:
+        return
+    show = lambda v: "null" if v is None else v  # noqa: E731
+    changed = [f"data.{k}={show(getattr(cfg, k))} (the run's: {show(getattr(run, k))})" for k in SPLIT_KEYS
+               if getattr(cfg, k) != getattr(run, k)] or ["these data settings"]
+    raise DataError(
+        f"with {', '.join(changed)}, {leaked} of the {len(ev)} eval problems are ones the run trained on (a "
+        f"file's eval split is the first data.n_eval rows of a data.seed shuffle, training takes the rest); to "
+        f"score held-out problems keep the run's data keys{subset} or set data.eval_path=FILE"
+    )
 
 
 def one_answer_needed(reward_funcs) -> bool:
@@ -570,7 +640,13 @@ def build_prompts(examples: list[dict], tokenizer, cfg: DataConfig, advice: Advi
             kept.append(ex)
     dropped = len(examples) - len(kept)
     if not kept:
-        raise DataError(
-            f"all {len(examples)} prompts are {advice.too_long.format(n=cfg.max_prompt_tokens)}"
-        )
+        too_long = advice.too_long.format(n=cfg.max_prompt_tokens)
+        if getattr(examples, "split", None) != "eval":
+            raise DataError(f"all {len(examples)} prompts are {too_long}")
+        if getattr(examples, "held_out", False):  # the holdout is drawn first: other rows of the file may fit
+            raise DataError(f"eval split: all {len(examples)} held-out prompts are {too_long} (rows are held out of "
+                            f"{examples.source} before long prompts are dropped; data.eval_path=FILE sets the "
+                            "eval rows)")
+        of = f" of {examples.source}" if examples.source else ""
+        raise DataError(f"eval split: all {len(examples)} prompts{of} are {too_long}")
     return ids_out, kept, dropped
