@@ -123,16 +123,17 @@ def _bench(sub):
 
 
 def _bench_spec(s):
-    b = s.add_parser("spec", help="EAGLE tree speculation vs the vanilla engine, side by side")
+    b = s.add_parser("spec", help="EAGLE draft-head speculation (trees or sampled chains) vs the vanilla engine, "
+                     "side by side")
     b.add_argument("--model", default="smollm2-135m")
     b.add_argument("--draft", required=True, help="draft head directory (from `specroll draft train`)")
     b.add_argument("--batch-sizes", default="1,4,16,64")
     b.add_argument("--max-new-tokens", type=int, default=128)
     b.add_argument("--plan", default="static", help="static (fixed --n-verify/--k/--depth), adaptive "
                    "(N = C_peak / live rows, K <= --k, depth <= --depth), chain (--depth tokens sampled from the "
-                   "head, verified by rejection sampling), adaptive-chain (a sampled chain sized like adaptive), "
+                   "head, verified per --verify), adaptive-chain (a sampled chain sized like adaptive), "
                    "tuned / tuned-chain (trees / chains sized by measured tokens per second per live-batch size, "
-                   "starting from adaptive), or several: static,adaptive,chain,adaptive-chain,tuned-chain")
+                   "starting from adaptive), or several: static,adaptive,chain,adaptive-chain,tuned,tuned-chain")
     b.add_argument("--c-peak", type=float, default=None,
                    help="budget of the adaptive, adaptive-chain, tuned and tuned-chain plans (default: this machine's "
                    "`specroll profile`, quick-profiled if missing)")
@@ -140,7 +141,7 @@ def _bench_spec(s):
                    "(default 16)")
     b.add_argument("--k", type=int, default=None, help="static, adaptive and tuned plans: top-K expansion per level "
                    "(default 4)")
-    b.add_argument("--depth", type=int, default=5, help="draft tree depth")
+    b.add_argument("--depth", type=int, default=5, help="draft tree depth; the chain plans' chain length")
     b.add_argument("--temperature", type=float, default=1.0)
     b.add_argument("--top-p", type=float, default=1.0)
     b.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"])
@@ -248,7 +249,8 @@ def _export(sub):
 def _eval(sub):
     p = sub.add_parser("eval", help="pass@1 of a model or checkpoint on the eval split (a run's: its held-out "
                        "problems; data.eval_path=FILE: that file)")
-    p.add_argument("--model", default=None, help="model alias or HF dir (default: the config's)")
+    p.add_argument("--model", default=None, help="model alias or HF dir (default: model.name: the run's with "
+                   "--checkpoint, else smollm2-135m)")
     p.add_argument("--checkpoint", default=None, help="checkpoint dir or run dir (its latest checkpoint); scores the "
                    "run's held-out rows: a smaller data.n_eval takes fewer of them, overrides that would add training "
                    "rows are refused (data.eval_path=FILE: an eval set of your own)")
@@ -280,7 +282,8 @@ def _eval_cli(args):
 def _report(sub):
     p = sub.add_parser("report", help="plot a run's reward / accuracy / timing curves to PNG")
     p.add_argument("run_dir")
-    p.add_argument("--out", default=None, help="PNG path (default: RUN_DIR/curves.png)")
+    p.add_argument("--out", default=None, help="figure file (PNG, or another matplotlib format by its suffix) or a "
+                   "folder for curves.png (default: RUN_DIR/curves.png)")
     p.set_defaults(func=_run("specroll.rl.run:report_cli"))
 
 

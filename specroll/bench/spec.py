@@ -1,4 +1,5 @@
-"""``specroll bench spec``: EAGLE tree speculation against the vanilla engine, side by side.
+"""``specroll bench spec``: EAGLE draft-head speculation (trees or sampled chains) against the vanilla engine, side
+by side.
 
 Both systems run in one process on the same model, dtype, prompts (held-out built-in arithmetic
 questions, chat-templated) and seeds; completions stop naturally at EOS or ``max_new_tokens``.
@@ -47,7 +48,7 @@ def _adaptive(args):
 
 
 def _chain(args):
-    """A chain of --depth tokens sampled from the head, verified by rejection sampling (``sampled=True``)."""
+    """A chain of --depth tokens sampled from the head, verified per --verify (``sampled=True``)."""
     plan = Plan(args.depth + 1, 1, args.depth)
     return (lambda b: plan), plan
 
