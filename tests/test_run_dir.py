@@ -675,3 +675,26 @@ def test_eval_help_does_not_suggest_widening_the_held_out_rows(capsys):
         main(["eval", "--help"])
     out = " ".join(capsys.readouterr().out.split())
     assert "data.n_eval=128" not in out and "e.g. data.eval_path=" in out and "overrides that would add training rows are refused" in out
+
+
+def test_a_resume_that_would_put_trained_rows_into_the_eval_split_is_refused(tmp_path, capsys, monkeypatch):
+    """`train --resume latest data.seed=3` (or a larger data.n_eval) on a file task reshuffled the split mid-run:
+    the rest of the run then evaluated on rows it had trained on. Refused before the model loads, with and
+    without --nproc; a resume that keeps the split continues."""
+    monkeypatch.delenv("SPECROLL_DEBUG", raising=False)
+    f = tmp_path / "gsm.jsonl"
+    f.write_text(_gsm_rows(12, "row"))
+    out = tmp_path / "run"
+    assert main(["train", "--out", str(out), "train.steps=1", f"data.path={f}", "data.answer_format=gsm8k",
+                 *TINY]) == 0, capsys.readouterr().err
+    capsys.readouterr()
+    before = snapshot(out)
+    monkeypatch.setattr(run, "build_trainer", lambda *a, **k: pytest.fail("the model loaded before the refusal"))
+    for extra in (["data.seed=3"], ["data.n_eval=6"], ["--nproc", "2", "data.seed=3"]):
+        assert main(["train", "--resume", "latest", "--out", str(out), *extra, "train.steps=2"]) == 2
+        err = one_line_error(capsys)
+        assert "eval problems are ones the run trained on" in err and "data.eval_path=FILE" in err, err
+    assert snapshot(out) == before
+    monkeypatch.undo()
+    monkeypatch.delenv("SPECROLL_DEBUG", raising=False)
+    assert main(["train", "--resume", "latest", "--out", str(out), "train.steps=2"]) == 0, capsys.readouterr().err

@@ -212,6 +212,19 @@ def _check_splittable(cfg: Config, nproc: int) -> None:
         raise CliError(str(e)) from None
 
 
+def _check_resume_split(ck: Path, cfg: Config) -> None:
+    """A resume whose data keys would put rows the run trained on into its eval split (e.g. another
+    ``data.seed`` or a larger ``data.n_eval`` on a file task) is refused before the model loads
+    (``data.check_held_out``); a checkpoint without its config.yaml is not checked."""
+    from .data import check_held_out, one_answer_needed
+
+    saved = ck / "config.yaml"
+    if not saved.is_file():
+        return
+    run = load_config(str(saved), None, [])
+    check_held_out(run.data, cfg.data, one_answer_needed(run.reward.funcs), one_answer_needed(cfg.reward.funcs))
+
+
 def _launch(args, nproc: int) -> int:
     """``specroll train --nproc N``: the same command in N processes under torch.distributed's launcher
     (one machine, a free port), each with cores / N threads. One line if a process fails: the failing
@@ -223,8 +236,10 @@ def _launch(args, nproc: int) -> int:
 
     from ..cli import CliError
 
-    cfg = _run_config(args)[2]
+    _, ck, cfg = _run_config(args)
     _check_splittable(cfg, nproc)  # one error line here rather than one per process
+    if ck is not None:
+        _check_resume_split(ck, cfg)
     from .data import load_examples, one_answer_needed
 
     # bad data too: one error line here, not the same one from every process
@@ -343,6 +358,7 @@ def _train_ranks(args, d) -> int:
     created = None  # the outermost directory this command creates for the run, if any
     if resume:
         _, ck, cfg = _run_config(args, given)
+        _check_resume_split(ck, cfg)
         run_dir = Path(out) if out else ck.parent
         if d.main:
             created = _first_missing(run_dir)
