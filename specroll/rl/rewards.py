@@ -4,11 +4,30 @@ A reward function has TRL's signature ``f(prompts, completions, **columns) -> li
 (``None`` = no opinion on that sample). ``build_reward(RewardConfig)`` combines several into one
 ``Reward`` that returns the weighted total and the per-function values.
 
-Final answer of a completion (``final_answer``): the last ``\\boxed{...}`` / ``\\fbox{...}``, else the
-number after the last ``####``, else the last number in the text (when it is not part of a LaTeX
-expression). Correctness is math-verify's equivalence between that answer and the reference, with
-two departures from calling math-verify directly:
+Final answer of a completion (``final_answer``), first rule that yields one wins:
 
+1. the content of the last ``\\boxed{...}`` / ``\\fbox{...}``;
+2. else what follows the last ``####`` on its line (a number keeps just the number: "#### 1,234." -> "1234",
+   "#### 10 dollars" -> "10");
+3. else the number (or fraction "a/b") right after the last explicit answer marker -- "answer is", "answer:",
+   "answer =" or "final answer", case-insensitive, Markdown bold/italic allowed around it ("**Answer:** 72",
+   "The answer is **72**", "Final answer: 18") -- so text after the answer ("The answer is 72. Step 3 was
+   easy.") does not count against it. When that number only starts an expression ("The answer is 5 + 3 = 8",
+   or an "=" follows later in the sentence) this rule yields nothing and rule 4 decides;
+4. else the last number in the text (when it is not part of a LaTeX expression); when even that fails
+   (``$2^{10}$``), math-verify reads the whole text.
+
+Unicode minus signs read as "-" everywhere (completions and references): U+2212, U+FE63 and U+FF0D always,
+the hyphens/dashes U+2010..U+2013 (en dash) only directly before a digit and not after a digit or letter, so
+"−5" and "–5" are -5 but "3–5" is a range. A reference that is "number + words" ("10 dollars") compares
+on the number.
+
+Correctness is math-verify's equivalence between that answer and the reference, with three departures from
+calling math-verify directly (``verify(parse(gold), parse(completion))``):
+
+- **Our extraction.** math-verify is handed the extracted answer above, not the whole completion (only when
+  nothing is extracted does it see the text), so a number written after the answer without a marker still
+  counts against the sample ("... 72 apples. Step 3 was easy." reads 3).
 - **Fast path.** When the reference and the extracted answer are both plain integers (commas and a
   trailing ``.0`` allowed) they are compared exactly in-process; this is the common case of the
   arithmetic and GSM8K tasks and costs microseconds. Its naive reference is math-verify on the same
@@ -18,6 +37,10 @@ two departures from calling math-verify directly:
   (``MathChecker``), and wait at most ``timeout_s`` per answer; a worker that overruns is killed and
   restarted and that answer scores 0.0 (a completion that cannot be verified is not rewarded).
   This works from any thread.
+
+The ``format`` reward (``format_reward``) checks only the last non-empty line: a boxed answer, ``#### N``,
+an answer marker followed by a number or LaTeX, or a bare number, Markdown bold allowed ("**Answer:** 72",
+"**72**").
 """
 
 from __future__ import annotations
@@ -49,22 +72,70 @@ _LATEX_NEIGHBOURS = set("/^_{}\\")
 _DIGIT = re.compile(r"\d")
 _INTEGER = re.compile(r"-?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.0+)?")  # "1,234" yes, "1,2" (a list) no
 
+# minus signs other than ASCII "-": U+2212 (the mathematical minus), U+FE63 (small hyphen-minus) and U+FF0D
+# (full-width hyphen-minus) always mean minus; the hyphens and dashes U+2010..U+2013 (en dash included) only
+# when they sit directly before a digit and not after a digit, letter, "." or "," ("–5" yes, "3–5" a
+# range, "20 – 12" a spaced binary minus, left alone either way). Em dash U+2014 is punctuation ("we
+# get—5"): never a sign.
+_MINUS_ALWAYS = str.maketrans({"\u2212": "-", "\ufe63": "-", "\uff0d": "-"})
+_DASH_SIGN = re.compile(r"(?<![\w.,])[\u2010-\u2013](?=\.?\d)")
+
+
+def normalize_minus(text: str | None) -> str | None:
+    """``text`` with Unicode minus signs as ASCII "-" (see ``_MINUS_ALWAYS`` / ``_DASH_SIGN``):
+    "−5" -> "-5", "–5" -> "-5", "3–5" unchanged. Idempotent."""
+    if not text:
+        return text
+    text = text.translate(_MINUS_ALWAYS)
+    if any("\u2010" <= ch <= "\u2013" for ch in text):
+        text = _DASH_SIGN.sub("-", text)
+    return text
+
+
+def _number_text(sign: str, body: str) -> str:
+    body = body.replace(",", "")
+    return sign + ("0" + body if body.startswith(".") else body)
+
+
+# "number + words" (a unit): "10 dollars", "$1,000 per month." -> the number. Not when a word is a math
+# name or a multiplier ("2 pi", "3 million", "1 half"), a single letter ("5 x", "10 m"), or anything but
+# letters follows.
+_NUMBER_WORDS = re.compile(r"\$?\s*(-?(?:(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?|\.\d+))\s*\$?"
+                           r"((?:[\s'-]+[^\W\d_]{2,})+)\s*\.?")
+_NOT_UNITS = frozenset(
+    "pi sqrt ln log exp sin cos tan cot sec csc mod hundred thousand million billion trillion dozen dozens "
+    "half halves third thirds quarter quarters fourth fourths fifths sixths eighths tenths hundredths".split()
+)
+
+
+def strip_unit(s: str | None) -> str | None:
+    """``s`` without its unit if it is "number + words" ("10 dollars" -> "10", "$5 each" -> "5"); else ``s``."""
+    if not s:
+        return s
+    m = _NUMBER_WORDS.fullmatch(s.strip())
+    if m is None or any(w.lower() in _NOT_UNITS for w in re.findall(r"[^\W\d_]+", m.group(2))):
+        return s
+    sign, body = (m.group(1)[:1], m.group(1)[1:]) if m.group(1).startswith("-") else ("", m.group(1))
+    return _number_text(sign, body)
+
 
 def extract_gsm8k(text: str) -> str | None:
-    """The answer after the last ``####`` (GSM8K's convention), commas removed; None if absent."""
+    """The answer after the last ``####`` (GSM8K's convention), commas removed; None if absent.
+    "number + words" keeps the number ("#### 10 dollars" -> "10")."""
+    text = normalize_minus(text)
     if "####" not in (text or ""):
         return None
     ans = text.rsplit("####", 1)[1].split("\n", 1)[0].strip()
     num = extract_last_number(ans) if ans else None
     if num is not None and _NUMBER.fullmatch(ans.replace("$", "").rstrip(".").strip()):
         return num  # "#### 1,234." -> "1234"
-    return ans.rstrip(".").strip() or None
+    return strip_unit(ans.rstrip(".").strip()) or None
 
 
 def extract_boxed(text: str) -> str | None:
     """Content of the last ``\\boxed{...}`` or ``\\fbox{...}`` (nested braces balanced); None if absent
     or unbalanced. ``\\boxed 5`` (no braces) yields "5"."""
-    text = text or ""
+    text = normalize_minus(text or "")
     starts = [m for m in re.finditer(r"\\(?:boxed|fbox)\s*", text)]
     for m in reversed(starts):
         i = m.end()
@@ -102,17 +173,15 @@ def _last_number_match(text: str):
 def extract_last_number(text: str) -> str | None:
     """Last number in ``text``: "1,234" -> "1234", "-5." -> "-5", "3.50" -> "3.50", ".5" -> "0.5".
     A minus sign counts only when it does not follow a digit or letter ("7-3" -> "3")."""
-    m = _last_number_match(text)
+    m = _last_number_match(normalize_minus(text))
     if m is None:
         return None
-    sign, body = m.group(1), m.group(2).replace(",", "")
-    if body.startswith("."):
-        body = "0" + body
-    return sign + body
+    return _number_text(m.group(1), m.group(2))
 
 
 def _clean_last_number(text: str) -> str | None:
     """The last number, unless it sits inside a LaTeX-ish expression (``\\frac{1}{2}``, ``2^3``, ``1/2``)."""
+    text = normalize_minus(text)
     m = _last_number_match(text)
     if m is None:
         return None
@@ -123,9 +192,49 @@ def _clean_last_number(text: str) -> str | None:
     return extract_last_number(text)
 
 
+# An explicit answer marker and the number right after it: "answer is" / "answer:" / "answer =" /
+# "final answer" (case-insensitive, whole words), then any of spaces, newlines, Markdown bold/italic marks,
+# ":", "=", "is", "$", "\\(" or "\\[" ("**Answer:** 72", "The answer is **$72**", "Final answer:\n\n18"),
+# then a number or a fraction "a/b". The number must end the expression: when it is followed by an operator
+# and an operand ("5 + 3 = 8", "4 x 3"), by another digit group ("1 234"), directly by a letter, "(", "{", "^"
+# or a LaTeX command ("5x", "2^3"), or by an "=" later in the same sentence ("the final answer is 15 gallons
+# * 8 pints = 120 pints"), the marker yields nothing and the last-number rule decides, as before.
+_ANSWER_MARK = re.compile(
+    r"(?<![^\W\d_])(?:(?P<final>final\s+answer)|answer)(?![^\W\d_])"
+    r"(?P<gap>(?:\s|[*_:=$]|\\[(\[]|(?<![^\W\d_])is(?![^\W\d_]))*)"
+    r"(?<![^\W_])(?<![.,])(?P<sign>-?)(?P<body>(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?|\.\d+)"
+    r"(?:\s*/\s*(?P<den>\d+)(?!\.?\d))?",
+    re.IGNORECASE,
+)
+_CONTINUED = re.compile(
+    r"[^\W_]|[({^]|\\(?![)\]])"  # glued to a letter, bracket, power or LaTeX command (not "\\)" / "\\]")
+    # an operator and an operand: "+ 3", "* 8", "x 3", "\\times 2"
+    r"|\s*(?:[-+=<>/^\u00d7\u00f7\u2013]|\*(?!\*)|x(?=\s*\d)|\\(?:times|cdot|div|pm))\s*[\d(\\$.]"
+    r"|\s+\d"  # digits in groups: "1 234"
+    r"|(?:(?![.!?;](?:\s|$))[^\n=])*=",  # an "=" later in the sentence: "15 gallons * 8 pints = 120 pints"
+    re.IGNORECASE,
+)
+
+
+def extract_marked(text: str) -> str | None:
+    """The number (or fraction "a/b") right after the last explicit answer marker that has one ("The answer
+    is 72", "**Answer:** 72", "Final answer: 18"); None when there is none, or when that number only starts
+    an expression ("The answer is 5 + 3 = 8"). See ``_ANSWER_MARK``."""
+    last = None
+    for m in _ANSWER_MARK.finditer(normalize_minus(text or "")):
+        if m.group("final") or re.search(r"[:=]|is", m.group("gap"), re.IGNORECASE):
+            last = m
+    if last is None or _CONTINUED.match(last.string, last.end()):
+        return None
+    num = _number_text(last.group("sign"), last.group("body"))
+    return num + "/" + last.group("den") if last.group("den") else num
+
+
 def final_answer(text: str) -> str | None:
-    """The completion's final answer: last boxed, else after ``####``, else the (clean) last number."""
-    for f in (extract_boxed, extract_gsm8k, _clean_last_number):
+    """The completion's final answer: the last boxed, else after the last ``####``, else the number after the
+    last explicit answer marker, else the (clean) last number. Unicode minus signs read as "-"."""
+    text = normalize_minus(text)
+    for f in (extract_boxed, extract_gsm8k, extract_marked, _clean_last_number):
         a = f(text)
         if a:
             return a
@@ -136,7 +245,7 @@ def as_integer(s: str | None) -> int | None:
     """``s`` as an exact integer if it is a plain integer literal ("1,234", "-5", "12.0", "$7"); else None."""
     if s is None:
         return None
-    t = s.strip().strip("$").strip().rstrip(".")
+    t = normalize_minus(s).strip().strip("$").strip().rstrip(".")
     if not _INTEGER.fullmatch(t):
         return None
     return int(Fraction(t.replace(",", "")))
@@ -383,14 +492,15 @@ def _text(c) -> str:
 def accuracy_reward(prompts, completions, answer, *, checker: MathChecker | None = None, fast: bool = True,
                     **kw) -> list[float | None]:
     """1.0 if the completion's ``final_answer`` equals the reference ``answer`` (math-verify
-    equivalence; exact integer compare on the fast path), else 0.0. ``answer``: one string per sample.
+    equivalence; exact integer compare on the fast path), else 0.0. ``answer``: one string per sample; Unicode
+    minus signs read as "-", and a reference that is "number + words" ("10 dollars") compares on the number.
     ``fast=False`` sends every sample to math-verify (the naive reference of the fast path)."""
     if len(answer) != len(completions):
         raise ValueError(f"accuracy_reward: {len(completions)} completions but {len(answer)} answers")
     out: list[float | None] = [None] * len(completions)
     slow = []
     for i, (c, ref) in enumerate(zip(completions, answer)):
-        text, ref = _text(c), str(ref)
+        text, ref = normalize_minus(_text(c)), strip_unit(normalize_minus(str(ref)))
         pred = final_answer(text)
         ri, pi = as_integer(ref), as_integer(pred)
         if fast and ri is not None and pi is not None:
@@ -407,8 +517,11 @@ def accuracy_reward(prompts, completions, answer, *, checker: MathChecker | None
 
 
 _FINAL_LINE = re.compile(
-    r"(\\boxed\s*\{|\\fbox\s*\{|####\s*-?[\d$.]|answer\s*(?:is|:|=)\s*[:=]?\s*\$?\\?\(?\s*-?[\d.\\])", re.IGNORECASE
+    r"(\\boxed\s*\{|\\fbox\s*\{|####\s*-?[\d$.]"
+    r"|(?:final\s+answer|answer\s*(?:is|:|=))[\s:=$(\\]*-?[\d.\\])",  # one gap class: no cubic backtracking
+    re.IGNORECASE,
 )
+_BOLD = re.compile(r"\*\*|__")  # Markdown bold marks, dropped from the last line before the format check
 
 
 _BARE = re.compile(r"=?\s*\$?-?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?\$?\.?")
@@ -417,13 +530,16 @@ _BARE = re.compile(r"=?\s*\$?-?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?\$?\.?")
 def format_reward(prompts, completions, **kw) -> list[float | None]:
     """1.0 if the completion ends with a clearly marked final answer, else 0.0.
 
-    Rule: the last non-empty line contains ``\\boxed{``, ``\\fbox{``, ``#### <number>`` or
-    "answer is / answer: / answer = <number or LaTeX>" (case-insensitive), or is a bare number
-    ("42", "$42$.", "= 42"). Only the last line is inspected, so an answer followed by more text
-    (rambling past the answer) scores 0."""
+    Rule: the last non-empty line, with Markdown bold marks (``**``, ``__``) removed, contains ``\\boxed{``,
+    ``\\fbox{``, ``#### <number>`` or "answer is / answer: / answer = / final answer <number or LaTeX>"
+    (case-insensitive), or is a bare number ("42", "$42$.", "= 42"). So "**Answer:** 72", "The answer is
+    **72**" and "**72**" qualify; Unicode minus signs read as "-". Only the last line is inspected, so an
+    answer followed by more text (rambling past the answer) scores 0."""
     out: list[float | None] = []
     for c in completions:
-        lines = [ln.strip() for ln in _text(c).strip().splitlines() if ln.strip()]
+        text = normalize_minus(_text(c))
+        lines = [_BOLD.sub("", ln).strip() for ln in text.strip().splitlines() if ln.strip()]
+        lines = [ln for ln in lines if ln]
         ok = bool(lines) and (_FINAL_LINE.search(lines[-1]) is not None or _BARE.fullmatch(lines[-1]) is not None)
         out.append(float(ok))
     return out
