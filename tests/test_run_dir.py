@@ -633,9 +633,8 @@ def test_eval_path_alone_is_what_eval_and_train_score(tmp_path, capsys, monkeypa
     assert ev == [f"file {i}: what is {i} + 1?" for i in range(2)] and all(q.startswith("What is") for q in train)
 
 
-def test_eval_checkpoint_refuses_overrides_that_score_its_training_rows(tmp_path, capsys, monkeypatch):
-    """`eval --checkpoint RUN data.n_eval=N` (N above the run's) or another data.seed scored rows the run trained
-    on as if held out; a smaller n_eval (a subset of the held-out rows) and data.eval_path still work."""
+def _file_run(tmp_path, capsys, monkeypatch) -> Path:
+    """A one-step tiny run on a 12-row GSM8K-style file (2 rows held out), in tmp_path/run."""
     monkeypatch.delenv("SPECROLL_DEBUG", raising=False)
     f = tmp_path / "gsm.jsonl"
     f.write_text(_gsm_rows(12, "row"))
@@ -643,6 +642,13 @@ def test_eval_checkpoint_refuses_overrides_that_score_its_training_rows(tmp_path
     assert main(["train", "--out", str(out), "train.steps=1", f"data.path={f}", "data.answer_format=gsm8k",
                  *TINY]) == 0, capsys.readouterr().err
     capsys.readouterr()
+    return out
+
+
+def test_eval_checkpoint_refuses_overrides_that_score_its_training_rows(tmp_path, capsys, monkeypatch):
+    """`eval --checkpoint RUN data.n_eval=N` (N above the run's) or another data.seed scored rows the run trained
+    on as if held out; a smaller n_eval (a subset of the held-out rows) and data.eval_path still work."""
+    out = _file_run(tmp_path, capsys, monkeypatch)
     load_policy = run.load_policy
 
     def no_model(*a, **k):
@@ -681,13 +687,7 @@ def test_a_resume_that_would_put_trained_rows_into_the_eval_split_is_refused(tmp
     """`train --resume latest data.seed=3` (or a larger data.n_eval) on a file task reshuffled the split mid-run:
     the rest of the run then evaluated on rows it had trained on. Refused before the model loads, with and
     without --nproc; a resume that keeps the split continues."""
-    monkeypatch.delenv("SPECROLL_DEBUG", raising=False)
-    f = tmp_path / "gsm.jsonl"
-    f.write_text(_gsm_rows(12, "row"))
-    out = tmp_path / "run"
-    assert main(["train", "--out", str(out), "train.steps=1", f"data.path={f}", "data.answer_format=gsm8k",
-                 *TINY]) == 0, capsys.readouterr().err
-    capsys.readouterr()
+    out = _file_run(tmp_path, capsys, monkeypatch)
     before = snapshot(out)
     monkeypatch.setattr(run, "build_trainer", lambda *a, **k: pytest.fail("the model loaded before the refusal"))
     for extra in (["data.seed=3"], ["data.n_eval=6"], ["--nproc", "2", "data.seed=3"]):
