@@ -40,6 +40,7 @@ GSM8K = Path("/work/shared/data/gsm8k/train.jsonl")
     ({"n_eval": 2.5}, "data.n_eval must be an integer"),
     ({"max_prompt_tokens": 0}, "data.max_prompt_tokens"),
     ({"eval_fraction": 1.5}, "data.eval_fraction must be in"),
+    ({"eval_fraction": 0.2}, "data.eval_fraction holds out a share of a data.path file; the built-in task's"),
     ({"question_field": ""}, "data.question_field"),
     ({"system_prompt": 3}, "data.system_prompt"),
 ])
