@@ -129,3 +129,23 @@ def cli_error(capsys, argv: list[str]) -> str:
     lines = [ln for ln in err.splitlines() if ln.startswith("specroll: error: ")]
     assert len(lines) == 1 and "Traceback" not in err, err
     return lines[0]
+
+
+class KernelSpy:
+    """Stands in for ``kernels.skinny()`` (``monkeypatch.setattr(kernels, "skinny", lambda: spy)``): every
+    attribute is the real extension's, and the calls of the functions named in ``watch`` are counted in
+    ``calls``, so a test of a kernel against its reference can assert that the kernel ran at all."""
+
+    def __init__(self, ext, *watch: str):
+        self._ext, self._watch, self.calls = ext, set(watch), {w: 0 for w in watch}
+
+    def __getattr__(self, name):
+        f = getattr(self._ext, name)
+        if name not in self._watch:
+            return f
+
+        def counted(*a, **k):
+            self.calls[name] += 1
+            return f(*a, **k)
+
+        return counted

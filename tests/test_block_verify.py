@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import chi2_gof, random_chains
+from helpers import KernelSpy, chi2_gof, random_chains
 
 from specroll import kernels
 from specroll.drafters.eagle import DraftTree
@@ -200,18 +200,22 @@ def test_block_verification_keeps_more_than_token_verification(close):
 
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
 @pytest.mark.parametrize("Vfull", [50, 1003])
-def test_block_chain_kernel_gives_the_reference_verdict(temperature, Vfull):
+def test_block_chain_kernel_gives_the_reference_verdict(monkeypatch, temperature, Vfull):
     """The ``block_chain`` kernel against the PyTorch rule from the same seed: the same cut, path, tokens and
     log-probs, over chains whose q is p, near p or unrelated to it, with and without the policy's mass outside
     the draft vocabulary."""
     if kernels.skinny() is None:
         pytest.skip("the kernels are not available here")
+    spy = KernelSpy(kernels.skinny(), "block_chain")
+    monkeypatch.setattr(kernels, "skinny", lambda: spy)
     B, Lc = 64, 5
     tree, logits, params = random_chains(B, Lc, Vfull, temperature)
     seen = set()
     for seed in range(4):
-        ref = block_chain(tree, logits, params, torch.Generator().manual_seed(seed), fast=False)
-        got = block_chain(tree, logits, params, torch.Generator().manual_seed(seed), fast=True)
+        with torch.no_grad():  # the kernel path runs without autograd only (as in a rollout)
+            ref = block_chain(tree, logits, params, torch.Generator().manual_seed(seed), fast=False)
+            got = block_chain(tree, logits, params, torch.Generator().manual_seed(seed), fast=True)
+        assert spy.calls["block_chain"] == seed + 1  # fast=True ran the kernel, fast=False did not
         assert got.n_accept.tolist() == ref.n_accept.tolist()
         assert got.path.tolist() == ref.path.tolist() and got.tokens.tolist() == ref.tokens.tolist()
         torch.testing.assert_close(got.sample_lp, ref.sample_lp, atol=1e-5, rtol=0)
