@@ -263,6 +263,44 @@ def test_trainer_learns_the_head_online_checkpoints_and_resumes(tmp_path):
     assert out is not None and torch.equal(load_head(out).fc.weight, tr.drafter.head.fc.weight.detach())
 
 
+def test_a_resumed_online_run_equals_the_uninterrupted_one(tmp_path):
+    """The checkpoint carries the learner's buffer of recent rollouts: without it the first update after a resume
+    sampled from the newest rollout alone, the head drafted differently and (through the sampler's randomness)
+    the policy drifted from the uninterrupted run."""
+    from test_trainer import make_trainer, no_timing
+
+    from specroll.rl import checkpoint as ckpt
+
+    _, make_cfg, prompts, _, tiny_model = trainer_parts()
+    cfg = make_cfg("draft.head=random", "draft.online=true", "draft.vocab=16", "draft.plan=static", "draft.chain=true",
+                   "draft.n_verify=4", "draft.k=1", "draft.depth=3", "draft.lr=1e-2", "draft.update_steps=2",
+                   "draft.buffer=3", "train.steps=4")
+    ps = prompts()
+
+    def make(run_dir, seed=0):
+        drafter = build_spec_drafter(cfg, tiny_model(0), ps.ids, eos_ids=[0], log=None)
+        tr = make_trainer(cfg, run_dir, seed=seed, drafter=drafter)
+        tr.drafter.head.load_state_dict(drafter.head.state_dict())  # the same random head in every run
+        return tr
+
+    full = make(tmp_path / "a")
+    rows = [full.train_step() for _ in range(4)]
+    part = make(tmp_path / "b")
+    part.train_step(), part.train_step()
+    part.save()
+    assert len(part.drafter.learner.buffer) == 2
+    resumed = make(tmp_path / "c", seed=123)  # another policy init: everything must come from disk
+    assert resumed.resume(ckpt.resolve("latest", tmp_path / "b")) == 2
+    for a, b in zip(part.drafter.learner.buffer, resumed.drafter.learner.buffer):
+        assert [(t.tolist(), P) for t, _, P in a] == [(t.tolist(), P) for t, _, P in b]
+        assert all(torch.equal(h, g) for (_, h, _), (_, g, _) in zip(a, b))
+    assert [no_timing(resumed.train_step()) for _ in range(2)] == [no_timing(m) for m in rows[2:]]
+    for a, b in zip(full.model.parameters(), resumed.model.parameters()):
+        assert torch.equal(a, b)
+    for a, b in zip(full.drafter.head.parameters(), resumed.drafter.head.parameters()):
+        assert torch.equal(a, b)
+
+
 def test_trainer_with_a_sampled_chain_drafter():
     """draft.chain=true reaches the trainer's drafter: chains are sampled and rejection-verified, and
     acceptance is reported."""

@@ -190,10 +190,18 @@ class OnlineLearner:
 
     # -- checkpoints ----------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, torch.Tensor]:
+        """Counters, generator, AdamW moments and the buffer (``buffer.{i}.*``: slot i's sequences end to end,
+        their lengths and prompt lengths), so a resumed run's next update samples what the uninterrupted run's
+        would have."""
         out = {"learner.counters": torch.tensor([self.rollouts, self.updates]), "learner.rng": self.gen.get_state()}
         for i, p in enumerate(self.params):
             for k, v in self.opt.state.get(p, {}).items():
                 out[f"opt.{i}.{k}"] = torch.as_tensor(v).clone()
+        for i, seqs in enumerate(self.buffer):
+            out[f"buffer.{i}.tokens"] = torch.cat([t for t, _, _ in seqs])
+            out[f"buffer.{i}.hidden"] = torch.cat([h for _, h, _ in seqs])
+            out[f"buffer.{i}.lens"] = torch.tensor([len(t) for t, _, _ in seqs])
+            out[f"buffer.{i}.prompt"] = torch.tensor([P for _, _, P in seqs])
         return out
 
     def load_state_dict(self, sd: dict[str, torch.Tensor]) -> None:
@@ -209,6 +217,16 @@ class OnlineLearner:
         if state:
             base = self.opt.state_dict()
             self.opt.load_state_dict({"state": state, "param_groups": base["param_groups"]})
+        # the buffer: this process's own rollouts. With data parallel only rank 0's are checkpointed, so every
+        # rank starts from an empty buffer there (as a checkpoint written before the buffer was saved does)
+        slots = sorted({int(k.split(".")[1]) for k in sd if k.startswith("buffer.")})
+        if self.grad_sync is None and slots:
+            self.buffer.clear()
+            for i in slots:
+                lens, prompt = sd[f"buffer.{i}.lens"].tolist(), sd[f"buffer.{i}.prompt"].tolist()
+                toks = sd[f"buffer.{i}.tokens"].split(lens)
+                hid = sd[f"buffer.{i}.hidden"].split(lens)
+                self.buffer.append(list(zip(toks, hid, prompt)))
 
 
 class OnlineDrafter(EagleDrafter):
