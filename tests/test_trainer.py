@@ -581,3 +581,50 @@ def test_a_resume_with_another_prompts_per_step_continues_where_the_data_stopped
     old = make_trainer(make_cfg("train.steps=4", "train.prompts_per_step=4"), tmp_path / "d")
     old.resume(path)
     assert old.data_position(old.step) == 8
+
+
+def test_a_resume_keeps_the_bf16_decision_the_run_started_with(tmp_path, capsys, monkeypatch):
+    """`auto` precisions follow ``device.fast_bf16``, a timed probe on AVX-512 BF16 CPUs that a loaded machine can
+    read either way, once per process: a resume could train on in the other precision, unannounced. The checkpoint
+    records the decision and a resume applies it (SPECROLL_FAST_BF16 still overrides)."""
+    from specroll import device
+    from specroll.cli import main
+    from specroll.rl import run
+
+    monkeypatch.delenv("SPECROLL_DEBUG", raising=False)
+    monkeypatch.setenv("SPECROLL_FAST_BF16", "0")
+    device.fast_bf16.cache_clear()
+    out = tmp_path / "run"
+    tiny = ["model.name=tiny-llama", "rollout.max_new_tokens=4", "data.n_train=8", "data.n_eval=2",
+            "train.prompts_per_step=2", "rollout.G=2", "model.rollout_dtype=auto", "train.eval_before=false"]
+    try:
+        assert main(["train", "--out", str(out), "train.steps=1", *tiny]) == 0, capsys.readouterr().err
+        state = out / "step_000001" / "state.json"
+        assert json.loads(state.read_text())["fast_bf16"] is False
+        # as if the probe had said "fast" when the run started
+        state.write_text(json.dumps({**json.loads(state.read_text()), "fast_bf16": True}))
+        monkeypatch.delenv("SPECROLL_FAST_BF16")
+        device.fast_bf16.cache_clear()
+        seen = []
+
+        class Built(Exception):
+            """Raised instead of building the trainer: the resume got that far."""
+
+        def stop(cfg, run_dir, console=None, drafter=None, dist=None):
+            seen.append(device.fast_bf16())
+            raise Built
+
+        monkeypatch.setattr(run, "build_trainer", stop)
+        with pytest.raises(Built):
+            main(["train", "--resume", "latest", "--out", str(out), "train.steps=2"])
+        assert seen == [True]
+        assert "resume: bf16 arithmetic on where a precision is auto, as when step_000001 was saved" in \
+            capsys.readouterr().out
+        # the variable, when set, wins
+        monkeypatch.setenv("SPECROLL_FAST_BF16", "0")
+        device.fast_bf16.cache_clear()
+        with pytest.raises(Built):
+            main(["train", "--resume", "latest", "--out", str(out), "train.steps=2"])
+        assert seen == [True, False]
+    finally:
+        device.fast_bf16.cache_clear()

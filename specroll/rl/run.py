@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import json
 import logging
 import math
 import os
@@ -225,6 +226,25 @@ def _check_resume_split(ck: Path, cfg: Config) -> None:
     check_held_out(run.data, cfg.data, one_answer_needed(run.reward.funcs), one_answer_needed(cfg.reward.funcs))
 
 
+def _keep_precision(ck: Path) -> str | None:
+    """A resume decides the ``auto`` precisions (``model.rollout_dtype``, ``train.bf16``, ``draft.bf16``) as the
+    run did: where the checkpoint's state.json records the bf16 decision (``device.fast_bf16``, a timed probe on
+    AVX-512 BF16 CPUs that a loaded machine can read either way), it becomes this process's, unless
+    SPECROLL_FAST_BF16 is set. Returns the line to print, or None."""
+    if os.environ.get("SPECROLL_FAST_BF16", "").strip():
+        return None
+    try:
+        state = json.loads((ck / "state.json").read_text())
+    except (OSError, ValueError):
+        return None  # the resume itself says what is wrong with the checkpoint
+    if not isinstance(state, dict) or not isinstance(state.get("fast_bf16"), bool):
+        return None
+    os.environ["SPECROLL_FAST_BF16"] = str(int(state["fast_bf16"]))
+    fast_bf16.cache_clear()
+    return (f"resume: bf16 arithmetic {'on' if state['fast_bf16'] else 'off'} where a precision is auto, as when "
+            f"{ck.name} was saved (SPECROLL_FAST_BF16=0/1 overrides)")
+
+
 def _launch(args, nproc: int) -> int:
     """``specroll train --nproc N``: the same command in N processes under torch.distributed's launcher
     (one machine, a free port), each with cores / N threads. One line if a process fails: the failing
@@ -240,6 +260,9 @@ def _launch(args, nproc: int) -> int:
     _check_splittable(cfg, nproc)  # one error line here rather than one per process
     if ck is not None:
         _check_resume_split(ck, cfg)
+        kept = _keep_precision(ck)  # before the probe below, which hands its decision to the workers
+        if kept:
+            print(f"specroll: {kept}", file=sys.stderr)
     from .data import load_examples, one_answer_needed
 
     # bad data too: one error line here, not the same one from every process
@@ -359,6 +382,9 @@ def _train_ranks(args, d) -> int:
     if resume:
         _, ck, cfg = _run_config(args, given)
         _check_resume_split(ck, cfg)
+        kept = _keep_precision(ck)
+        if kept and d.main:
+            console.print(kept)
         run_dir = Path(out) if out else ck.parent
         if d.main:
             created = _first_missing(run_dir)
@@ -403,9 +429,13 @@ def _train_ranks(args, d) -> int:
                     for p in ckpt.clean_partial_saves(run_dir):
                         console.print(f"resume: removed {p.name}, an unfinished checkpoint write")
                 changed = _config_changes(run_dir / "config.yaml", cfg)
-                if changed:
+                try:
+                    cfg.save(run_dir / "config.yaml")
+                except OSError as e:  # e.g. a read-only run directory: say so before anything trains
+                    raise CliError(f"cannot write {run_dir / 'config.yaml'}: {e.strerror or e}; make {run_dir} "
+                                   "writable, or resume into a new --out") from e
+                if changed:  # only once it is true
                     console.print(f"resume: config.yaml now records {changed}")
-                cfg.save(run_dir / "config.yaml")
         n = trainer.model.num_params()
         console.print(f"specroll train: {cfg.model.name} ({n / 1e6:.0f}M params), task {cfg.data.task}, "
                       f"{cfg.train.steps} steps x {cfg.train.prompts_per_step} prompts x G={cfg.rollout.G}, "

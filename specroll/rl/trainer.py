@@ -38,7 +38,7 @@ from pathlib import Path
 import torch
 import yaml
 
-from ..device import adamw, check_compiler, keep_freed_memory, torch_dtype, use_bf16
+from ..device import adamw, check_compiler, fast_bf16, keep_freed_memory, torch_dtype, use_bf16
 from ..engine.engine import Engine, Rollout
 from ..engine.sampling import SamplingParams
 from . import checkpoint as ckpt
@@ -633,6 +633,8 @@ class Trainer:
         state = {"data_position": self.data_position(self.step),
                  "rollout_seed_next": self.rollout_params(self.step).seed,
                  "policy_version": self.engine.policy_version}
+        if fast_bf16.cache_info().currsize:  # this process decided the `auto` precisions by it: a resume keeps it
+            state["fast_bf16"] = fast_bf16()
         if row is not None:
             state["metrics_row"] = {"step": self.step, **{k: json_value(v) for k, v in row.items()}}
         try:
