@@ -7,6 +7,8 @@ with mini-batches, and when one rank has no row with a gradient at all.
 
 from __future__ import annotations
 
+import argparse
+
 import pytest
 import torch
 import torch.distributed as tdist
@@ -365,3 +367,31 @@ def test_nproc_workers_stop_with_their_launcher(tmp_path, sig):
             proc.kill()
         for w in _workers_of(proc.pid):
             os.kill(w, signal.SIGKILL)
+
+
+@pytest.mark.parametrize("rank", [0, 1])
+def test_a_lost_peer_is_one_line_on_every_rank(monkeypatch, capsys, rank):
+    """A worker of `--nproc 2` killed by SIGKILL: gloo's error on the surviving rank (seen inside a barrier or
+    all-reduce) was a ~30-line traceback when that rank was rank 0; it is one line on every rank. Any other
+    error keeps its traceback on rank 0."""
+    from specroll.rl import distributed, run
+    from specroll.rl.distributed import Dist
+
+    lost = RuntimeError("[../third_party/gloo/gloo/transport/tcp/pair.cc:537] Read error [127.0.0.1]:39569: "
+                        "Connection reset by peer")
+    monkeypatch.setattr(distributed, "from_env", lambda: Dist(rank, 2))
+    monkeypatch.setattr(distributed, "close", lambda d: None)
+    monkeypatch.setattr(run, "_follow_launcher", lambda: None)
+
+    def fail(args, d, error=lost):
+        raise error
+
+    monkeypatch.setattr(run, "_train_ranks", fail)
+    args = argparse.Namespace(nproc=2)
+    assert run.train_cli(args) == 1
+    err = capsys.readouterr().err
+    assert err == f"specroll: rank {rank} stopped: {lost}\n"
+    if rank == 0:
+        monkeypatch.setattr(run, "_train_ranks", lambda a, d: fail(a, d, RuntimeError("a bug")))
+        with pytest.raises(RuntimeError, match="a bug"):
+            run.train_cli(args)

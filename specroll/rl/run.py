@@ -316,6 +316,15 @@ def _follow_launcher() -> None:
         os.kill(os.getpid(), signal.SIGTERM)
 
 
+def _peer_lost(e: BaseException) -> bool:
+    """Whether ``e`` is gloo's report that another process of the run went away (killed, or stopped on an error
+    of its own) during a collective: rank 0 then says so in one line as the other ranks do, instead of a
+    traceback through the collective. Any other error keeps its traceback on rank 0."""
+    text = str(e)
+    return isinstance(e, RuntimeError) and "gloo" in text and any(
+        s in text for s in ("Connection reset by peer", "Connection closed by peer", "Broken pipe", "Timed out"))
+
+
 def train_cli(args) -> int:
     from ..cli import CliError
     from . import distributed
@@ -333,7 +342,7 @@ def train_cli(args) -> int:
     except (CliError, ValueError, FileNotFoundError, KeyboardInterrupt):
         raise
     except Exception as e:
-        if not d.active or d.main:
+        if not d.active or (d.main and not _peer_lost(e)):
             raise
         # another rank died mid-collective: say so in one line instead of a gloo traceback
         print(f"specroll: rank {d.rank} stopped: {str(e).splitlines()[0] if str(e) else type(e).__name__}",
