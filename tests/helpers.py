@@ -66,6 +66,17 @@ def draft_sets(model, engine, params: dict, n_rows: int, seed: int) -> dict[str,
     }
 
 
+def put_drafts(store, drafts: list, prompt=lb.PROMPT, seed: int = 0) -> None:
+    """Store ``drafts[i]`` (a token list, or None for no draft) as sample i's previous completion of
+    ``prompt``, with a realistic p_old: sampling log-probs drawn uniformly from [-3, 0). Exact mode's rule
+    must not read p_old at all; storing p_old = 1 (log-prob 0) would hide a rule that divides by it, since
+    min(1, p_new / p_old) is then p_new, exact mode's acceptance probability."""
+    g = torch.Generator().manual_seed(seed)
+    for i, d in enumerate(drafts):
+        if d is not None:
+            store.put(prompt, i, d, -3 * torch.rand(len(d), generator=g))
+
+
 def chi2_gof(counts: torch.Tensor, probs: torch.Tensor) -> float:
     """Pearson chi-square goodness-of-fit p-value of observed ``counts`` against ``probs`` over the same
     cells (the expected counts are ``probs * counts.sum()``). Cells expecting fewer than 5 are pooled into

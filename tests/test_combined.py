@@ -14,7 +14,7 @@ import math
 
 import pytest
 import torch
-from helpers import chi2_pvalue, draft_sets
+from helpers import chi2_pvalue, draft_sets, put_drafts
 
 from specroll.analysis import lenient_bias as lb
 from specroll.drafters import reuse
@@ -46,12 +46,13 @@ def world():
     return model, Engine(model, eos_ids=[lb.STOP], prefill_chunk=1 << 16), truth
 
 
-def combined(model, drafts, prompt=lb.PROMPT, mode="exact", seed=0, block=0, rule=None, plan=TREE, head_seed=5):
+def combined(model, drafts, prompt=lb.PROMPT, mode="exact", seed=0, block=0, rule=None, plan=TREE, head_seed=5,
+             **eagle):
+    """Exact (or lenient) reuse of ``drafts``, stored with a random p_old (``put_drafts``), then an untrained
+    head; ``eagle``: further ``EagleDrafter`` options (``sampled``, ``verify``)."""
     r = ReuseDrafter(mode=mode, seed=seed + 100, verify_block=block)
-    for i, d in enumerate(drafts):
-        if d is not None:
-            r.store.put(prompt, i, d, torch.zeros(len(d)))
-    e = EagleDrafter(head_for(model, seed=head_seed), plan, **({"rule": rule} if rule else {}))
+    put_drafts(r.store, drafts, prompt)
+    e = EagleDrafter(head_for(model, seed=head_seed), plan, **({"rule": rule} if rule else {}), **eagle)
     return CombinedDrafter(r, e)
 
 
@@ -77,6 +78,25 @@ def test_exact_reuse_plus_draft_is_lossless(world, pi):
             assert reused > (0.5 if kind == "likely" else 0.05) * N_ROWS, kind
         if kind == "random":  # one batch mixes rows cut at 0, 1, 2 and fully reused ones
             assert {0, 1, 2, 3} <= {o.n_reused for o in outs}
+
+
+@pytest.mark.parametrize("verify", ["block", "token"])
+@pytest.mark.parametrize("pi", [0, 1], ids=["T1", "T0.7-top_p0.9"])
+def test_exact_reuse_plus_sampled_chains_is_lossless(world, pi, verify):
+    """The default reuse+draft configuration (``draft.chain=true``: after the cut the head drafts a chain
+    sampled from its own q, verified jointly by block verification or token by token) is lossless too. The
+    test above runs only top-k trees with sampler-match after the cut. Random drafts cut rows everywhere, so
+    the head drafts after cuts at 0, 1 and 2; verification is staged (``verify_block=1``) and p_old is random,
+    so neither a p_old-dependent acceptance nor a chain rule that mixes up q and p passes."""
+    model, engine, truth = world
+    params = PARAMS[pi]
+    drafts = draft_sets(model, engine, params, N_ROWS, seed=13 + pi)["random"]
+    counts, outs, d = run(engine, params, drafts, seed=60 + 2 * pi + (verify == "token"), block=1,
+                          plan=Plan(n_verify=4, k=1, depth=3), sampled=True, verify=verify)
+    p = chi2_pvalue(counts, truth[pi], N_ROWS)
+    assert p > P_MIN, f"reuse + sampled chains ({verify} verification) departs from plain sampling (p = {p:.2e})"
+    assert sum(o.n_reused for o in outs) > 0.05 * N_ROWS and {0, 1, 2} <= {o.n_reused for o in outs}
+    assert sum(o.n_accepted - o.n_reused for o in outs) > 0.1 * N_ROWS  # and chain drafts accepted after the cut
 
 
 def no_residual_tree_rule(tree, logits, params, gen):

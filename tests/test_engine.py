@@ -91,6 +91,37 @@ def test_greedy_matches_naive_reference_with_stops_and_compaction():
     assert len(lengths) > 1, "test setup: rows should finish at different steps"
 
 
+def test_greedy_matches_naive_reference_when_compaction_moves_rows(monkeypatch):
+    """When front rows finish first, ``retire(fill_holes=True)`` moves the last live rows into their places
+    (``compaction_order``, not the nonzero order), and everything the caller holds per row -- the next token
+    fed to the decode forward above all -- must follow that same order. The test above stops a middle row of
+    three, where the two orders agree; here six prompts with stops that end rows 0 and 1 early make a
+    compaction really move a row (a spy checks it did), and every completion must still be the cache-free
+    greedy reference's."""
+    _, model = tiny_hf("llama", seed=3)
+    prompts = PROMPTS + [[7, 7, 8], [60, 2], [33, 41, 12, 9]]
+    refs = [naive_greedy(model, p, 16) for p in prompts]
+    stops = sorted({refs[0][2], refs[1][5]})
+    moved = []
+    real = engine_mod.compaction_order
+
+    def spy(alive):
+        order = real(alive)
+        moved.append(not torch.equal(order, alive.nonzero().squeeze(1)))
+        return order
+
+    monkeypatch.setattr(engine_mod, "compaction_order", spy)
+    outs = Engine(model, eos_ids=stops).generate(prompts, SamplingParams(temperature=0, max_new_tokens=16), n=1)
+    lengths = []
+    for o, p in zip(outs, prompts):
+        ref = naive_greedy(model, p, 16, stop=tuple(stops))
+        assert o.completion_ids.tolist() == ref
+        assert o.finish_reason == ("stop" if ref[-1] in stops else "length")
+        lengths.append(len(ref))
+    assert any(moved), "test setup: a compaction must move a live row into a finished row's place"
+    assert max(lengths[:2]) < max(lengths[2:])  # front rows finished before some later row
+
+
 def test_a_prompt_and_its_new_tokens_may_fill_the_whole_context():
     """prompt + max_new_tokens == max_position is allowed (as in HF generate and TRL), with and without a drafter
     whose drafts run past the context's end: a token at the last position is never fed, and a draft past the end

@@ -46,6 +46,29 @@ def test_group_advantages_missing_rewards_and_constant_group():
     torch.testing.assert_close(adv, torch.tensor([0.5 / s, 0.0, -0.5 / s, 0.0, 0.0, 0.0]))
 
 
+def test_adv_eps_is_added_to_the_std_at_the_trainers_default():
+    """``LossConfig.adv_eps`` (what the trainer passes) is added to the std: A = (r - mean) / (std + eps). The
+    tests above use eps = 0, where every placement agrees; at the default 1e-4 the placement matters for a
+    group whose std is itself ~1e-4 (near-constant continuous rewards): dividing by sqrt(std^2 + eps) instead
+    would shrink those advantages ~50x. Group 2 (binary rewards) shows eps barely moves ordinary groups."""
+    eps = LossConfig().adv_eps
+    assert eps == 1e-4
+    g1, g2 = [0.0, 0.0, 0.0, 2e-4], [1.0, 0.0, 0.0, 1.0]
+    r = torch.tensor(g1 + g2)
+    m1 = 0.5e-4
+    s1 = math.sqrt(sum((x - m1) ** 2 for x in g1) / 3)  # 1e-4
+    s2 = math.sqrt(1 / 3)
+    want = [(x - m1) / (s1 + eps) for x in g1] + [(x - 0.5) / (s2 + eps) for x in g2]
+    torch.testing.assert_close(group_advantages(r, 4, "group", eps=eps), torch.tensor(want), rtol=1e-4, atol=1e-6)
+    torch.testing.assert_close(group_advantages(r, 4, "group"), torch.tensor(want), rtol=1e-4, atol=1e-6)  # default
+    # batch scale: the same placement, around the std of all eight rewards
+    mean = [m1] * 4 + [0.5] * 4
+    ms = sum(g1 + g2) / 8
+    bstd = math.sqrt(sum((x - ms) ** 2 for x in g1 + g2) / 7)
+    want = [(x - m) / (bstd + eps) for x, m in zip(g1 + g2, mean)]
+    torch.testing.assert_close(group_advantages(r, 4, "batch", eps=eps), torch.tensor(want), rtol=1e-4, atol=1e-6)
+
+
 def test_group_size_mismatch_raises():
     with pytest.raises(ValueError, match="multiple of the group size"):
         group_advantages(torch.zeros(5), 2)

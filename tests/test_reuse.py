@@ -13,7 +13,7 @@ import struct
 
 import pytest
 import torch
-from helpers import chi2_pvalue, draft_sets
+from helpers import chi2_gof, chi2_pvalue, draft_sets, put_drafts
 from safetensors.torch import load_file, save_file
 
 from specroll.analysis import lenient_bias as lb
@@ -51,16 +51,10 @@ def world():
     return model, Engine(model, eos_ids=[lb.STOP], prefill_chunk=1 << 16), truth
 
 
-def fill(store: RolloutStore, drafts: list[list[int]]):
-    for i, d in enumerate(drafts):
-        if d is not None:
-            store.put(lb.PROMPT, i, d, torch.zeros(len(d)))
-
-
 def run(engine, params: dict, drafts, mode="exact", lenience=1.0, seed=0, lp_old=None, block=0):
     d = ReuseDrafter(mode=mode, lenience=lenience, seed=seed + 100, verify_block=block)
     if lp_old is None:
-        fill(d.store, drafts)
+        put_drafts(d.store, drafts)  # p_old random in [-3, 0): exact mode must not depend on it
     else:
         for i, (x, lp) in enumerate(zip(drafts, lp_old)):
             d.store.put(lb.PROMPT, i, x, lp)
@@ -83,6 +77,34 @@ def test_exact_reuse_is_lossless(world, pi):
         assert p > P_MIN, f"exact reuse with {kind} drafts departs from plain sampling (p = {p:.2e})"
         if kind == "likely":
             assert m["spec/reuse_ratio"] > 0.15  # the test exercises real reuse, not only rejections
+
+
+@pytest.mark.parametrize("pi", [0, 1], ids=["T1", "T0.7-top_p0.9"])
+def test_exact_reuse_is_lossless_when_stages_reorder_rows(world, pi, monkeypatch):
+    """Staged verification (``verify_block=1``: stages of 1, then 2 draft tokens) of likely drafts with a
+    realistic p_old, where rows that accepted their first token survive behind rows that did not, so
+    ``_keep_first`` really permutes the batch (a spy checks it did). Every per-row record (draft ids, p_old,
+    lengths, stop flags, accepted counts, the token to exclude at the cut) must move with the KV cache and the
+    row ids: a row left with another row's ``exclude`` draws its cut token from the wrong residual. In
+    ``test_exact_reuse_is_lossless`` no stage reorders (its staged drafts are rejected at their first token).
+    With p_old != 1 this also rejects the lenient acceptance min(1, p_new / p_old) slipped into exact mode."""
+    model, engine, truth = world
+    params = PARAMS[pi]
+    drafts = draft_sets(model, engine, params, N_ROWS, seed=31 + pi)["likely"]
+    moved = []
+    real = ReuseDrafter._keep_first
+
+    def spy(st, rows, first):
+        k = int(first.sum())
+        moved.append(0 < k and not bool(first[:k].all()))  # a survivor sat behind a row that stopped
+        return real(st, rows, first)
+
+    monkeypatch.setattr(ReuseDrafter, "_keep_first", staticmethod(spy))
+    counts, m = run(engine, params, drafts, seed=50 + pi, block=1)
+    assert any(moved), "test setup: a verification stage must reorder the rows"
+    assert m["spec/reuse_ratio"] > 0.15
+    p = chi2_pvalue(counts, truth[pi], N_ROWS)
+    assert p > P_MIN, f"staged exact reuse departs from plain sampling (p = {p:.2e})"
 
 
 def test_wrong_rules_are_detected(world, monkeypatch):
@@ -114,6 +136,66 @@ def test_lenient_bias_is_measured_above_the_noise_floor():
     assert tv[("exact", None)] < floor + 0.03
     assert tv[("lenient", 1.0)] > floor + 0.04
     assert tv[("lenient", math.exp(0.5))] > tv[("lenient", 1.0)]
+
+
+# --- lenient mode is SPEC-RL's rule -----------------------------------------------------------
+
+@torch.no_grad()
+def first_token_probs(model, params: SamplingParams) -> torch.Tensor:
+    """The sampling distribution of ``model``'s first completion token after ``lb.PROMPT`` (float64)."""
+    h = model(torch.tensor([lb.PROMPT]), torch.arange(len(lb.PROMPT))[None])
+    return processed_logprobs(model.logits(h[0, -1]), params).exp().double()
+
+
+def test_lenient_first_token_follows_spec_rl_closed_form():
+    """Lenient mode's documented rule (module docstring of ``drafters/reuse.py``): accept draft token x with
+    probability a(x) = min(1, l p_new(x) / p_old(x)), cut at the first rejection and sample the cut token
+    from p_new itself. With drafts sampled by an old policy q (stored with p_old = q), the first completion
+    token is then distributed P(x) = q(x) a(x) + p(x) sum_y q(y) (1 - a(y)). Lenient mode is biased, so the
+    losslessness tests cannot pin its rule; this closed form does. Old and new policies are chosen so that
+    exact mode's cut rule (the rejected x removed) would be off by TV 0.026: at 20,000 rows that lands near
+    p = 1e-15, and keeping the first rejected token (an off-by-one cut) makes every first token the draft's.
+    The seeds are fixed; six other seed triples gave p = 0.19 .. 0.87, far above the 1e-6 threshold."""
+    n, lam = 20_000, 1.0
+    old = lb.tiny_policy(0)
+    new = lb.perturbed(old, 0.5, 1)
+    params = SamplingParams(temperature=1.0, max_new_tokens=lb.MAX_NEW)
+    p, q = first_token_probs(new, params), first_token_probs(old, params)
+    a = torch.clamp(lam * p / q, max=1.0)
+    want = q * a + p * (q * (1 - a)).sum()
+    drafts = Engine(old, eos_ids=[lb.STOP]).generate([lb.PROMPT], SamplingParams(max_new_tokens=lb.MAX_NEW, seed=3),
+                                                     n=n)
+    d = ReuseDrafter(mode="lenient", lenience=lam, seed=5, verify_block=0)
+    d.after_rollout(drafts)  # p_old = the old policy's sampling log-probs
+    outs = Engine(new, eos_ids=[lb.STOP]).generate([lb.PROMPT], SamplingParams(max_new_tokens=lb.MAX_NEW, seed=4),
+                                                   n=n, drafter=d)
+    kept = sum(o.n_reused > 0 for o in outs) / n  # first draft token accepted: w.p. sum_x q(x) a(x)
+    acc = float((q * a).sum())
+    assert 0.2 < acc < 0.9 and abs(kept - acc) < 5 * math.sqrt(acc * (1 - acc) / n)  # both branches occur
+    first = torch.tensor([int(o.completion_ids[0]) for o in outs])
+    assert chi2_gof(torch.bincount(first, minlength=lb.VOCAB), want) > 1e-6
+
+
+def test_lenient_cut_token_is_never_drawn_from_a_residual(monkeypatch):
+    """Deterministic: in lenient mode the token at the cut is a plain p_new sample, so ``sample_at_cut`` is
+    never asked to exclude the rejected draft token (exclude = -1 on every row). Exact mode's residual rule
+    leaking into lenient mode would still be "biased by design" and pass every other lenient test."""
+    seen = []
+    real = reuse.sample_at_cut
+
+    def spy(logits, exclude, params, gen):
+        seen.append(exclude.clone())
+        return real(logits, exclude, params, gen)
+
+    monkeypatch.setattr(reuse, "sample_at_cut", spy)
+    d = ReuseDrafter(mode="lenient", lenience=1.0, seed=0)
+    g = torch.Generator().manual_seed(0)
+    for i in range(64):  # random drafts stored with p_old = 1: min(1, p_new) rejects most of them
+        d.store.put(lb.PROMPT, i, torch.randint(0, lb.VOCAB, (3,), generator=g), torch.zeros(3))
+    outs = Engine(lb.tiny_policy(0), eos_ids=[lb.STOP]).generate(
+        [lb.PROMPT], SamplingParams(max_new_tokens=lb.MAX_NEW, seed=0), n=64, drafter=d)
+    assert sum(o.n_reused < len(o.completion_ids) for o in outs) > 10  # many rows were cut
+    assert seen and all(bool((ex == -1).all()) for ex in seen)
 
 
 # --- rules: pure functions ------------------------------------------------------------------
