@@ -17,7 +17,7 @@ import os
 import shutil
 from pathlib import Path
 
-from .cli import CliError
+from .cli import CliError, check_output
 
 # files of an HF model directory that describe the model rather than hold its weights
 META_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
@@ -66,13 +66,14 @@ def export_checkpoint(checkpoint: str | Path, out: str | Path, model: str | None
             where = "the current directory" if target == cwd else "a folder holding the current directory"
             raise CliError(f"--out {given} is {where} ({target}), which is not empty; pick another --out")
         raise CliError(f"{given} already exists and is not an empty directory; pick another --out or delete it")
+    check_output(given, "--out", "dir")  # a parent that is a file, or not writable: said now, about --out
     ck, policy, _, base = checkpoint_policy(checkpoint, model)
     keep = target.is_dir()  # an existing empty directory: filled in place, never replaced
     tmp = target / f".export.tmp-{os.getpid()}" if keep else target.with_name(f".{target.name}.tmp-{os.getpid()}")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
     moved = []
     try:
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
         for name in META_FILES:
             if (base / name).is_file():
                 shutil.copy2(base / name, tmp / name)
@@ -87,12 +88,35 @@ def export_checkpoint(checkpoint: str | Path, out: str | Path, model: str | None
                 os.replace(f, target / f.name)
                 moved.append(target / f.name)
             tmp.rmdir()
-    except BaseException:
+    except BaseException as e:
         shutil.rmtree(tmp, ignore_errors=True)
         for f in moved:
             f.unlink(missing_ok=True)
+        if isinstance(e, OSError):  # about --out, not the hidden temporary folder it names
+            raise _write_error(given, tmp, e) from e
         raise
     return out
+
+
+def _write_error(given: str, tmp: Path, e: OSError) -> OSError:
+    """A failed write of the export as an ``OSError`` (``e``'s errno) in one line naming ``--out`` and the fix
+    (nothing of it is left), not the hidden temporary folder ``e`` names."""
+    import errno
+
+    from .models.decoder import OneLineOSError
+
+    what = e.strerror or str(e)
+    if e.filename is not None:
+        f = Path(e.filename)
+        name = f.name if f.parent == tmp else str(f)
+        what = f"{name}: {what}" if f != tmp else what
+    if e.errno in (errno.ENOSPC, errno.EDQUOT):
+        fix = "free space or pick another --out"
+    elif e.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
+        fix = "make its folder writable or pick another --out"
+    else:
+        fix = "pick another --out"
+    return OneLineOSError(f"cannot write --out {given} ({what}); nothing was written; {fix}", e.errno)
 
 
 def cli(args) -> int:

@@ -103,3 +103,66 @@ def test_generate_from_a_checkpoint_with_a_draft_head_profiles_its_run_model_onc
     assert load_profile("tiny-llama", torch.float32)["c_peak"] >= 1
     assert main(args) == 0
     assert "profiling once" not in capsys.readouterr().err
+
+
+def error_line(err: str) -> str:
+    """The one "specroll: error:" line of ``err`` (other stderr: progress bars of a first model download)."""
+    lines = [x for x in err.splitlines() if x.startswith("specroll: error: ")]
+    assert len(lines) == 1 and "Traceback" not in err, err
+    return lines[0]
+
+
+def test_export_out_under_a_file_or_a_read_only_folder_is_about_out(run_dir, tmp_path, capsys, monkeypatch):
+    """Said before the model loads, about --out and with a fix, never naming the hidden temporary folder."""
+    monkeypatch.delenv("SPECROLL_DEBUG", raising=False)
+    afile = tmp_path / "afile"
+    afile.write_text("x")
+    assert main(["export", "--checkpoint", str(run_dir), "--out", str(afile / "exp")]) == 2
+    err = error_line(capsys.readouterr().err)
+    assert err == f"specroll: error: --out {afile / 'exp'}: cannot create its folder, {afile} is a file; pick another path"
+    ro = tmp_path / "ro"
+    ro.mkdir()
+    real = os.access
+    monkeypatch.setattr(os, "access", lambda p, mode, *a, **k: (False if str(p) == str(ro) and mode & os.W_OK
+                                                                else real(p, mode, *a, **k)))
+    assert main(["export", "--checkpoint", str(run_dir), "--out", str(ro / "exp")]) == 2
+    err = error_line(capsys.readouterr().err)
+    assert err == f"specroll: error: --out {ro / 'exp'}: {ro} is not writable; pick another path", err
+    assert ".tmp" not in err and not any(ro.iterdir())
+
+
+def test_export_write_errors_name_out_and_the_fix_not_the_temporary(run_dir, tmp_path, capsys, monkeypatch):
+    import safetensors.torch
+    from safetensors import SafetensorError
+
+    monkeypatch.delenv("SPECROLL_DEBUG", raising=False)
+
+    def full(*a, **k):
+        raise SafetensorError("Error while serializing: I/O error: No space left on device (os error 28)")
+
+    monkeypatch.setattr(safetensors.torch, "save_file", full)
+    for out in (tmp_path / "hf", tmp_path / "empty"):
+        if out.name == "empty":
+            out.mkdir()
+        assert main(["export", "--checkpoint", str(run_dir), "--out", str(out)]) == 2
+        err = error_line(capsys.readouterr().err)
+        assert err == (f"specroll: error: cannot write --out {out} (model.safetensors: No space left on device); "
+                       "nothing was written; free space or pick another --out"), err
+        assert not list(tmp_path.glob(".*tmp*")) and (not out.exists() or not any(out.iterdir()))
+    # a mkdir that fails at the hidden temporary folder (here: a read-only parent that os.access missed)
+    monkeypatch.undo()
+    monkeypatch.delenv("SPECROLL_DEBUG", raising=False)
+    from pathlib import Path
+
+    real_mkdir = Path.mkdir
+
+    def denied(self, *a, **k):
+        if ".tmp-" in self.name:
+            raise PermissionError(13, "Permission denied", str(self))
+        return real_mkdir(self, *a, **k)
+
+    monkeypatch.setattr(Path, "mkdir", denied)
+    assert main(["export", "--checkpoint", str(run_dir), "--out", str(tmp_path / "hf2")]) == 2
+    err = error_line(capsys.readouterr().err)
+    assert err == (f"specroll: error: cannot write --out {tmp_path / 'hf2'} (Permission denied); nothing was "
+                   "written; make its folder writable or pick another --out"), err

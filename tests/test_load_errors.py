@@ -337,3 +337,164 @@ def test_python_dash_m_errors_are_one_line(module):
                        text=True, timeout=120, env={**os.environ, "SPECROLL_DEBUG": ""})
     assert r.returncode == 2, r.stderr
     assert r.stderr.startswith("specroll: error: unknown model 'no-such-model'") and "Traceback" not in r.stderr
+
+
+# --- files that are there but unreadable (permissions), and checkpoints that cannot be written -------------
+
+def _deny_read(monkeypatch, *files):
+    """``os.access(f, R_OK)`` is False for ``files`` (root reads any file: the test cannot chmod)."""
+    import os
+
+    real = os.access
+    denied = {str(f) for f in files}
+    monkeypatch.setattr(os, "access", lambda f, mode, *a, **k: (False if str(f) in denied and mode & os.R_OK
+                                                                 else real(f, mode, *a, **k)))
+
+
+@pytest.mark.parametrize("name", ["model.safetensors", "optimizer.pt", "state.json", "rng.pt"])
+def test_an_unreadable_checkpoint_file_is_a_permission_error_never_damaged(run_copy, capsys, monkeypatch, name):
+    step = run_copy / "step_000001"
+    _deny_read(monkeypatch, step / name)
+    line = cli_error(capsys, ["train", "--out", str(run_copy), "--resume", "latest", "train.steps=2"])
+    assert f"cannot read {step / name}: permission denied; fix its permissions" in line, line
+    assert "damaged" not in line and "delete" not in line and "No such file" not in line, line
+
+
+def test_safetensors_misreporting_eacces_as_not_found_is_still_a_permission_error(small_ckpt, monkeypatch):
+    """safetensors raises FileNotFoundError on EACCES; the file is there, so a read of it decides, not its message."""
+    import builtins
+
+    import safetensors.torch
+
+    f = small_ckpt / "model.safetensors"
+    real_open = builtins.open
+
+    def load_file(path, *a, **k):
+        raise FileNotFoundError(f"No such file or directory: {path}")
+
+    def guarded_open(p, *a, **k):
+        if str(p) == str(f):
+            raise PermissionError(13, "Permission denied", str(p))
+        return real_open(p, *a, **k)
+
+    monkeypatch.setattr(safetensors.torch, "load_file", load_file)
+    monkeypatch.setattr(builtins, "open", guarded_open)
+    model, opt, sched = _trainer_parts()
+    with pytest.raises(PermissionError) as e:
+        ckpt.load_model_weights(model, small_ckpt)
+    assert str(e.value) == f"cannot read {f}: permission denied; fix its permissions (chmod/chown)"
+    # a file that is really gone is still "missing"/damaged
+    monkeypatch.undo()
+    f.unlink()
+    with pytest.raises(ValueError, match=r"is damaged \(model.safetensors: missing\)"):
+        ckpt.load_model_weights(model, small_ckpt)
+
+
+def test_an_unreadable_draft_head_is_a_permission_error(head_dir, monkeypatch):
+    from specroll.drafters.eagle import load_head
+
+    d, model = head_dir
+    _deny_read(monkeypatch, d / "draft_head.safetensors")
+    with pytest.raises(PermissionError) as e:
+        load_head(d, model)
+    assert str(e.value) == f"cannot read {d / 'draft_head.safetensors'}: permission denied; fix its permissions (chmod/chown)"
+
+
+def test_generate_with_unreadable_model_weights_says_permission_denied(model_dir, capsys, monkeypatch):
+    _deny_read(monkeypatch, model_dir / "model.safetensors")
+    line = cli_error(capsys, ["generate", "--model", str(model_dir), "--prompt", "hi", "--max-new-tokens", "2"])
+    assert f"cannot read {model_dir / 'model.safetensors'}: permission denied" in line
+    assert "download the model again" not in line
+
+
+def _write_parts():
+    model, opt, sched = _trainer_parts()
+    return dict(model=model, optimizer=opt, scheduler=sched, state={}, config_yaml="", rng=ckpt.rng_state())
+
+
+@pytest.mark.parametrize("name", ["optimizer.pt", "scheduler.pt", "rng.pt"])
+def test_torch_save_on_a_full_disk_is_one_line_and_leaves_no_temporary(tmp_path, monkeypatch, name):
+    """torch.save to a path raises RuntimeError (not OSError) on a full disk, its context another RuntimeError: the
+    write error names the checkpoint, the file, the reason and the fix, and the temporary directory is gone."""
+    parts = _write_parts()
+    first = ckpt.save_checkpoint(tmp_path, 2, **parts)
+    real_save = torch.save
+
+    def full_disk_save(obj, f, *a, **k):
+        if str(f).endswith(name):
+            real_save(obj, f, *a, **k)  # a real partial file in the temporary directory
+            try:
+                raise RuntimeError("basic_ios::clear: iostream error")
+            except RuntimeError:
+                raise RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 85632 vs 85520")  # noqa: B904 (torch chains it so)
+        return real_save(obj, f, *a, **k)
+
+    monkeypatch.setattr(ckpt.torch, "save", full_disk_save)
+    for free, reason in ((1000, "No space left on device"), (10 << 30, "write failed (disk full?)")):
+        monkeypatch.setattr(ckpt.shutil, "disk_usage", lambda p, free=free: shutil._ntuple_diskusage(20 << 30, 0, free))
+        with pytest.raises(OSError) as e:
+            ckpt.save_checkpoint(tmp_path, 3, **parts)
+        msg = str(e.value)
+        assert msg.startswith(f"cannot write checkpoint {tmp_path / 'step_000003'}; free space and continue with "
+                              f"`specroll train --resume latest --out {tmp_path}`; failed writing {name}: {reason}"), msg
+        assert "\n" not in msg and "enforce" not in msg and "iostream" not in msg
+        assert [p.name for p in tmp_path.iterdir()] == ["step_000002"], list(tmp_path.iterdir())  # no .tmp-step_*
+    assert ckpt.resolve("latest", tmp_path) == first
+
+
+def test_a_full_disk_on_a_checkpoint_with_the_errno_known_says_it(tmp_path, monkeypatch):
+    """An OSError in the chain (torch.save to a file object) or a safetensors message quoting "os error 28": that
+    errno, whatever the free space looks like; no earlier checkpoint: run the command again."""
+    from safetensors import SafetensorError
+
+    parts = _write_parts()
+    monkeypatch.setattr(ckpt.shutil, "disk_usage", lambda p: shutil._ntuple_diskusage(20 << 30, 0, 10 << 30))
+
+    def full(*a, **k):
+        raise SafetensorError("Error while serializing: I/O error: No space left on device (os error 28)")
+
+    monkeypatch.setattr(ckpt, "save_model", full)
+    with pytest.raises(OSError) as e:
+        ckpt.save_checkpoint(tmp_path, 1, **parts)
+    assert e.value.errno == 28
+    assert str(e.value) == (f"cannot write checkpoint {tmp_path / 'step_000001'}; free space and run the command "
+                            "again; failed writing model.safetensors: No space left on device")
+    assert not any(tmp_path.iterdir())
+    monkeypatch.undo()
+
+    def denied(obj, f, *a, **k):
+        try:
+            raise PermissionError(13, "Permission denied")
+        except OSError:
+            raise RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 8 vs 0")  # noqa: B904 (as torch)
+
+    monkeypatch.setattr(ckpt.torch, "save", denied)
+    with pytest.raises(OSError, match=rf"make {tmp_path} writable and run the command again; failed writing "
+                                      r"optimizer.pt: Permission denied$"):
+        ckpt.save_checkpoint(tmp_path, 1, **parts)
+    assert not any(tmp_path.iterdir())
+
+
+def test_a_runtime_error_that_is_not_a_write_failure_is_not_disguised(tmp_path, monkeypatch):
+    parts = _write_parts()
+
+    def bug(*a, **k):
+        raise RuntimeError("some bug")
+
+    monkeypatch.setattr(ckpt.torch, "save", bug)
+    with pytest.raises(RuntimeError, match="^some bug$"):
+        ckpt.save_checkpoint(tmp_path, 1, **parts)
+    assert not any(tmp_path.iterdir())  # its temporary directory is removed all the same
+
+
+def test_safetensors_os_error_text_gives_its_errno():
+    from safetensors import SafetensorError
+
+    from specroll.models.decoder import write_safetensors
+
+    def full(*a, **k):
+        raise SafetensorError("Error while serializing: I/O error: No space left on device (os error 28)")
+
+    with pytest.raises(OSError) as e:
+        write_safetensors(full, "/x/model.safetensors", {})
+    assert e.value.errno == 28 and str(e.value) == "[Errno 28] No space left on device: '/x/model.safetensors'"

@@ -698,3 +698,113 @@ def test_a_resume_that_would_put_trained_rows_into_the_eval_split_is_refused(tmp
     monkeypatch.undo()
     monkeypatch.delenv("SPECROLL_DEBUG", raising=False)
     assert main(["train", "--resume", "latest", "--out", str(out), "train.steps=2"]) == 0, capsys.readouterr().err
+
+
+def error_line(err: str) -> str:
+    """The one "specroll: error:" line of ``err`` (other stderr: progress bars of a first model download)."""
+    lines = [x for x in err.splitlines() if x.startswith("specroll: error: ")]
+    assert len(lines) == 1 and "Traceback" not in err, err
+    return lines[0]
+
+
+def test_set_aside_later_moves_a_later_step_directory_without_state_json(tmp_path):
+    """A later step_N that lost only its state.json still holds its weights: set aside with the complete ones,
+    never left for the redone step's save to replace."""
+    out = tmp_path / "run"
+    fake_run(out, [1, 2, 3], [1, 2, 3])
+    (out / "step_000003" / "state.json").unlink()
+    (out / "step_000003" / "model.safetensors").write_bytes(b"weights")
+    said = ckpt.set_aside_later(out, 1)
+    aside = out / "superseded-after-step_000001"
+    assert "2 later checkpoint(s) (step_000002, step_000003 (incomplete: no state.json))" in said, said
+    assert not (out / "step_000003").exists()
+    assert (aside / "step_000003" / "model.safetensors").read_bytes() == b"weights"
+
+
+def test_resume_from_an_earlier_step_keeps_a_later_step_that_lost_its_state_json(tmp_path, capsys, monkeypatch):
+    monkeypatch.delenv("SPECROLL_DEBUG", raising=False)
+    out = tmp_path / "run"
+    assert main(["train", "--out", str(out), "train.steps=3", "train.save_every=1", "train.keep_last=5", *TINY]) == 0
+    (out / "step_000003" / "state.json").unlink()
+    weights = (out / "step_000003" / "model.safetensors").read_bytes()
+    capsys.readouterr()
+    assert main(["train", "--out", str(out), "--resume", "latest", "train.steps=3"]) == 0
+    said = capsys.readouterr().out.replace("\n", "")
+    aside = out / "superseded-after-step_000002"
+    assert "step_000003 (incomplete: no state.json)" in said and f"to {aside}" in said, said
+    assert (aside / "step_000003" / "model.safetensors").read_bytes() == weights
+    assert ckpt.read_state(out / "step_000003").step == 3  # the redone step's own, complete checkpoint
+
+
+def test_a_full_disk_in_torch_save_is_one_line_and_leaves_no_temporary(tmp_path, capsys, monkeypatch):
+    """torch.save raises RuntimeError (its context another) on a full disk, not OSError: one line naming the
+    checkpoint, the file and how to continue; the temporary directory is removed; the resume continues."""
+    import shutil as sh
+
+    import torch
+
+    monkeypatch.delenv("SPECROLL_DEBUG", raising=False)
+    out = tmp_path / "run"
+    real_save = torch.save
+
+    def full_disk_save(obj, f, *a, **k):
+        if str(f).endswith("optimizer.pt") and "step_000002" in str(f):
+            try:
+                raise RuntimeError("basic_ios::clear: iostream error")
+            except RuntimeError:
+                raise RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 85632 vs 85520")  # noqa: B904 (torch chains it so)
+        return real_save(obj, f, *a, **k)
+
+    monkeypatch.setattr(ckpt.torch, "save", full_disk_save)
+    monkeypatch.setattr(ckpt.shutil, "disk_usage", lambda p: sh._ntuple_diskusage(20 << 30, 20 << 30, 4096))
+    assert main(["train", "--out", str(out), "train.steps=3", "train.save_every=1", *TINY]) == 2
+    err = error_line(capsys.readouterr().err)
+    assert err == (f"specroll: error: cannot write checkpoint {out / 'step_000002'}; free space and continue "
+                           f"with `specroll train --resume latest --out {out}`; failed writing optimizer.pt: No space "
+                           "left on device"), err
+    assert not list(out.glob(".tmp-*")) and [p.name for p in ckpt.list_checkpoints(out)] == ["step_000001"]
+    monkeypatch.undo()
+    monkeypatch.delenv("SPECROLL_DEBUG", raising=False)
+    assert main(["train", "--out", str(out), "--resume", "latest", "train.steps=3"]) == 0
+    assert metric_steps(out / "metrics.jsonl") == [1, 2, 3]
+
+
+def test_a_full_disk_in_a_safetensors_write_names_the_checkpoint_not_its_temporary(tmp_path, capsys, monkeypatch):
+    """safetensors 0.8's text: "... No space left on device (os error 28)" is ENOSPC (it was reported as EIO)."""
+    from safetensors import SafetensorError
+
+    monkeypatch.delenv("SPECROLL_DEBUG", raising=False)
+
+    def full(*a, **k):
+        raise SafetensorError("Error while serializing: I/O error: No space left on device (os error 28)")
+
+    monkeypatch.setattr(ckpt, "save_model", full)
+    out = tmp_path / "run"
+    assert main(["train", "--out", str(out), "train.steps=1", *TINY]) == 2
+    err = error_line(capsys.readouterr().err)
+    assert err == (f"specroll: error: cannot write checkpoint {out / 'step_000001'}; free space and run the command "
+                   "again; failed writing model.safetensors: No space left on device"), err
+    assert not out.exists()  # no .tmp-step_* left; the run directory, which holds nothing else, released
+
+
+def test_resume_into_a_read_only_run_directory_says_so_and_records_nothing(tmp_path, capsys, monkeypatch):
+    """config.yaml cannot be written (a read-only run directory): no "config.yaml now records" line, one line
+    naming the file and the fix, nothing changed."""
+    from specroll.config import Config
+
+    monkeypatch.delenv("SPECROLL_DEBUG", raising=False)
+    out = tmp_path / "run"
+    assert main(["train", "--out", str(out), "train.steps=1", *TINY]) == 0
+    before = snapshot(out)
+    capsys.readouterr()
+
+    def read_only(self, path):
+        raise PermissionError(13, "Permission denied", str(path))
+
+    monkeypatch.setattr(Config, "save", read_only)
+    assert main(["train", "--out", str(out), "--resume", "latest", "train.steps=2"]) == 2
+    said = capsys.readouterr()
+    assert "now records" not in said.out, said.out
+    assert error_line(said.err) == (f"specroll: error: cannot write {out / 'config.yaml'}: Permission denied; make {out} "
+                                "writable, or resume into a new --out"), said.err
+    assert snapshot(out) == before

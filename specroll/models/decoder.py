@@ -23,8 +23,10 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import errno
 import json
 import math
+import os
 import re
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -738,34 +740,85 @@ class UnreadableWeights(ValueError):
     with the file's role and fix."""
 
 
+ACCESS_ERRNOS = (errno.EACCES, errno.EPERM)
+
+
+class OneLineOSError(OSError):
+    """An ``OSError`` whose text is its one-line message (naming the file and the fix), with ``errno`` set for
+    callers that test it; the CLI prints it as it is (no ``filename``)."""
+
+    def __init__(self, message: str, code: int | None = None):
+        super().__init__(message)
+        self.errno = code
+
+    def __str__(self) -> str:
+        return self.args[0]
+
+
+class ReadDenied(OneLineOSError, PermissionError):
+    pass
+
+
+def cannot_read(f: str | Path) -> PermissionError:
+    """A file that is there but this process may not read, as one line naming it and the fix. Never "damaged":
+    the file may be intact, and deleting it (the fix for a damaged one) would lose it."""
+    return ReadDenied(f"cannot read {f}: permission denied; fix its permissions (chmod/chown)", errno.EACCES)
+
+
+def access_denied(f: str | Path, e: OSError | None = None) -> bool:
+    """Whether ``f`` exists but cannot be read by this process (``e``: the error a read of it raised). Some
+    readers misreport it (safetensors raises FileNotFoundError on EACCES), so an open of the file decides."""
+    if e is not None and e.errno in ACCESS_ERRNOS:
+        return True
+    if not os.path.lexists(f):
+        return False
+    if not os.access(f, os.R_OK):
+        return True
+    try:
+        open(f, "rb").close()
+    except PermissionError:
+        return True
+    except OSError:
+        pass
+    return False
+
+
 def read_safetensors(f: str | Path) -> dict[str, torch.Tensor]:
     """``safetensors.torch.load_file`` with a truncated, corrupt or unreadable file as ``UnreadableWeights``
-    ("not a complete safetensors file (invalid header length)", "unreadable (Permission denied)")."""
+    ("not a complete safetensors file (invalid header length)", "unreadable (Input/output error)"); a file this
+    process may not read is a ``PermissionError`` saying so (``cannot_read``), not a damaged file."""
     from safetensors import SafetensorError
     from safetensors.torch import load_file
 
+    if os.path.lexists(f) and not os.access(f, os.R_OK):
+        raise cannot_read(f)
     try:
         return load_file(str(f))
     except SafetensorError as e:
         why = (str(e).strip().splitlines() or [""])[0].removeprefix("Error while deserializing header: ")
         raise UnreadableWeights(f"not a complete safetensors file ({why})") from e
     except OSError as e:
+        if access_denied(f, e):
+            raise cannot_read(f) from e
         raise UnreadableWeights(f"unreadable ({e.strerror or e})") from e
+
+
+def os_error_code(text: str) -> int | None:
+    """The errno a Rust or C++ library's message carries: "... (os error 28)" (Rust's io::Error display) or
+    "Os { code: 28, ... }" (its debug form)."""
+    m = re.search(r"os error (\d+)|code: (\d+)", text)
+    return int(m.group(1) or m.group(2)) if m else None
 
 
 def write_safetensors(save, path: str | Path, *args, **kw) -> None:
     """``save(*args, path, **kw)`` (safetensors' ``save_file`` or ``save_model``), its failures as an ``OSError``
     naming ``path`` (safetensors raises its own error type, e.g. on a full disk), so the CLI says it in one line."""
-    import errno
-    import os
-
     from safetensors import SafetensorError
 
     try:
         save(*args, str(path), **kw)
     except SafetensorError as e:
-        m = re.search(r"code: (\d+)", str(e))
-        code = int(m.group(1)) if m else errno.EIO
+        code = os_error_code(str(e)) or errno.EIO
         raise OSError(code, os.strerror(code), str(path)) from e
 
 

@@ -16,10 +16,12 @@ never damages the previous checkpoint. Only the last ``keep_last`` checkpoints a
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import pickle
 import re
+import shlex
 import shutil
 import warnings
 from dataclasses import dataclass
@@ -28,7 +30,15 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file, save_model
 
-from ..models.decoder import UnreadableWeights, read_safetensors, write_safetensors
+from ..models.decoder import (
+    OneLineOSError,
+    UnreadableWeights,
+    access_denied,
+    cannot_read,
+    os_error_code,
+    read_safetensors,
+    write_safetensors,
+)
 
 STEP_RE = re.compile(r"^step_(\d{6,})$")
 
@@ -70,27 +80,44 @@ def restore_rng(state: dict, extra: dict[str, torch.Generator] | None = None) ->
 
 def save_checkpoint(out_dir: str | Path, step: int, *, model, optimizer, scheduler, state: dict,
                     config_yaml: str, rng: dict, drafter=None, keep_last: int = 2) -> Path:
-    """Write checkpoint ``step`` atomically into ``out_dir`` and prune to the last ``keep_last``."""
+    """Write checkpoint ``step`` atomically into ``out_dir`` and prune to the last ``keep_last``.
+
+    A failed write (a full disk, say) removes its temporary directory and raises a ``CheckpointWriteError``:
+    one line naming the checkpoint, the file, the reason and how to continue; earlier checkpoints are untouched."""
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     final = out_dir / f"step_{step:06d}"
     tmp = out_dir / f".tmp-step_{step:06d}-{os.getpid()}"
-    if tmp.exists():
-        shutil.rmtree(tmp)
-    tmp.mkdir()
-    write_safetensors(save_model, tmp / "model.safetensors", model)
-    model.cfg.save(tmp / "decoder_config.json")
-    torch.save(optimizer.state_dict(), tmp / "optimizer.pt")
-    torch.save(scheduler.state_dict(), tmp / "scheduler.pt")
-    torch.save(rng, tmp / "rng.pt")
-    if drafter is not None and hasattr(drafter, "state_dict"):
-        sd = {k: v.detach().contiguous() for k, v in drafter.state_dict().items() if isinstance(v, torch.Tensor)}
-        write_safetensors(save_file, tmp / "drafter.safetensors", sd)
-    (tmp / "config.yaml").write_text(config_yaml)
-    (tmp / "state.json").write_text(json.dumps({**state, "step": step}, indent=2))
-    for f in tmp.iterdir():
-        with open(f, "rb") as fh:
-            os.fsync(fh.fileno())
+    name = None  # the file being written, for the error
+    try:
+        if tmp.exists():
+            shutil.rmtree(tmp)
+        tmp.mkdir()
+        name = "model.safetensors"
+        write_safetensors(save_model, tmp / name, model)
+        name = "decoder_config.json"
+        model.cfg.save(tmp / name)
+        for name, obj in (("optimizer.pt", optimizer.state_dict()), ("scheduler.pt", scheduler.state_dict()),
+                          ("rng.pt", rng)):
+            torch.save(obj, tmp / name)
+        if drafter is not None and hasattr(drafter, "state_dict"):
+            name = "drafter.safetensors"
+            sd = {k: v.detach().contiguous() for k, v in drafter.state_dict().items() if isinstance(v, torch.Tensor)}
+            write_safetensors(save_file, tmp / name, sd)
+        name = "config.yaml"
+        (tmp / name).write_text(config_yaml)
+        name = "state.json"
+        (tmp / name).write_text(json.dumps({**state, "step": step}, indent=2))
+        for f in tmp.iterdir():
+            name = f.name
+            with open(f, "rb") as fh:
+                os.fsync(fh.fileno())
+    except BaseException as e:
+        err = _write_error(out_dir, final, name, e) if isinstance(e, (OSError, RuntimeError)) else None
+        shutil.rmtree(tmp, ignore_errors=True)  # never a checkpoint; on a full disk it holds the space
+        if err is None:
+            raise
+        raise err from e
     if final.exists():  # re-saving the same step (e.g. a resumed run): swap it out
         old = out_dir / f".old-step_{step:06d}-{os.getpid()}"
         os.replace(final, old)
@@ -101,6 +128,66 @@ def save_checkpoint(out_dir: str | Path, step: int, *, model, optimizer, schedul
     _fsync_dir(out_dir)
     prune(out_dir, keep_last, keep=final)
     return final
+
+
+class CheckpointWriteError(OneLineOSError):
+    """A checkpoint that could not be written: its message is one line naming the checkpoint, the file, the reason
+    and the fix; ``errno`` is the cause's, when one is known."""
+
+
+def _errno_of(e: BaseException) -> int | None:
+    """The errno behind a failed write: an ``OSError`` in ``e``'s chain (``torch.save`` to a path raises a
+    ``RuntimeError`` whose context holds none, a file object's write an ``OSError`` in its context), or the code
+    a library's message quotes ("os error 28")."""
+    seen = set()
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        if isinstance(e, OSError) and e.errno:
+            return e.errno
+        code = os_error_code(str(e))
+        if code:
+            return code
+        e = e.__cause__ or e.__context__
+    return None
+
+
+def _disk_full(path: Path) -> bool:
+    """Whether the filesystem of ``path`` is (nearly) out of space: less than 16 MiB or 5% of it free."""
+    try:
+        du = shutil.disk_usage(path)
+    except OSError:
+        return False
+    return du.free < min(16 << 20, du.total // 20)
+
+
+def _write_error(out_dir: Path, final: Path, name: str | None, e: BaseException) -> CheckpointWriteError | None:
+    """``e`` (raised while writing ``name`` of checkpoint ``final``) as a ``CheckpointWriteError``, or None for a
+    ``RuntimeError`` that is not a failed write (a bug, to be raised as it is). Call it before the temporary
+    directory is removed: that frees the space a full disk is judged by."""
+    code = _errno_of(e)
+    torch_io = isinstance(e, RuntimeError) and any(s in str(e) for s in ("iostream", "inline_container",
+                                                                         "PytorchStreamWriter", "file write"))
+    if isinstance(e, RuntimeError) and code is None and not torch_io:
+        return None
+    if code is None and torch_io and _disk_full(out_dir):  # torch.save to a path keeps the errno to itself
+        code = errno.ENOSPC
+    if code is not None:
+        reason = os.strerror(code)
+    elif isinstance(e, OSError):
+        reason = e.strerror or _short(e)
+    else:
+        reason = "write failed (disk full?), torch.save gave no reason"
+    have_earlier = any(p != final for p in list_checkpoints(out_dir))
+    again = (f"continue with `specroll train --resume latest --out {shlex.quote(str(out_dir))}`" if have_earlier
+             else "run the command again")
+    if code in (errno.EACCES, errno.EPERM, errno.EROFS):
+        fix = f"make {out_dir} writable and {again}"
+    elif code in (errno.ENOSPC, errno.EDQUOT) or code is None:
+        fix = f"free space and {again}"
+    else:
+        fix = f"fix the cause and {again}"
+    return CheckpointWriteError(f"cannot write checkpoint {final}; {fix}; failed writing {name or final.name}: "
+                                f"{reason}", code)
 
 
 def list_checkpoints(out_dir: str | Path) -> list[Path]:
@@ -114,6 +201,16 @@ def list_checkpoints(out_dir: str | Path) -> list[Path]:
         if m and p.is_dir() and (p / "state.json").is_file():
             found.append((int(m.group(1)), p))
     return [p for _, p in sorted(found)]
+
+
+def _step_dirs(out_dir: Path) -> list[tuple[int, Path]]:
+    """Every ``step_N`` directory in ``out_dir``, complete checkpoint or not, as (N, path), lowest N first."""
+    found = []
+    for p in out_dir.iterdir() if out_dir.is_dir() else ():
+        m = STEP_RE.match(p.name)
+        if m and p.is_dir():
+            found.append((int(m.group(1)), p))
+    return sorted(found)
 
 
 def prune(out_dir: str | Path, keep_last: int, keep: Path | None = None) -> None:
@@ -155,7 +252,9 @@ def set_aside_later(run_dir: str | Path, step: int) -> str | None:
     from .metrics import split_after
 
     run_dir = Path(run_dir)
-    later = [p for p in list_checkpoints(run_dir) if int(STEP_RE.match(p.name).group(1)) > step]
+    # every later step_N directory, complete or not: one without state.json (hand damage, a partial copy) still
+    # holds its weights, and the redone step's save would replace it
+    later = [p for n, p in _step_dirs(run_dir) if n > step]
     metrics = run_dir / "metrics.jsonl"
     kept, moved, partial = split_after(metrics, step) if metrics.is_file() else (b"", b"", b"")
     said = []
@@ -174,7 +273,9 @@ def set_aside_later(run_dir: str | Path, step: int) -> str | None:
             os.replace(p, dest / p.name)
         _fsync_dir(dest)
         rows = moved.count(b"\n")
-        what = [f"{len(later)} later checkpoint(s) ({', '.join(p.name for p in later)})"] if later else []
+        names = [p.name + ("" if (dest / p.name / "state.json").is_file() else " (incomplete: no state.json)")
+                 for p in later]
+        what = [f"{len(later)} later checkpoint(s) ({', '.join(names)})"] if later else []
         what += [f"{rows} metrics row(s) past step {step}"] if rows else []
         said.append(f"moved {' and '.join(what)} to {dest}")
     if moved or partial or (metrics.is_file() and metrics.stat().st_size != len(kept)):  # also: a newline added
@@ -255,6 +356,8 @@ def _short(e: BaseException) -> str:
 
 
 def _read_safetensors(path: Path, name: str) -> dict[str, torch.Tensor]:
+    """A checkpoint's safetensors file; damaged: ``_damaged``; there but not readable: ``cannot_read``'s
+    ``PermissionError`` (from ``read_safetensors``), which advises fixing permissions, never deleting."""
     f = path / name
     if not f.is_file():
         raise _damaged(path, name, "missing")
@@ -270,6 +373,8 @@ def _torch_load(path: Path, name: str) -> dict:
     f = path / name
     if not f.is_file():
         raise _damaged(path, name, "missing")
+    if not os.access(f, os.R_OK):  # there, maybe intact: never "damaged", never "delete this one"
+        raise cannot_read(f)
     reason = None
     try:
         with warnings.catch_warnings():
@@ -280,6 +385,8 @@ def _torch_load(path: Path, name: str) -> dict:
     except (RuntimeError, EOFError, ValueError, IndexError, AttributeError, TypeError):
         reason = "truncated, or not a torch file written by specroll"
     except OSError as e:
+        if access_denied(f, e):
+            raise cannot_read(f) from None
         reason = f"unreadable: {e.strerror or type(e).__name__}"
     if reason is not None:
         raise _damaged(path, name, reason) from None
@@ -293,6 +400,8 @@ def read_state(path: str | Path) -> Checkpoint:
     f = path / "state.json"
     if not f.is_file():
         raise FileNotFoundError(f"{path} is not a checkpoint (no state.json)")
+    if not os.access(f, os.R_OK):
+        raise cannot_read(f)
     try:
         state = json.loads(f.read_text())
     except json.JSONDecodeError as e:
@@ -300,6 +409,8 @@ def read_state(path: str | Path) -> Checkpoint:
     except UnicodeDecodeError as e:
         raise _damaged(path, "state.json", "not UTF-8 text") from e
     except OSError as e:
+        if access_denied(f, e):
+            raise cannot_read(f) from e
         raise _damaged(path, "state.json", f"unreadable: {e.strerror or _short(e)}") from e
     step = state.get("step") if isinstance(state, dict) else None
     if isinstance(step, bool) or not isinstance(step, int) or step < 0:
