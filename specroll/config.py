@@ -167,7 +167,15 @@ class Config:
         return {name: dataclasses.asdict(getattr(self, name)) for name in SECTIONS}
 
     def save(self, path: str | Path) -> None:
-        Path(path).write_text(yaml.safe_dump(self.to_dict(), sort_keys=False))
+        """Write the config as YAML atomically: a temporary file beside ``path``, then a rename, so a full disk or
+        a kill never leaves a run's config.yaml truncated."""
+        path = Path(path)
+        tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+        try:
+            tmp.write_text(yaml.safe_dump(self.to_dict(), sort_keys=False))
+            os.replace(tmp, path)
+        finally:
+            tmp.unlink(missing_ok=True)
 
 
 # Presets: override dicts on top of the defaults. "default" is `specroll train` with no arguments.

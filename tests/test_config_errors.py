@@ -365,3 +365,26 @@ def test_unknown_preset_and_section_list_what_is_valid_by_name():
         load_config(None, "zzzz", [])
     with pytest.raises(ValueError, match=r"unknown config section 'qqqq'; valid sections: \['data', "):
         load_config(None, None, ["qqqq.x=1"])
+
+
+def test_config_save_never_leaves_a_truncated_file(tmp_path, monkeypatch):
+    """A run's config.yaml is rewritten on every resume; a write that fails half-way (a full disk) kept the
+    truncated text. It is written beside and renamed: the old file stays whole, and no temporary is left."""
+    from pathlib import Path
+
+    cfg = load_config(None, None, ["train.steps=3"])
+    path = tmp_path / "config.yaml"
+    cfg.save(path)
+    before = path.read_text()
+    real = Path.write_text
+
+    def full(self, text, *a, **k):
+        real(self, text[:10], *a, **k)
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(Path, "write_text", full)
+    with pytest.raises(OSError, match="No space left"):
+        load_config(None, None, ["train.steps=5"]).save(path)
+    monkeypatch.undo()
+    assert path.read_text() == before and [p.name for p in tmp_path.iterdir()] == ["config.yaml"]
+    assert load_config(str(path), None, []).train.steps == 3

@@ -315,6 +315,39 @@ def test_clean_partial_saves_removes_dead_writers_temporaries_only(tmp_path):
     assert [p.name for p in ckpt.list_checkpoints(out)] == ["step_000001"]
 
 
+def test_a_prune_killed_mid_delete_leaves_nothing_that_outlives_the_next_resume(tmp_path, monkeypatch):
+    """A SIGKILL while prune deleted step_N left a half-deleted step_N without state.json: invisible to every
+    later prune and resume, a checkpoint's worth of disk for good. Prune now renames it to a hidden ``.del-``
+    name first, and the resume's cleanup removes those (and ``.old-`` copies a killed re-save left) of dead
+    processes."""
+    import os
+    import subprocess
+    import sys
+
+    out = tmp_path / "run"
+    fake_run(out, [1, 2, 3], [1, 2, 3])
+    deleted = []
+
+    def killed(path, ignore_errors=False):  # the kill: rmtree removes state.json and stops
+        deleted.append(Path(path).name)
+        (Path(path) / "state.json").unlink()
+
+    monkeypatch.setattr(ckpt.shutil, "rmtree", killed)
+    ckpt.prune(out, keep_last=2)
+    monkeypatch.undo()
+    assert deleted == [f".del-step_000001-{os.getpid()}"]
+    assert sorted(p.name for p in out.iterdir() if p.name.startswith("step_")) == ["step_000002", "step_000003"]
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True,
+                          text=True).stdout.strip()
+    (out / f".del-step_000001-{os.getpid()}").rename(out / f".del-step_000001-{dead}")
+    (out / f".old-step_000003-{dead}").mkdir()
+    (out / f".old-step_000003-{os.getpid()}").mkdir()  # a live process's: left alone
+    gone = ckpt.clean_partial_saves(out)
+    assert sorted(p.name for p in gone) == [f".del-step_000001-{dead}", f".old-step_000003-{dead}"]
+    assert sorted(p.name for p in out.glob(".*-step_*")) == [f".old-step_000003-{os.getpid()}"]
+    assert [p.name for p in ckpt.list_checkpoints(out)] == ["step_000002", "step_000003"]
+
+
 def test_a_checkpoint_keeps_its_steps_metrics_row(tmp_path, monkeypatch):
     monkeypatch.delenv("SPECROLL_DEBUG", raising=False)
     out = tmp_path / "run"

@@ -218,7 +218,14 @@ def prune(out_dir: str | Path, keep_last: int, keep: Path | None = None) -> None
     directory that also holds later steps of another run it would otherwise go first)."""
     for p in list_checkpoints(out_dir)[:-keep_last] if keep_last > 0 else []:
         if keep is None or p.resolve() != Path(keep).resolve():
-            shutil.rmtree(p, ignore_errors=True)
+            # renamed first, so a kill during the deletion leaves a hidden ``.del-`` directory that the next
+            # resume removes (``clean_partial_saves``), never a half-deleted step_N that nothing lists
+            gone = p.with_name(f".del-{p.name}-{os.getpid()}")
+            try:
+                os.replace(p, gone)
+            except OSError:
+                gone = p
+            shutil.rmtree(gone, ignore_errors=True)
 
 
 def resolve(path_or_latest: str | Path, out_dir: str | Path | None = None) -> Path:
@@ -318,10 +325,13 @@ def restore_row(run_dir: str | Path, ck: str | Path, step: int) -> bool:
 
 
 def clean_partial_saves(run_dir: str | Path) -> list[Path]:
-    """Remove the temporary directories of checkpoint writes that a killed process left behind
-    (``.tmp-step_N-PID``: never a checkpoint; a live PID's are left alone). Returns what it removed."""
+    """Remove what a killed process's checkpoint writes and prunes left behind (a live PID's are left alone):
+    ``.tmp-step_N-PID`` (a write in progress: never a checkpoint), ``.del-step_N-PID`` (a pruned checkpoint being
+    deleted) and ``.old-step_N-PID`` (a re-saved step's previous copy, swapped out; the resume has already picked
+    its checkpoint from the complete step_* directories). Returns what it removed."""
     gone = []
-    for p in Path(run_dir).glob(".tmp-step_*-*"):
+    run_dir = Path(run_dir)
+    for p in sorted([*run_dir.glob(".tmp-step_*-*"), *run_dir.glob(".del-step_*-*"), *run_dir.glob(".old-step_*-*")]):
         try:
             pid = int(p.name.rsplit("-", 1)[1])
             os.kill(pid, 0)

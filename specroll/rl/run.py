@@ -436,7 +436,7 @@ def _train_ranks(args, d) -> int:
                         console.print(f"resume: metrics.jsonl had no row for step {step} (the run stopped right "
                                       f"after its checkpoint); restored it from {ck.name}/state.json")
                     for p in ckpt.clean_partial_saves(run_dir):
-                        console.print(f"resume: removed {p.name}, an unfinished checkpoint write")
+                        console.print(f"resume: removed {p.name}, left by an interrupted checkpoint write or prune")
                 changed = _config_changes(run_dir / "config.yaml", cfg)
                 try:
                     cfg.save(run_dir / "config.yaml")
