@@ -498,3 +498,18 @@ def test_safetensors_os_error_text_gives_its_errno():
     with pytest.raises(OSError) as e:
         write_safetensors(full, "/x/model.safetensors", {})
     assert e.value.errno == 28 and str(e.value) == "[Errno 28] No space left on device: '/x/model.safetensors'"
+
+
+def test_written_weights_get_the_umask_mode_not_safetensors_0600(tmp_path):
+    """safetensors creates its files 0600: a checkpoint's or head's weights were unreadable to the rest of a lab
+    group that reads every other file of the run."""
+    import os
+
+    from safetensors.torch import save_file
+
+    from specroll.models.decoder import write_safetensors
+    from specroll.models.hub import _umask
+
+    f = tmp_path / "w.safetensors"
+    write_safetensors(save_file, f, {"x": torch.zeros(2)})
+    assert os.stat(f).st_mode & 0o777 == 0o666 & ~_umask()

@@ -812,14 +812,18 @@ def os_error_code(text: str) -> int | None:
 
 def write_safetensors(save, path: str | Path, *args, **kw) -> None:
     """``save(*args, path, **kw)`` (safetensors' ``save_file`` or ``save_model``), its failures as an ``OSError``
-    naming ``path`` (safetensors raises its own error type, e.g. on a full disk), so the CLI says it in one line."""
+    naming ``path`` (safetensors raises its own error type, e.g. on a full disk), so the CLI says it in one line.
+    The file gets the mode a new file gets under the umask (safetensors writes 0600)."""
     from safetensors import SafetensorError
+
+    from .hub import share_mode
 
     try:
         save(*args, str(path), **kw)
     except SafetensorError as e:
         code = os_error_code(str(e)) or errno.EIO
         raise OSError(code, os.strerror(code), str(path)) from e
+    share_mode(Path(path))  # safetensors creates its files 0600; checkpoints and heads get what the umask gives
 
 
 def load_decoder(path: str | Path, dtype: torch.dtype = torch.float32) -> Decoder:
