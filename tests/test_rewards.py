@@ -25,6 +25,7 @@ from specroll.rl.rewards import (
     extract_last_number,
     final_answer,
     format_reward,
+    strip_unit,
 )
 
 
@@ -572,3 +573,37 @@ def test_a_script_that_never_closes_its_checkers_exits_cleanly(tmp_path):
     assert p.returncode == 0, p.stderr[-2000:]
     assert "Fatal Python error" not in p.stderr
     assert p.stdout.split() == ["[True]", "[1.0]"]
+
+
+@pytest.mark.parametrize("text, want", [
+    # the last marker decides: a later one without a number is not passed over for an earlier marked number
+    ("Partial answer: 3.\nFinal Answer: The final answer is $\\frac{1}{2}$.", None),
+    ("The answer is 5.\nWait, recheck. Final answer: x = 7", "7"),
+    # "final answer" needs ":", "=", "is" or a line break after it to be a marker
+    ("We verify the final answer 3 times. It is 42.", "42"),
+    # a marker followed by a word is prose: the one before it is read
+    ("The answer is 72. The answer is clear after step 3.", "72"),
+    ("**Final answer**\n\n42\n\nstep 3", "42"),
+])
+def test_the_last_answer_marker_decides(text, want):
+    assert final_answer(text) == want
+
+
+def test_a_mathematical_tail_after_the_last_marker_goes_to_math_verify(checker):
+    text = "Partial answer: 3.\nFinal Answer: The final answer is $\\frac{1}{2}$."
+    assert accuracy_reward(["p"], [text], ["1/2"], checker=checker) == [1.0]
+
+
+@pytest.mark.parametrize("line", ["That's my final answer.", "final answer...", "The answer is."])
+def test_format_needs_a_number_after_the_marker_not_a_full_stop(line):
+    assert format_reward(["p"], [line]) == [0.0]
+
+
+def test_unit_stripping_is_linear_and_knows_ordinals_and_powers():
+    t0 = time.monotonic()
+    assert strip_unit("10" + " " * 16_000 + "ab!") == "10" + " " * 16_000 + "ab!"
+    assert final_answer("#### 10" + " " * 8_000 + "ab!") is not None
+    assert time.monotonic() - t0 < 30.0  # a hang guard: the quadratic rule took 4 s here, linear takes ms
+    for s in ("1 tenth", "2 sevenths", "2 squared", "5 factorial", "1 fifth"):
+        assert strip_unit(s) == s
+    assert strip_unit("10 dollars") == "10"

@@ -100,17 +100,18 @@ def _number_text(sign: str, body: str) -> str:
 # "number + words" (a unit): "10 dollars", "$1,000 per month." -> the number. Not when a word is a math
 # name or a multiplier ("2 pi", "3 million", "1 half"), a single letter ("5 x", "10 m"), or anything but
 # letters follows.
-_NUMBER_WORDS = re.compile(r"\$?\s*(-?(?:(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?|\.\d+))\s*\$?"
+_NUMBER_WORDS = re.compile(r"\$?\s*(-?(?:(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?|\.\d+))\$?"
                            r"((?:[\s'-]+[^\W\d_]{2,})+)\s*\.?")
 _NOT_UNITS = frozenset(
     "pi sqrt ln log exp sin cos tan cot sec csc mod hundred thousand million billion trillion dozen dozens "
-    "half halves third thirds quarter quarters fourth fourths fifths sixths eighths tenths hundredths".split()
+    "half halves third thirds quarter quarters fourth fourths fifth fifths sixth sixths seventh sevenths eighth "
+    "eighths ninth ninths tenth tenths hundredth hundredths squared cubed factorial".split()
 )
 
 
 def strip_unit(s: str | None) -> str | None:
     """``s`` without its unit if it is "number + words" ("10 dollars" -> "10", "$5 each" -> "5"); else ``s``."""
-    if not s:
+    if not s or len(s) > 200:  # a reference with a unit is short; a long text is left as it is
         return s
     m = _NUMBER_WORDS.fullmatch(s.strip())
     if m is None or any(w.lower() in _NOT_UNITS for w in re.findall(r"[^\W\d_]+", m.group(2))):
@@ -192,19 +193,24 @@ def _clean_last_number(text: str) -> str | None:
     return extract_last_number(text)
 
 
-# An explicit answer marker and the number right after it: "answer is" / "answer:" / "answer =" /
-# "final answer" (case-insensitive, whole words), then any of spaces, newlines, Markdown bold/italic marks,
-# ":", "=", "is", "$", "\\(" or "\\[" ("**Answer:** 72", "The answer is **$72**", "Final answer:\n\n18"),
-# then a number or a fraction "a/b". The number must end the expression: when it is followed by an operator
-# and an operand ("5 + 3 = 8", "4 x 3"), by another digit group ("1 234"), directly by a letter, "(", "{", "^"
-# or a LaTeX command ("5x", "2^3"), or by an "=" later in the same sentence ("the final answer is 15 gallons
-# * 8 pints = 120 pints"), the marker yields nothing and the last-number rule decides, as before.
+# An explicit answer marker: "answer is" / "answer:" / "answer =" / "final answer is" / "final answer:" ...
+# (case-insensitive, whole words; the gap after "answer" holds ":", "=", "is" or a line break among spaces,
+# Markdown bold/italic marks, "$", "\\(" or "\\["): "**Answer:** 72", "The answer is **$72**", "Final answer:\n\n18",
+# "**Final answer**\n\n18" (but not "the final answer 3 times"). The last marker decides (``extract_marked``):
+# a later "Final answer: x = 7" or "The final answer is $\\frac{1}{2}$" is not passed over for an earlier
+# marked number.
+# The number must end the expression: when it is followed by an operator and an operand ("5 + 3 = 8", "4 x 3"),
+# by another digit group ("1 234"), directly by a letter, "(", "{", "^" or a LaTeX command ("5x", "2^3"), or by
+# an "=" later in the same sentence ("the final answer is 15 gallons * 8 pints = 120 pints"), the marker yields
+# nothing and the last-number rule decides, as before.
 _ANSWER_MARK = re.compile(
-    r"(?<![^\W\d_])(?:(?P<final>final\s+answer)|answer)(?![^\W\d_])"
-    r"(?P<gap>(?:\s|[*_:=$]|\\[(\[]|(?<![^\W\d_])is(?![^\W\d_]))*)"
-    r"(?<![^\W_])(?<![.,])(?P<sign>-?)(?P<body>(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?|\.\d+)"
-    r"(?:\s*/\s*(?P<den>\d+)(?!\.?\d))?",
+    r"(?<![^\W\d_])(?:final\s+answer|answer)(?![^\W\d_])"
+    r"(?P<gap>(?:\s|[*_:=$]|\\[(\[]|(?<![^\W\d_])is(?![^\W\d_]))*)",
     re.IGNORECASE,
+)
+_MARKED_NUMBER = re.compile(
+    r"(?<![^\W_])(?<![.,])(?P<sign>-?)(?P<body>(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?|\.\d+)"
+    r"(?:\s*/\s*(?P<den>\d+)(?![.,]?\d))?"
 )
 _CONTINUED = re.compile(
     r"[^\W_]|[({^]|\\(?![)\]])"  # glued to a letter, bracket, power or LaTeX command (not "\\)" / "\\]")
@@ -216,18 +222,29 @@ _CONTINUED = re.compile(
 )
 
 
+_PROSE = re.compile(r"[^\W\d_]{2,}")  # a word after a marker: "The answer is clear", "Final Answer: The ..."
+
+
 def extract_marked(text: str) -> str | None:
-    """The number (or fraction "a/b") right after the last explicit answer marker that has one ("The answer
-    is 72", "**Answer:** 72", "Final answer: 18"); None when there is none, or when that number only starts
-    an expression ("The answer is 5 + 3 = 8"). See ``_ANSWER_MARK``."""
-    last = None
-    for m in _ANSWER_MARK.finditer(normalize_minus(text or "")):
-        if m.group("final") or re.search(r"[:=]|is", m.group("gap"), re.IGNORECASE):
-            last = m
-    if last is None or _CONTINUED.match(last.string, last.end()):
-        return None
-    num = _number_text(last.group("sign"), last.group("body"))
-    return num + "/" + last.group("den") if last.group("den") else num
+    """The number (or fraction "a/b") right after the last explicit answer marker ("The answer is 72",
+    "**Answer:** 72", "Final answer: 18"). Markers are read from the last one back: one followed by a word is
+    prose ("The answer is clear", "Final Answer: The ...") and the one before it is read; one followed by anything
+    else that is not a number ("Final answer: x = 7", "is $\\frac{1}{2}$") ends the search with None, as does a
+    number that only starts an expression ("The answer is 5 + 3 = 8"): the last-number rule or math-verify
+    decides there. See ``_ANSWER_MARK``."""
+    text = normalize_minus(text or "")
+    marks = [m for m in _ANSWER_MARK.finditer(text) if re.search(r"[:=\n]|is", m.group("gap"), re.IGNORECASE)]
+    for m in reversed(marks):
+        num = _MARKED_NUMBER.match(text, m.end())
+        if num is None:
+            if _PROSE.match(text, m.end()):
+                continue
+            return None
+        if _CONTINUED.match(text, num.end()):
+            return None
+        out = _number_text(num.group("sign"), num.group("body"))
+        return out + "/" + num.group("den") if num.group("den") else out
+    return None
 
 
 def final_answer(text: str) -> str | None:
@@ -518,7 +535,7 @@ def accuracy_reward(prompts, completions, answer, *, checker: MathChecker | None
 
 _FINAL_LINE = re.compile(
     r"(\\boxed\s*\{|\\fbox\s*\{|####\s*-?[\d$.]"
-    r"|(?:final\s+answer|answer\s*(?:is|:|=))[\s:=$(\\]*-?[\d.\\])",  # one gap class: no cubic backtracking
+    r"|(?:final\s+answer|answer\s*(?:is|:|=))[\s:=$(\\]*-?(?:\d|\.\d|\\))",  # one gap class: no cubic backtracking
     re.IGNORECASE,
 )
 _BOLD = re.compile(r"\*\*|__")  # Markdown bold marks, dropped from the last line before the format check
