@@ -51,6 +51,14 @@ def fast_bf16() -> bool:
     return bf16_matmul_speedup() >= FAST_BF16_SPEEDUP
 
 
+def bf16_probe_decides() -> bool:
+    """Whether ``fast_bf16`` (without SPECROLL_FAST_BF16) is decided by the timed probe, which a loaded machine
+    can read either way: AVX-512 BF16 without AMX. Elsewhere the CPU alone decides it."""
+    return bool(torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()
+                and not getattr(torch.cpu, "_is_amx_tile_supported", lambda: False)()
+                and getattr(torch.cpu, "_is_avx512_bf16_supported", lambda: False)())
+
+
 def bf16_matmul_speedup(rows: int = 256, repeats: int = 25) -> float:
     """fp32 time / bf16 time of one (rows, 576) x (576, 1,536) matmul (SmolLM2's MLP width halved), best of
     ``repeats`` each after a warm-up: ~4x on a Zen 5 EPYC, ~2.2x on a Zen 4 one, ~0.5x on an AVX-512 BF16 Xeon

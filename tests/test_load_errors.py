@@ -513,3 +513,18 @@ def test_written_weights_get_the_umask_mode_not_safetensors_0600(tmp_path):
     f = tmp_path / "w.safetensors"
     write_safetensors(save_file, f, {"x": torch.zeros(2)})
     assert os.stat(f).st_mode & 0o777 == 0o666 & ~_umask()
+
+
+def test_a_filesystem_that_refuses_chmod_does_not_fail_a_good_write(tmp_path, monkeypatch):
+    from safetensors.torch import load_file, save_file
+
+    from specroll.models import hub
+    from specroll.models.decoder import write_safetensors
+
+    def refuse(path):
+        raise PermissionError(1, "Operation not permitted", str(path))
+
+    monkeypatch.setattr(hub, "share_mode", refuse)
+    f = tmp_path / "w.safetensors"
+    write_safetensors(save_file, f, {"x": torch.ones(2)})
+    assert torch.equal(load_file(f)["x"], torch.ones(2))

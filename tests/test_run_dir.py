@@ -306,12 +306,14 @@ def test_clean_partial_saves_removes_dead_writers_temporaries_only(tmp_path):
                           text=True).stdout.strip()
     out = tmp_path / "run"
     fake_run(out, [1], [1])
-    for name in (f".tmp-step_000002-{dead}", f".tmp-step_000003-{os.getpid()}", ".tmp-step_000004-x"):
+    live = os.getppid()  # another process that is running
+    for name in (f".tmp-step_000002-{dead}", f".tmp-step_000003-{live}", ".tmp-step_000004-x",
+                 f".tmp-step_000005-{os.getpid()}"):  # this process's own: it is writing nothing yet
         (out / name).mkdir()
         (out / name / "model.safetensors").write_bytes(b"0" * 10)
     gone = ckpt.clean_partial_saves(out)
-    assert [p.name for p in gone] == [f".tmp-step_000002-{dead}"]
-    assert sorted(p.name for p in out.glob(".tmp-*")) == [f".tmp-step_000003-{os.getpid()}", ".tmp-step_000004-x"]
+    assert sorted(p.name for p in gone) == [f".tmp-step_000002-{dead}", f".tmp-step_000005-{os.getpid()}"]
+    assert sorted(p.name for p in out.glob(".tmp-*")) == [f".tmp-step_000003-{live}", ".tmp-step_000004-x"]
     assert [p.name for p in ckpt.list_checkpoints(out)] == ["step_000001"]
 
 
@@ -341,10 +343,12 @@ def test_a_prune_killed_mid_delete_leaves_nothing_that_outlives_the_next_resume(
                           text=True).stdout.strip()
     (out / f".del-step_000001-{os.getpid()}").rename(out / f".del-step_000001-{dead}")
     (out / f".old-step_000003-{dead}").mkdir()
-    (out / f".old-step_000003-{os.getpid()}").mkdir()  # a live process's: left alone
+    (out / f".old-step_000003-{os.getppid()}").mkdir()  # a live process's: left alone
+    (out / f".old-step_000004-{dead}").mkdir()  # killed between a re-save's renames: step 4's only copy, kept
     gone = ckpt.clean_partial_saves(out)
     assert sorted(p.name for p in gone) == [f".del-step_000001-{dead}", f".old-step_000003-{dead}"]
-    assert sorted(p.name for p in out.glob(".*-step_*")) == [f".old-step_000003-{os.getpid()}"]
+    assert sorted(p.name for p in out.glob(".*-step_*")) == [f".old-step_000003-{os.getppid()}",
+                                                             f".old-step_000004-{dead}"]
     assert [p.name for p in ckpt.list_checkpoints(out)] == ["step_000002", "step_000003"]
 
 

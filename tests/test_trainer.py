@@ -2,6 +2,7 @@
 
 import json
 import math
+import os
 from pathlib import Path
 
 import pytest
@@ -615,6 +616,7 @@ def test_a_resume_keeps_the_bf16_decision_the_run_started_with(tmp_path, capsys,
             raise Built
 
         monkeypatch.setattr(run, "build_trainer", stop)
+        monkeypatch.setattr(device, "bf16_probe_decides", lambda: True)  # an AVX-512 BF16 CPU without AMX
         with pytest.raises(Built):
             main(["train", "--resume", "latest", "--out", str(out), "train.steps=2"])
         assert seen == [True]
@@ -626,5 +628,12 @@ def test_a_resume_keeps_the_bf16_decision_the_run_started_with(tmp_path, capsys,
         with pytest.raises(Built):
             main(["train", "--resume", "latest", "--out", str(out), "train.steps=2"])
         assert seen == [True, False]
+        # a CPU that decides without the probe keeps its own decision (a recorded "on" may come from another CPU)
+        monkeypatch.delenv("SPECROLL_FAST_BF16")
+        monkeypatch.setattr(device, "bf16_probe_decides", lambda: False)
+        device.fast_bf16.cache_clear()
+        with pytest.raises(Built):
+            main(["train", "--resume", "latest", "--out", str(out), "train.steps=2"])
+        assert "SPECROLL_FAST_BF16" not in os.environ and "resume: bf16" not in capsys.readouterr().out
     finally:
         device.fast_bf16.cache_clear()

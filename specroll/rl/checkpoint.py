@@ -327,19 +327,22 @@ def restore_row(run_dir: str | Path, ck: str | Path, step: int) -> bool:
 def clean_partial_saves(run_dir: str | Path) -> list[Path]:
     """Remove what a killed process's checkpoint writes and prunes left behind (a live PID's are left alone):
     ``.tmp-step_N-PID`` (a write in progress: never a checkpoint), ``.del-step_N-PID`` (a pruned checkpoint being
-    deleted) and ``.old-step_N-PID`` (a re-saved step's previous copy, swapped out; the resume has already picked
-    its checkpoint from the complete step_* directories). Returns what it removed."""
+    deleted) and ``.old-step_N-PID`` (a re-saved step's previous copy, swapped out; kept while step_N is missing,
+    as the step's only complete copy). The current process's PID counts as dead. Returns what it removed."""
     gone = []
     run_dir = Path(run_dir)
     for p in sorted([*run_dir.glob(".tmp-step_*-*"), *run_dir.glob(".del-step_*-*"), *run_dir.glob(".old-step_*-*")]):
         try:
             pid = int(p.name.rsplit("-", 1)[1])
-            os.kill(pid, 0)
-            continue  # that process is still running (and may be writing it)
+            if pid != os.getpid():  # this process writes nothing yet (a container may reuse a dead run's PID)
+                os.kill(pid, 0)
+                continue  # that process is still running (and may be writing it)
         except ProcessLookupError:
             pass
         except (ValueError, PermissionError):
             continue
+        if p.name.startswith(".old-") and not (run_dir / p.name.split("-")[1]).exists():
+            continue  # a re-save killed between its two renames: this is the step's only complete copy
         shutil.rmtree(p, ignore_errors=True)
         gone.append(p)
     return gone

@@ -129,7 +129,7 @@ class DataConfig:
             raise DataError("data.eval_path and data.eval_fraction are exclusive; set one")
         if self.task == "arithmetic" and self.eval_fraction is not None:
             raise DataError("data.eval_fraction holds out a share of a data.path file; the built-in task's eval "
-                            "split is data.n_eval problems (set that instead)")
+                            "split is data.n_eval problems (set that instead, and data.eval_fraction=null)")
         for name in ("question_field", "answer_field"):
             if not isinstance(getattr(self, name), str) or not getattr(self, name):
                 raise DataError(f"data.{name} must be a non-empty column name, got {getattr(self, name)!r}")

@@ -230,9 +230,11 @@ def _keep_precision(ck: Path) -> str | None:
     """A resume decides the ``auto`` precisions (``model.rollout_dtype``, ``train.bf16``, ``draft.bf16``) as the
     run did: where the checkpoint's state.json records the bf16 decision (``device.fast_bf16``, a timed probe on
     AVX-512 BF16 CPUs that a loaded machine can read either way), it becomes this process's, unless
-    SPECROLL_FAST_BF16 is set. Returns the line to print, or None."""
-    if os.environ.get("SPECROLL_FAST_BF16", "").strip():
-        return None
+    SPECROLL_FAST_BF16 is set or this CPU decides it without the probe. Returns the line to print, or None."""
+    from ..device import bf16_probe_decides
+
+    if os.environ.get("SPECROLL_FAST_BF16", "").strip() or not bf16_probe_decides():
+        return None  # the user's choice, or a CPU that decides it alone (a recorded "on" may come from another)
     try:
         state = json.loads((ck / "state.json").read_text())
     except (OSError, ValueError):
