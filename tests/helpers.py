@@ -160,3 +160,21 @@ class KernelSpy:
             return f(*a, **k)
 
         return counted
+
+
+def full_disk_torch_save(real_save, hits, write_partial: bool = False):
+    """A ``torch.save`` stand-in that fails, on the paths for which ``hits(path)`` is true, the way torch's does on
+    a full disk: a RuntimeError raised while handling another, with no errno. ``write_partial`` first writes the
+    real file (a partial file left in the temporary directory)."""
+
+    def save(obj, f, *a, **k):
+        if hits(str(f)):
+            if write_partial:
+                real_save(obj, f, *a, **k)
+            try:
+                raise RuntimeError("basic_ios::clear: iostream error")
+            except RuntimeError:
+                raise RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 85632 vs 85520")  # noqa: B904 (torch chains it so)
+        return real_save(obj, f, *a, **k)
+
+    return save

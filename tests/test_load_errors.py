@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers import full_disk_torch_save
 
 from specroll.cli import main
 from specroll.rl import checkpoint as ckpt
@@ -418,18 +419,8 @@ def test_torch_save_on_a_full_disk_is_one_line_and_leaves_no_temporary(tmp_path,
     write error names the checkpoint, the file, the reason and the fix, and the temporary directory is gone."""
     parts = _write_parts()
     first = ckpt.save_checkpoint(tmp_path, 2, **parts)
-    real_save = torch.save
-
-    def full_disk_save(obj, f, *a, **k):
-        if str(f).endswith(name):
-            real_save(obj, f, *a, **k)  # a real partial file in the temporary directory
-            try:
-                raise RuntimeError("basic_ios::clear: iostream error")
-            except RuntimeError:
-                raise RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 85632 vs 85520")  # noqa: B904 (torch chains it so)
-        return real_save(obj, f, *a, **k)
-
-    monkeypatch.setattr(ckpt.torch, "save", full_disk_save)
+    monkeypatch.setattr(ckpt.torch, "save", full_disk_torch_save(torch.save, lambda f: f.endswith(name),
+                                                                   write_partial=True))
     for free, reason in ((1000, "No space left on device"), (10 << 30, "write failed (disk full?)")):
         monkeypatch.setattr(ckpt.shutil, "disk_usage", lambda p, free=free: shutil._ntuple_diskusage(20 << 30, 0, free))
         with pytest.raises(OSError) as e:

@@ -6,6 +6,7 @@ import json
 from pathlib import Path
 
 import pytest
+from helpers import full_disk_torch_save
 
 from specroll.cli import main
 from specroll.rl import checkpoint as ckpt
@@ -782,17 +783,8 @@ def test_a_full_disk_in_torch_save_is_one_line_and_leaves_no_temporary(tmp_path,
 
     monkeypatch.delenv("SPECROLL_DEBUG", raising=False)
     out = tmp_path / "run"
-    real_save = torch.save
-
-    def full_disk_save(obj, f, *a, **k):
-        if str(f).endswith("optimizer.pt") and "step_000002" in str(f):
-            try:
-                raise RuntimeError("basic_ios::clear: iostream error")
-            except RuntimeError:
-                raise RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 85632 vs 85520")  # noqa: B904 (torch chains it so)
-        return real_save(obj, f, *a, **k)
-
-    monkeypatch.setattr(ckpt.torch, "save", full_disk_save)
+    monkeypatch.setattr(ckpt.torch, "save", full_disk_torch_save(
+        torch.save, lambda f: f.endswith("optimizer.pt") and "step_000002" in f))
     monkeypatch.setattr(ckpt.shutil, "disk_usage", lambda p: sh._ntuple_diskusage(20 << 30, 20 << 30, 4096))
     assert main(["train", "--out", str(out), "train.steps=3", "train.save_every=1", *TINY]) == 2
     err = error_line(capsys.readouterr().err)
