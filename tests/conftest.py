@@ -6,6 +6,7 @@
 - ``smollm2`` (session): (Decoder, tokenizer, dir) of the real SmolLM2-135M-Instruct. It lives in the
   *real* cache (``$SPECROLL_HOME`` as set before pytest started, else ``~/.cache/specroll``), so it is
   pulled once per machine (about 40 s) and reloaded in about a second afterwards.
+- ``keep_fast_bf16`` (autouse): SPECROLL_FAST_BF16 as it was before each test (an in-process resume sets it).
 - ``tiny``: a function ``tiny(arch, seed=0, **config_overrides) -> (Decoder, tokenizer, hf_model)``;
   the decoder and the transformers model hold the same random weights.
 """
@@ -32,6 +33,23 @@ def specroll_home(tmp_path_factory):
         os.environ.pop("SPECROLL_HOME", None)
     else:
         os.environ["SPECROLL_HOME"] = old
+
+
+@pytest.fixture(autouse=True)
+def keep_fast_bf16():
+    """A resume run in-process (``main(["train", "--resume", ...])``) sets SPECROLL_FAST_BF16 to the decision its
+    checkpoint recorded, as its process should (``run._keep_precision``); here the process is the test session,
+    so the variable and ``device.fast_bf16``'s cached answer are put back after each test."""
+    before = os.environ.get("SPECROLL_FAST_BF16")
+    yield
+    if os.environ.get("SPECROLL_FAST_BF16") != before:
+        if before is None:
+            os.environ.pop("SPECROLL_FAST_BF16", None)
+        else:
+            os.environ["SPECROLL_FAST_BF16"] = before
+        from specroll import device
+
+        device.fast_bf16.cache_clear()
 
 
 @pytest.fixture(scope="session")
