@@ -430,7 +430,13 @@ def test_adaptive_plan_profiles_once_and_uses_the_budget():
         assert isinstance(tuned.plan_fn, TunedPlanner) and tuned.plan_fn.candidates == cands
         assert tuned.max_plan == tuned.plan_fn.max_plan
         budget = d if extra else chain
-        assert all(tuned.plan_fn(b) == budget.plan_fn(b) for b in (1, 2, 5, 40))
+        # each live-batch size starts at the budget's plan, or, where that is no candidate (trees at some C_peak:
+        # the profile is measured, so C_peak varies by machine and load), at the candidate nearest it
+        for b in (1, 2, 5, 40):
+            want, got = budget.plan_fn(b), tuned.plan_fn(b)
+            assert got in cands
+            assert abs(got.n_verify - want.n_verify) == min(abs(c.n_verify - want.n_verify) for c in cands)
+            assert want not in cands or got == want
 
 
 @pytest.mark.parametrize("override,msg", [
