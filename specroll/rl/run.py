@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import contextlib
 import itertools
-import json
 import logging
 import math
 import os
@@ -236,14 +235,14 @@ def _keep_precision(ck: Path) -> str | None:
     if os.environ.get("SPECROLL_FAST_BF16", "").strip() or not bf16_probe_decides():
         return None  # the user's choice, or a CPU that decides it alone (a recorded "on" may come from another)
     try:
-        state = json.loads((ck / "state.json").read_text())
+        fast = ckpt.read_state(ck).state.get("fast_bf16")
     except (OSError, ValueError):
         return None  # the resume itself says what is wrong with the checkpoint
-    if not isinstance(state, dict) or not isinstance(state.get("fast_bf16"), bool):
+    if not isinstance(fast, bool):
         return None
-    os.environ["SPECROLL_FAST_BF16"] = str(int(state["fast_bf16"]))
+    os.environ["SPECROLL_FAST_BF16"] = str(int(fast))
     fast_bf16.cache_clear()
-    return (f"resume: bf16 arithmetic {'on' if state['fast_bf16'] else 'off'} where a precision is auto, as when "
+    return (f"resume: bf16 arithmetic {'on' if fast else 'off'} where a precision is auto, as when "
             f"{ck.name} was saved (SPECROLL_FAST_BF16=0/1 overrides)")
 
 
