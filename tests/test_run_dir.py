@@ -712,6 +712,30 @@ def test_eval_checkpoint_refuses_overrides_that_score_its_training_rows(tmp_path
     assert len(held) == 2 and sub == held[:1] and len(other) == 3
 
 
+def test_eval_n_eval_caps_a_fraction_runs_held_out_rows(tmp_path, capsys, monkeypatch):
+    """A run that held out data.eval_fraction of its file: `eval --checkpoint RUN data.n_eval=N` ignored N (the
+    fraction decides the split) and scored every held-out row. N now caps the rows scored, a subset of the
+    held-out ones; an N above them scores them all and says so."""
+    monkeypatch.delenv("SPECROLL_DEBUG", raising=False)
+    f = tmp_path / "gsm.jsonl"
+    f.write_text(_gsm_rows(12, "row"))
+    out = tmp_path / "run"
+    assert main(["train", "--out", str(out), "train.steps=1", f"data.path={f}", "data.answer_format=gsm8k",
+                 *TINY, "data.eval_fraction=0.25"]) == 0, capsys.readouterr().err
+    capsys.readouterr()
+    sets = _scored(monkeypatch)
+    assert main(["eval", "--checkpoint", str(out)]) == 0, capsys.readouterr().err
+    assert main(["eval", "--checkpoint", str(out), "data.n_eval=2"]) == 0, capsys.readouterr().err
+    assert "on 2 problems" in capsys.readouterr().out
+    assert main(["eval", "--checkpoint", str(out), "data.n_eval=9"]) == 0, capsys.readouterr().err
+    said = capsys.readouterr().out
+    assert "data.n_eval=9: the eval split (data.eval_fraction=0.25) holds 3 problems" in " ".join(said.split()), said
+    (_, held), (_, sub), (_, big) = sets
+    assert len(held) == 3 and sub == held[:2] and big == held
+    assert main(["eval", "--checkpoint", str(out), "data.n_eval=0"]) == 2
+    assert "data.n_eval=0 selects no eval problems" in one_line_error(capsys)
+
+
 def test_eval_help_does_not_suggest_widening_the_held_out_rows(capsys):
     """`specroll eval --help` gave data.n_eval=128 as its example override: with --checkpoint, the one that scores
     training rows of a file run."""

@@ -547,6 +547,16 @@ def eval_cli(args) -> int:
         base = str(ck / "config.yaml")
     cfg = load_config(base, None, list(args.overrides) + ([f"model.name={args.model}"] if args.model else []))
     examples = load_examples(cfg.data, "eval", one_answer=one_answer_needed(cfg.reward.funcs))  # before the model
+    if cfg.data.eval_fraction is not None and any(o.split("=", 1)[0].strip() == "data.n_eval" for o in args.overrides):
+        # the run held out a share of its file (data.eval_fraction, which wins over data.n_eval in the split):
+        # here data.n_eval caps how many of those held-out rows are scored
+        if cfg.data.n_eval < 1:
+            raise CliError(f"data.n_eval={cfg.data.n_eval} selects no eval problems: set data.n_eval >= 1")
+        if cfg.data.n_eval < len(examples):
+            examples = type(examples)(examples[: cfg.data.n_eval], examples.split, examples.held_out, examples.source)
+        else:
+            console.print(f"data.n_eval={cfg.data.n_eval}: the eval split (data.eval_fraction="
+                          f"{cfg.data.eval_fraction:g}) holds {len(examples)} problems; scoring all of them")
     if not examples:
         raise CliError(f"data.n_eval={cfg.data.n_eval} selects no eval problems: set data.n_eval >= 1 (e.g. "
                        "data.n_eval=64)" if cfg.data.n_eval < 1 else "the eval split is empty")
