@@ -3,6 +3,7 @@ would mix the metrics and prune the new checkpoints), the default name never col
 latest` finds the run through `train.out_dir` too, and a bad `--out` is a one-line error."""
 
 import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -861,3 +862,71 @@ def test_resume_into_a_read_only_run_directory_says_so_and_records_nothing(tmp_p
     assert error_line(said.err) == (f"specroll: error: cannot write {out / 'config.yaml'}: Permission denied; make {out} "
                                 "writable, or resume into a new --out"), said.err
     assert snapshot(out) == before
+
+
+def test_a_run_stopped_before_its_first_checkpoint_trains_again_from_step_0(tmp_path, capsys, monkeypatch):
+    """With train.save_every=0 (the default) a run killed before its end (SIGKILL, out of memory, a second
+    Ctrl-C) holds config.yaml and metrics rows but no checkpoint: --resume said "no checkpoint found" and a fresh
+    run into the directory was refused, so the run's config was lost with the directory. --resume now trains it
+    again from step 0 under its config.yaml, setting the old rows aside, and ends where the uninterrupted run did."""
+    monkeypatch.delenv("SPECROLL_DEBUG", raising=False)
+    out = tmp_path / "run"
+    tiny = [a for a in TINY if a != "train.eval_before=false"]  # the step-0 eval row must not be duplicated
+    assert main(["train", "--out", str(out), "train.steps=2", "train.lr=1e-3", *tiny]) == 0, capsys.readouterr().err
+    done = out / "step_000002"
+    weights = {p.name: p.read_bytes() for p in done.iterdir() if p.suffix == ".safetensors"}
+    rows = (out / "metrics.jsonl").read_text().splitlines()
+    assert weights and [json.loads(r)["step"] for r in rows] == [0, 1, 2]
+    # killed during step 2: its checkpoint and its row never written, a checkpoint write left half done
+    shutil.rmtree(done)
+    (out / "metrics.jsonl").write_text("\n".join(rows[:2]) + "\n")
+    (out / ".tmp-step_000002-999999").mkdir()
+    capsys.readouterr()
+    assert main(["train", "--out", str(out), *TINY]) == 2  # a fresh run is still refused, and says what to do
+    err = one_line_error(capsys)
+    assert f"no checkpoint: train that run again from step 0 under its config.yaml with --resume latest --out {out}" in err
+    assert main(["train", "--resume", "latest", "--out", str(out)]) == 0, capsys.readouterr().err
+    said = " ".join(capsys.readouterr().out.split())
+    assert f"{out} has no checkpoint (the run stopped before its first; train.save_every=N saves every N steps): " \
+           "training it again from step 0 under its config.yaml" in said, said
+    assert "moved 2 metrics row(s)" in said and "removed .tmp-step_000002-999999" in said
+    again = (out / "metrics.jsonl").read_text().splitlines()
+    assert [json.loads(r)["step"] for r in again] == [0, 1, 2]
+    for a, b in zip(rows, again):  # the same run: its rewards and losses, step for step
+        a, b = json.loads(a), json.loads(b)
+        assert {k: v for k, v in a.items() if not k.startswith("timing/") and k != "time"} == \
+               {k: v for k, v in b.items() if not k.startswith("timing/") and k != "time"}
+    assert {p.name: p.read_bytes() for p in done.iterdir() if p.suffix == ".safetensors"} == weights
+    assert (out / "superseded-restart" / "metrics.jsonl").read_text().splitlines() == rows[:2]
+    assert not (out / ".tmp-step_000002-999999").exists()
+
+
+def test_a_directory_in_use_by_a_live_run_is_refused(tmp_path, capsys, no_model):
+    """No lock kept a second command out of a run directory while a run trained in it: `--resume latest`
+    (now also the restart of a run with no checkpoint yet) set the live run's metrics rows aside and trained
+    beside it. The training process holds an flock on the directory; the kernel drops it when the process dies."""
+    out = tmp_path / "run"
+    fake_run(out, [], [1, 2])
+    before = snapshot(out)
+    live = run.RunLock(out)  # the run training in it
+    try:
+        assert live.fd is not None
+        assert main(["train", "--resume", "latest", "--out", str(out)]) == 2
+        err = one_line_error(capsys)
+        assert f"{out} is in use: another specroll train is running in it" in err and "pick another --out" in err
+        assert snapshot(out) == before and no_model == []
+        empty = tmp_path / "empty"
+        empty.mkdir()
+        other = run.RunLock(empty)  # a fresh run's directory too, before it has written its config.yaml
+        assert main(["train", "--out", str(empty), *TINY]) == 2
+        assert f"{empty} is in use" in one_line_error(capsys) and list(empty.iterdir()) == []
+        other.release()
+    finally:
+        live.release()
+    with pytest.raises(ModelLoaded):  # the run has stopped: the restart goes ahead
+        main(["train", "--resume", "latest", "--out", str(out)])
+    assert no_model == [out]
+    # the command released its own lock: the directory is free again
+    again = run.RunLock(out)
+    assert again.fd is not None
+    again.release()

@@ -255,7 +255,9 @@ def set_aside_later(run_dir: str | Path, step: int) -> str | None:
     under) into ``run_dir/superseded-after-step_NNNNNN[-k]/``, so the redone steps neither duplicate rows nor
     replace those checkpoints, and ``--resume latest`` cannot pick up the abandoned branch. A partial last
     metrics line (the run stopped while writing it) is dropped so the next row starts on a line of its own.
-    Returns a one-line account for the console, or None when there was nothing to do."""
+    ``step`` -1: a run started again from its beginning (no checkpoint), which sets everything aside, into
+    ``superseded-restart[-k]/``. Returns a one-line account for the console, or None when there was nothing
+    to do."""
     from .metrics import split_after
 
     run_dir = Path(run_dir)
@@ -266,7 +268,7 @@ def set_aside_later(run_dir: str | Path, step: int) -> str | None:
     kept, moved, partial = split_after(metrics, step) if metrics.is_file() else (b"", b"", b"")
     said = []
     if later or moved:
-        base = run_dir / f"superseded-after-step_{step:06d}"
+        base = run_dir / (f"superseded-after-step_{step:06d}" if step >= 0 else "superseded-restart")
         dest, k = base, 1
         while dest.exists():
             k += 1

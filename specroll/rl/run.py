@@ -124,13 +124,70 @@ def _taken(run_dir: Path, found: list[str]) -> str:
     if ckpt.list_checkpoints(run_dir):
         return (f"{run_dir} already holds a run ({', '.join(found)}): continue it with "
                 f"--resume latest --out {run_dir}, or start afresh in another --out (or delete {run_dir})")
+    if (run_dir / "config.yaml").is_file():
+        return (f"{run_dir} already holds a run's files ({', '.join(found)}) but no checkpoint: train that run "
+                f"again from step 0 under its config.yaml with --resume latest --out {run_dir}, or start afresh in "
+                f"another --out (or delete {run_dir})")
     return (f"{run_dir} already holds a run's files ({', '.join(found)}) but no checkpoint to resume: "
             f"pick another --out (or delete {run_dir})")
 
 
-def _claim_run_dir(out: str | None, how: str, config_yaml: str) -> tuple[Path, Path | None]:
-    """The run directory of a fresh run, claimed by writing its ``config.yaml`` (exclusive create, so
-    two runs never share one). Returns (directory, the outermost directory created for it, or None).
+class RunLock:
+    """An exclusive lock on a run directory for as long as one process trains in it (``flock`` on the directory
+    itself: no lock file to leave behind, and the kernel drops it when the process dies, even by SIGKILL). A
+    second ``train`` or ``--resume`` into the directory is refused while the first runs. Where the filesystem
+    has no flock (some network mounts), nothing is locked."""
+
+    def __init__(self, run_dir: Path):
+        from ..cli import CliError
+
+        self.fd = None
+        try:
+            import fcntl
+        except ImportError:  # not POSIX
+            return
+        try:
+            fd = os.open(run_dir, os.O_RDONLY)
+        except OSError:
+            return  # the run's own writes report an unusable directory
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            raise CliError(f"{run_dir} is in use: another specroll train is running in it (a run or a resume); "
+                           "wait for it to finish or stop it, or pick another --out") from None
+        except OSError:
+            os.close(fd)
+            return
+        self.fd = fd
+
+    def release(self) -> None:
+        if self.fd is not None:
+            os.close(self.fd)  # closing the descriptor drops the lock
+            self.fd = None
+
+
+def _not_started(resume: str, out: str | None) -> Path | None:
+    """For a ``--resume`` that names no checkpoint: the start of the run (``DIR/step_000000``, which does not
+    exist) when the directory it names holds a run's config.yaml and no checkpoint, i.e. a run stopped before its
+    first checkpoint (with ``train.save_every=0``, the default, one killed before its end). Else None."""
+    base = Path(out) if str(resume) == "latest" else Path(resume)
+    if out is None and str(resume) == "latest":
+        return None
+    if (base / "config.yaml").is_file() and not ckpt.list_checkpoints(base):
+        return base / "step_000000"
+    return None
+
+
+def _from_start(ck: Path) -> bool:
+    """Whether a resolved ``--resume`` point is ``_not_started``'s start of the run rather than a checkpoint."""
+    return not (ck / "state.json").is_file()
+
+
+def _claim_run_dir(out: str | None, how: str, config_yaml: str) -> tuple[Path, Path | None, RunLock]:
+    """The run directory of a fresh run, locked (``RunLock``) and claimed by writing its ``config.yaml``
+    (exclusive create, so two runs never share one). Returns (directory, the outermost directory created for
+    it or None, the lock).
 
     ``out`` (``--out`` or ``train.out_dir``) may be new or an empty directory; one holding an earlier
     run is refused, as a new run would mix its metrics into the old ones and prune its checkpoints.
@@ -141,8 +198,10 @@ def _claim_run_dir(out: str | None, how: str, config_yaml: str) -> tuple[Path, P
         run_dir = Path(out)
         created = _first_missing(run_dir)
         _mkdir(run_dir, how)
+        lock = RunLock(run_dir)
         found = _previous_run(run_dir)
         if found:
+            lock.release()
             raise CliError(_taken(run_dir, found))
     else:
         stamp = Path("runs") / time.strftime("%Y%m%d-%H%M%S")
@@ -154,12 +213,14 @@ def _claim_run_dir(out: str | None, how: str, config_yaml: str) -> tuple[Path, P
                 break
             except FileExistsError:
                 continue
+        lock = RunLock(run_dir)
     try:
         with open(run_dir / "config.yaml", "x") as f:
             f.write(config_yaml)
-    except FileExistsError:  # another run claimed it since the check above
+    except FileExistsError:  # another run claimed it since the check above (where flock is unavailable)
+        lock.release()
         raise CliError(_taken(run_dir, _previous_run(run_dir))) from None
-    return run_dir, created
+    return run_dir, created, lock
 
 
 def _release_run_dir(run_dir: Path, created: Path | None) -> None:
@@ -369,16 +430,32 @@ def _run_config(args, given: Config | None = None) -> tuple[Config, Path | None,
     resume = getattr(args, "resume", None)
     if not resume:
         return given, None, given
-    ck = ckpt.resolve(resume, _out_dir(args, given)[0])
+    out = _out_dir(args, given)[0]
+    try:
+        ck = ckpt.resolve(resume, out)
+    except FileNotFoundError:
+        ck = _not_started(resume, out)
+        if ck is None:
+            raise
     base = args.config
     if base is None and args.preset is None:
-        base = str(ck / "config.yaml")
+        base = str((ck.parent if _from_start(ck) else ck) / "config.yaml")
     return given, ck, load_config(base, args.preset, args.overrides)
 
 
 def _train_ranks(args, d) -> int:
     """``train_cli`` in one process of ``d`` (the only one without data parallel). Rank 0 owns the run
-    directory, the console and the files; the other ranks follow it."""
+    directory, the console and the files, and locks the directory while it trains (``RunLock``); the other
+    ranks follow it."""
+    held: list[RunLock] = []
+    try:
+        return _train_in(args, d, held)
+    finally:
+        for lock in held:
+            lock.release()
+
+
+def _train_in(args, d, held: list) -> int:
     from ..cli import CliError
     from .metrics import summary_table
 
@@ -399,6 +476,7 @@ def _train_ranks(args, d) -> int:
         if d.main:
             created = _first_missing(run_dir)
             _mkdir(run_dir, how)
+            held.append(RunLock(run_dir))
             other = _previous_run(run_dir) if run_dir.resolve() != ck.parent.resolve() else []
             if other:  # resuming into another run's directory would mix the runs' metrics and prune its checkpoints
                 raise CliError(f"{how} {run_dir} holds another run ({', '.join(other)}), not the one "
@@ -407,7 +485,8 @@ def _train_ranks(args, d) -> int:
         cfg = given
         if d.main:  # refuse a directory holding an earlier run before the model loads, so the error is instant
             try:
-                run_dir, created = _claim_run_dir(out, how, yaml.safe_dump(cfg.to_dict(), sort_keys=False))
+                run_dir, created, lock = _claim_run_dir(out, how, yaml.safe_dump(cfg.to_dict(), sort_keys=False))
+                held.append(lock)
             except CliError:
                 d.gather(None)  # release the other ranks (they stop quietly) before the error is printed
                 raise
@@ -422,9 +501,14 @@ def _train_ranks(args, d) -> int:
         run_dir = Path(shared)
     try:
         trainer = build_trainer(cfg, run_dir, console, dist=d)
-        if resume:
+        if resume and _from_start(ck):
+            step = -1  # set_aside_later moves every metrics row, the step-0 eval's too: the run starts again
+            console.print(f"{ck.parent} has no checkpoint (the run stopped before its first; train.save_every=N "
+                          "saves every N steps): training it again from step 0 under its config.yaml")
+        elif resume:
             step = trainer.resume(ck)
             console.print(f"resumed from {ck} at step {step}")
+        if resume:
             if step >= cfg.train.steps:
                 raise CliError(f"{ck} is already at step {step} >= train.steps={cfg.train.steps}; "
                                f"raise it (e.g. train.steps={step + 10}) to continue")
@@ -433,7 +517,7 @@ def _train_ranks(args, d) -> int:
                     aside = ckpt.set_aside_later(run_dir, step)
                     if aside:
                         console.print(f"resume: {aside}")
-                    if ckpt.restore_row(run_dir, ck, step):
+                    if step >= 0 and ckpt.restore_row(run_dir, ck, step):
                         console.print(f"resume: metrics.jsonl had no row for step {step} (the run stopped right "
                                       f"after its checkpoint); restored it from {ck.name}/state.json")
                     for p in ckpt.clean_partial_saves(run_dir):
