@@ -91,7 +91,8 @@ def _generate(sub):
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--top-k", type=int, default=0)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"])
+    p.add_argument("--dtype", default=None, choices=["auto", "float32", "bfloat16"],
+                   help="rollout precision (default: auto, or with --checkpoint the run's model.rollout_dtype)")
     p.add_argument("--json", action="store_true", help="print one JSON object per completion")
     p.add_argument("--draft", default=None, help="speculate with this EAGLE draft head directory (`specroll draft "
                    "train --out DIR`, or a run's draft_head/): the same distribution as plain sampling, fewer forwards")

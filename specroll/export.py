@@ -25,11 +25,16 @@ META_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokeni
               "chat_template.jinja")
 
 
-def run_model_name(checkpoint_dir: Path) -> str:
-    """The ``model.name`` of the run a resolved checkpoint directory belongs to (its saved config)."""
+def run_config(checkpoint_dir: Path):
+    """The config of the run a resolved checkpoint directory belongs to (its saved config.yaml)."""
     from .config import load_config
 
-    return load_config(str(Path(checkpoint_dir) / "config.yaml")).model.name
+    return load_config(str(Path(checkpoint_dir) / "config.yaml"))
+
+
+def run_model_name(checkpoint_dir: Path) -> str:
+    """The ``model.name`` of the run a resolved checkpoint directory belongs to (its saved config)."""
+    return run_config(checkpoint_dir).model.name
 
 
 def checkpoint_policy(checkpoint: str | Path, model: str | None = None, dtype=None):

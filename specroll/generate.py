@@ -21,6 +21,7 @@ import time
 import torch
 
 from .cli import CliError, as_option_error
+from .device import resolve_dtype_name
 from .engine.engine import Engine
 from .engine.sampling import SamplingParams
 
@@ -59,16 +60,20 @@ def cli(args) -> int:
                                 max_new_tokens=args.max_new_tokens, seed=args.seed)
     except ValueError as e:  # "SamplingParams.top_k must be ..." -> "--top-k must be ..."
         raise as_option_error(e, "SamplingParams") from None
-    dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[args.dtype]
     name = args.model or hub.DEFAULT_MODEL  # the model's name: the key of its C_peak profile
     if getattr(args, "checkpoint", None):
-        from .export import checkpoint_policy, run_model_name
+        from .export import checkpoint_policy, run_config
 
         ck, model, tok, base = checkpoint_policy(args.checkpoint, args.model)
-        name = args.model or run_model_name(ck)
+        run = run_config(ck)
+        name = args.model or run.model.name
+        if args.dtype is None:  # the precision the run's rollouts sampled in
+            args.dtype = run.model.rollout_dtype
     else:
         base = hub.resolve(name)
         model, tok = hub.load(base, torch.float32)
+    args.dtype = resolve_dtype_name(args.dtype or "auto")
+    dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[args.dtype]
     engine = Engine(model, eos_ids=hub.eos_ids(tok, base), dtype=dtype)
     drafter = None
     if getattr(args, "draft", None):

@@ -166,3 +166,21 @@ def test_export_write_errors_name_out_and_the_fix_not_the_temporary(run_dir, tmp
     err = error_line(capsys.readouterr().err)
     assert err == (f"specroll: error: cannot write --out {tmp_path / 'hf2'} (Permission denied); nothing was "
                    "written; make its folder writable or pick another --out"), err
+
+
+def test_generate_from_a_checkpoint_samples_in_the_runs_rollout_dtype(run_dir, capsys, monkeypatch):
+    """`generate --checkpoint RUN` took --dtype auto (bf16 on a CPU where bf16 is fast) whatever precision the run
+    sampled its rollouts in; without --dtype it now takes the run's model.rollout_dtype (float32 here), and
+    --dtype still wins. Without --checkpoint the default stays auto."""
+    from specroll.device import fast_bf16
+
+    monkeypatch.setenv("SPECROLL_FAST_BF16", "1")  # auto = bfloat16 here, whatever this CPU is
+    fast_bf16.cache_clear()
+    args = ["--prompt", "What is 2 + 3?", "--max-new-tokens", "2"]
+    for given, want in [([], "float32"), (["--dtype", "bfloat16"], "bfloat16"), (["--dtype", "auto"], "bfloat16")]:
+        assert main(["generate", "--checkpoint", str(run_dir), *args, *given]) == 0
+        out = capsys.readouterr()
+        assert f"tok/s, {want})" in out.out + out.err, (given, out)
+    assert main(["generate", "--model", "tiny-llama", *args]) == 0
+    out = capsys.readouterr()
+    assert "tok/s, bfloat16)" in out.out + out.err, out
