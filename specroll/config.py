@@ -462,12 +462,17 @@ def _merge(base: dict, update: dict, source: str, lines: dict | None = None, ori
     return base
 
 
+def override_key(text: str) -> str:
+    """The dotted key of a ``key=value`` override: "rollout.G=4" -> "rollout.G"."""
+    return text.split("=", 1)[0].strip()
+
+
 def parse_override(text: str) -> dict:
     """``"train.lr=1e-6"`` -> ``{"train": {"lr": 1e-6}}`` (the value is parsed as YAML)."""
     if "=" not in text:
         raise ValueError(f"override {text!r} must look like section.key=value (e.g. train.lr=1e-6)")
-    key, raw = text.split("=", 1)
-    parts = key.strip().split(".")
+    key, raw = override_key(text), text.split("=", 1)[1]
+    parts = key.split(".")
     if len(parts) != 2 or not all(parts):
         raise ValueError(f"override key {key!r} must be section.key, e.g. train.lr (sections: {sorted(SECTIONS)})")
     fld = _field(*parts)

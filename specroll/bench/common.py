@@ -17,6 +17,8 @@ from pathlib import Path
 
 import torch
 
+from ..config import override_key
+
 
 def machine_info() -> dict:
     from ..engine.profiler import fingerprint
@@ -130,11 +132,6 @@ def parse_float_list(s: str, name: str, ok, what: str) -> list[float]:
 
         raise CliError(f"{name} must be a comma-separated list of {what}, got {s!r}")
     return out
-
-
-def override_key(text: str) -> str:
-    """The dotted key of a ``key=value`` config override: "rollout.G=4" -> "rollout.G"."""
-    return text.split("=", 1)[0].strip()
 
 
 def check_overrides(overrides, command: str, options: dict[str, str], fixed: dict[str, str]) -> None:

@@ -79,7 +79,8 @@ from pathlib import Path
 
 import torch
 
-from .common import check_overrides, load_bench_config, machine_info, override_key, save_figure, write_json
+from ..config import override_key
+from .common import check_overrides, load_bench_config, machine_info, save_figure, write_json
 
 SPEC_MODES = ("off", "reuse", "draft", "reuse+draft")
 SYSTEMS = ("specroll", "trl", "trl+specroll")

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import yaml
 
-from ..config import Config, load_config
+from ..config import Config, load_config, override_key
 from ..device import fast_bf16, torch_dtype
 from . import checkpoint as ckpt
 from .trainer import PromptSet, Trainer
@@ -631,7 +631,7 @@ def eval_cli(args) -> int:
         base = str(ck / "config.yaml")
     cfg = load_config(base, None, list(args.overrides) + ([f"model.name={args.model}"] if args.model else []))
     examples = load_examples(cfg.data, "eval", one_answer=one_answer_needed(cfg.reward.funcs))  # before the model
-    if cfg.data.eval_fraction is not None and any(o.split("=", 1)[0].strip() == "data.n_eval" for o in args.overrides):
+    if cfg.data.eval_fraction is not None and any(override_key(o) == "data.n_eval" for o in args.overrides):
         # the run held out a share of its file (data.eval_fraction, which wins over data.n_eval in the split):
         # here data.n_eval caps how many of those held-out rows are scored
         if cfg.data.n_eval < 1:
