@@ -672,14 +672,15 @@ def test_eval_path_alone_is_what_eval_and_train_score(tmp_path, capsys, monkeypa
     assert ev == [f"file {i}: what is {i} + 1?" for i in range(2)] and all(q.startswith("What is") for q in train)
 
 
-def _file_run(tmp_path, capsys, monkeypatch) -> Path:
-    """A one-step tiny run on a 12-row GSM8K-style file (2 rows held out), in tmp_path/run."""
+def _file_run(tmp_path, capsys, monkeypatch, *extra: str) -> Path:
+    """A one-step tiny run on a 12-row GSM8K-style file (2 rows held out, unless ``extra`` overrides say
+    otherwise), in tmp_path/run."""
     monkeypatch.delenv("SPECROLL_DEBUG", raising=False)
     f = tmp_path / "gsm.jsonl"
     f.write_text(_gsm_rows(12, "row"))
     out = tmp_path / "run"
     assert main(["train", "--out", str(out), "train.steps=1", f"data.path={f}", "data.answer_format=gsm8k",
-                 *TINY]) == 0, capsys.readouterr().err
+                 *TINY, *extra]) == 0, capsys.readouterr().err
     capsys.readouterr()
     return out
 
@@ -717,13 +718,7 @@ def test_eval_n_eval_caps_a_fraction_runs_held_out_rows(tmp_path, capsys, monkey
     """A run that held out data.eval_fraction of its file: `eval --checkpoint RUN data.n_eval=N` ignored N (the
     fraction decides the split) and scored every held-out row. N now caps the rows scored, a subset of the
     held-out ones; an N above them scores them all and says so."""
-    monkeypatch.delenv("SPECROLL_DEBUG", raising=False)
-    f = tmp_path / "gsm.jsonl"
-    f.write_text(_gsm_rows(12, "row"))
-    out = tmp_path / "run"
-    assert main(["train", "--out", str(out), "train.steps=1", f"data.path={f}", "data.answer_format=gsm8k",
-                 *TINY, "data.eval_fraction=0.25"]) == 0, capsys.readouterr().err
-    capsys.readouterr()
+    out = _file_run(tmp_path, capsys, monkeypatch, "data.eval_fraction=0.25")
     sets = _scored(monkeypatch)
     assert main(["eval", "--checkpoint", str(out)]) == 0, capsys.readouterr().err
     assert main(["eval", "--checkpoint", str(out), "data.n_eval=2"]) == 0, capsys.readouterr().err
