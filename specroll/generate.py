@@ -24,6 +24,7 @@ from .cli import CliError, as_option_error
 from .device import resolve_dtype_name
 from .engine.engine import Engine
 from .engine.sampling import SamplingParams
+from .rl.data import unpaired_surrogate
 
 
 def encode_chat(tokenizer, user: str, system: str | None = None, raw: bool = False) -> list[int]:
@@ -40,12 +41,22 @@ def cli(args) -> int:
     from .models import hub
 
     prompts_text = args.prompt or []
+    where = [f"--prompt {i}" for i in range(1, len(prompts_text) + 1)]
     if not prompts_text:
         if sys.stdin.isatty():
             raise CliError('give a prompt: specroll generate --prompt "What is 7 times 6?"')
-        prompts_text = [line.strip() for line in sys.stdin if line.strip()]
+        lines = [(n, line.strip()) for n, line in enumerate(sys.stdin, 1) if line.strip()]
+        prompts_text, where = [t for _, t in lines], [f"standard input line {n}" for n, _ in lines]
         if not prompts_text:
             raise CliError('no prompt given (empty standard input); pass --prompt "..." or pipe prompts, one per line')
+    for text, name in [*zip(prompts_text, where), (args.system or "", "--system")]:
+        bad = unpaired_surrogate(text)
+        if bad and 0xDC80 <= bad[1] <= 0xDCFF:  # a byte that is not UTF-8, kept by Python as U+DC80-U+DCFF
+            raise CliError(f"{name} is not UTF-8 text (byte 0x{bad[1] - 0xDC00:02x} at character {bad[0] + 1}); "
+                           "give the text in UTF-8")
+        if bad:
+            raise CliError(f"{name} is not text: it holds an unpaired surrogate \\u{bad[1]:04x} at character "
+                           f"{bad[0] + 1}")
     if args.n < 1:
         raise CliError(f"-n must be >= 1, got {args.n}")
     if args.system is not None and args.raw:

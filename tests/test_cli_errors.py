@@ -300,3 +300,32 @@ def test_bench_online_names_a_damaged_draft_head_as_the_option(tmp_path, capsys,
                               str(tmp_path / "b.json")])
     assert line.startswith(f"specroll: error: --draft {d}: {d / 'draft_head.json'}: not valid JSON")
     assert "draft.head" not in line and not (tmp_path / "b.json").exists()
+
+
+def test_text_that_is_not_utf8_is_one_line_naming_where(tmp_path, capsys, no_work, monkeypatch):
+    """A prompt with a byte that is not UTF-8 (standard input, --prompt, --system: Python keeps it as a lone
+    surrogate) or a JSON file with a "\\udce9" escape reached the tokenizer, whose TypeError was a traceback
+    (exit 1); a metrics.jsonl that is not UTF-8 gave a decode error naming no file."""
+    import io
+
+    monkeypatch.setattr("sys.stdin", io.StringIO("fine\n\ncaf\udce9\n"))
+    assert cli_error(capsys, ["generate", "--model", "tiny-llama"]) == \
+        "specroll: error: standard input line 3 is not UTF-8 text (byte 0xe9 at character 4); give the text in UTF-8"
+    line = cli_error(capsys, ["generate", "--model", "tiny-llama", "--prompt", "ok", "--prompt", "s\udcff"])
+    assert line.startswith("specroll: error: --prompt 2 is not UTF-8 text (byte 0xff at character 2)")
+    line = cli_error(capsys, ["generate", "--model", "tiny-llama", "--prompt", "ok", "--system", "\udce9"])
+    assert line.startswith("specroll: error: --system is not UTF-8 text (byte 0xe9 at character 1)")
+    f = tmp_path / "surr.jsonl"
+    f.write_text('{"question": "ok", "answer": "1"}\n{"question": "caf\\udce9", "answer": "1"}\n')
+    line = cli_error(capsys, ["eval", "--model", "tiny-llama", f"data.eval_path={f}"])
+    assert line.startswith(f"specroll: error: {f}:2: 'question' holds an unpaired surrogate \\udce9 at character 4, "
+                           "which is not text"), line
+    f.write_text('{"question": [{"role": "user", "content": "x\\ud800"}], "answer": "1"}\n')
+    line = cli_error(capsys, ["eval", "--model", "tiny-llama", f"data.eval_path={f}"])
+    assert f"{f}:1: 'question' message 1 holds an unpaired surrogate \\ud800 at character 2" in line, line
+    line = cli_error(capsys, ["eval", "--model", "tiny-llama", 'data.system_prompt="\\udce9"'])
+    assert "data.system_prompt is not text: it holds an unpaired surrogate \\udce9 at character 1" in line, line
+    run = fake_run(tmp_path / "r", [ROW])
+    (run / "metrics.jsonl").write_bytes((ROW + "\n").encode() + b'{"step": 2, "x": "\xff"}\n')
+    assert cli_error(capsys, ["report", str(run)]) == \
+        f"specroll: error: {run / 'metrics.jsonl'}:2: not UTF-8 text (byte 0xff); fix or delete the line"

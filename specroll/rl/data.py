@@ -135,6 +135,10 @@ class DataConfig:
                 raise DataError(f"data.{name} must be a non-empty column name, got {getattr(self, name)!r}")
         if self.system_prompt is not None and not isinstance(self.system_prompt, str):
             raise DataError(f"data.system_prompt must be a string or null, got {type(self.system_prompt).__name__}")
+        bad = unpaired_surrogate(self.system_prompt) if self.system_prompt else None
+        if bad:
+            raise DataError(f"data.system_prompt is not text: it holds an unpaired surrogate \\u{bad[1]:04x} at "
+                            f"character {bad[0] + 1} (a byte that is not UTF-8, or a \\u escape of half a pair)")
 
 
 def _check_int(name: str, v, lo: int | None):
@@ -463,6 +467,26 @@ def _chat_problem(messages: list, qf: str) -> str | None:
     return None
 
 
+def unpaired_surrogate(text: str) -> tuple[int, int] | None:
+    """(position, code point) of the first character of ``text`` that UTF-8 cannot encode, or None. Such a
+    character is an unpaired surrogate: a ``"\udce9"`` escape in a JSON file, or a byte that is not UTF-8 in a
+    command-line argument or standard input (Python keeps byte 0xe9 there as U+DCE9). Tokenizers refuse it
+    with a bare TypeError."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        return e.start, ord(text[e.start])
+    return None
+
+
+def _surrogate_problem(text: str, where: str) -> str | None:
+    bad = unpaired_surrogate(text)
+    if bad is None:
+        return None
+    return (f"{where} holds an unpaired surrogate \\u{bad[1]:04x} at character {bad[0] + 1}, which is not text "
+            "(UTF-8 cannot encode it); fix or drop the row")
+
+
 def _row_problem(row: dict, qf: str, af: str | None, fmt: str, one_answer: bool = False) -> str | None:
     """Why ``row`` is unusable, or None (``af`` None: the answer is not needed; ``one_answer``: it must be a single
     value, as the built-in accuracy reward reads it; a custom reward may take a list, kept in ``answer_raw``)."""
@@ -476,9 +500,17 @@ def _row_problem(row: dict, qf: str, af: str | None, fmt: str, one_answer: bool 
     elif not isinstance(q, str):
         return (f"{qf!r} is of type {type(q).__name__} ({q!r:.60}); a question must be a string or a chat "
                 '(a list of {"role": ..., "content": ...} messages)')
+    texts = [(q, repr(qf))] if isinstance(q, str) else [(m["content"], f"{qf!r} message {i}")
+                                                        for i, m in enumerate(q, 1)]
+    for text, where in texts:
+        msg = _surrogate_problem(text, where)
+        if msg:
+            return msg
     if af is None:
         return None
     a = row.get(af)
+    if isinstance(a, str) and _surrogate_problem(a, repr(af)):
+        return _surrogate_problem(a, repr(af))
     if one_answer and isinstance(a, (dict, list)):  # str() of it never matches a completion: every reward 0
         return (f"{af!r} is of type {type(a).__name__} ({a!r:.60}); the built-in accuracy reward checks one answer, "
                 "a string or a number (score a list of answers with a reward.funcs function of your own)")

@@ -91,7 +91,12 @@ def read_metrics(run_dir: str | Path) -> list[dict]:
     p = Path(run_dir) / "metrics.jsonl"
     if not p.is_file():
         raise FileNotFoundError(f"{p} does not exist; is {run_dir} a specroll run directory?")
-    text = p.read_text()
+    data = p.read_bytes()
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        line = data.count(b"\n", 0, e.start) + 1
+        raise ValueError(f"{p}:{line}: not UTF-8 text (byte 0x{data[e.start]:02x}); fix or delete the line") from None
     lines = text.splitlines()
     rows = []
     for i, line in enumerate(lines, 1):
