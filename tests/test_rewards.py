@@ -607,3 +607,23 @@ def test_unit_stripping_is_linear_and_knows_ordinals_and_powers():
     for s in ("1 tenth", "2 sevenths", "2 squared", "5 factorial", "1 fifth"):
         assert strip_unit(s) == s
     assert strip_unit("10 dollars") == "10"
+
+
+def test_a_reward_module_in_the_working_directory_imports_under_the_specroll_script(tmp_path, monkeypatch):
+    """`python -m specroll` has the working directory on sys.path and the `specroll` console script does not, so
+    reward.funcs=[mymod:fn] beside the user's data imported with one and not the other. A module not found on
+    sys.path is now looked for in the working directory, last; a module that fails on a missing import of its
+    own still says so."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "path", [p for p in sys.path if p and p != str(tmp_path)])  # as under the script
+    (tmp_path / "cwd_reward_mod.py").write_text("def f(prompts, completions, **kw):\n    return [0.5] * len(completions)\n")
+    (tmp_path / "cwd_broken_mod.py").write_text("import no_such_dependency_xyz\n")
+    monkeypatch.delitem(sys.modules, "cwd_reward_mod", raising=False)
+    fn = R.load_function("cwd_reward_mod:f")
+    assert fn(["p"], ["c", "d"]) == [0.5, 0.5] and sys.path[-1] == str(tmp_path)
+    with pytest.raises(R.RewardError, match="No module named 'no_such_dependency_xyz'"):
+        R.load_function("cwd_broken_mod:f")
+    with pytest.raises(R.RewardError, match="No module named 'not_anywhere_xyz'"):
+        R.load_function("not_anywhere_xyz:f")
+    sys.modules.pop("cwd_reward_mod", None)
+    sys.modules.pop("cwd_broken_mod", None)

@@ -50,6 +50,7 @@ import importlib
 import json
 import logging
 import math
+import os
 import queue
 import re
 import subprocess
@@ -634,7 +635,16 @@ def _weights(weights) -> list[float]:
 
 def _resolve(spec: str) -> Callable:
     mod_name, _, attr = spec.partition(":")
-    mod = importlib.import_module(mod_name)
+    try:
+        mod = importlib.import_module(mod_name)
+    except ModuleNotFoundError as e:
+        # `python -m specroll` puts the working directory on sys.path and the `specroll` script does not: a module
+        # beside the user's data would import with one and not the other. Look there last (it shadows nothing).
+        cwd = os.getcwd()
+        if e.name != mod_name.split(".")[0] or cwd in sys.path or "" in sys.path:
+            raise
+        sys.path.append(cwd)
+        mod = importlib.import_module(mod_name)
     fn = mod
     for part in attr.split("."):
         fn = getattr(fn, part)
