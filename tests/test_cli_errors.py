@@ -221,7 +221,7 @@ OPTION_ERRORS = [
     (["draft", "train", "--out", "{tmp}/head", "--draft-vocab", "-1"], "--draft-vocab must be >= 0 (0 = full), got -1"),
     (["draft", "train", "--out", "{tmp}/head", "--time-budget", "0"], "--time-budget must be > 0 seconds, got 0.0"),
     (["generate", "--prompt", "hi", "--max-new-tokens", "0"], "--max-new-tokens must be an int >= 1, got 0"),
-    (["generate", "--prompt", "hi", "--temperature", "-1"], "--temperature must be >= 0 (0 = greedy), got -1.0"),
+    (["generate", "--prompt", "hi", "--temperature", "-1"], "--temperature must be a finite number >= 0 (0 = greedy), got -1.0"),
     (["eval", "--temperature", "-1"], "--temperature must be a finite number >= 0 (0 = greedy), got -1.0"),
     (["eval", "--temperature", "nan"], "--temperature must be a finite number >= 0 (0 = greedy), got nan"),
     (["generate", "--prompt", "hi", "--raw", "--system", "Be brief."],

@@ -712,14 +712,19 @@ def test_cache_mask_tree_visibility():
     ([[5.7, 9.2]], "must be a sequence of integer token ids"),  # floats: were truncated to ids 5 and 9
     (["What is 2+2?"], "tokenize text first"),
     ([torch.tensor([[5, 6]])], "must be a 1-D tensor of integer token ids, got shape (1, 2)"),
+    ([__import__("numpy").array([[5, 6]])], "must be a 1-D tensor of integer token ids, got shape (1, 2)"),
+    ([__import__("numpy").array([5.0, 6.0])], "must be a sequence of integer token ids"),
 ])
 def test_prompts_that_are_not_flat_token_id_sequences_are_refused(bad, says):
     _, model = tiny_hf("llama")
     e = Engine(model, eos_ids=[], dtype=torch.float32)
     with pytest.raises(ValueError, match=re.escape(says)):
         e.generate(bad, SamplingParams(max_new_tokens=2))
-    ok = e.generate([[5, 6], (7, 8), torch.tensor([9, 10], dtype=torch.int32)], SamplingParams(max_new_tokens=2, seed=1))
-    assert [r.prompt_ids.tolist() for r in ok] == [[5, 6], [7, 8], [9, 10]]
+    import numpy as np
+
+    ok = e.generate([[5, 6], (7, 8), torch.tensor([9, 10], dtype=torch.int32), np.array([11, 12]),
+                     np.array([13, 14], dtype=np.uint16)], SamplingParams(max_new_tokens=2, seed=1))
+    assert [r.prompt_ids.tolist() for r in ok] == [[5, 6], [7, 8], [9, 10], [11, 12], [13, 14]]
 
 
 def test_bf16_weights_with_fp32_activations_run_the_python_loop():
@@ -764,6 +769,16 @@ def test_sliding_window_attention_is_refused_unless_it_spans_the_context():
     (lambda e: SamplingParams(top_p="0.5"), "SamplingParams.top_p must be in (0, 1], got '0.5'"),
     (lambda e: SamplingParams(seed=2 ** 64), "SamplingParams.seed must be None or an int in [-2**63, 2**64)"),
     (lambda e: SamplingParams(seed=1.5), "SamplingParams.seed must be None or an int"),
+    # bools were lengths and temperatures, an infinite temperature sampled uniformly (`specroll eval` refused it)
+    (lambda e: SamplingParams(temperature=True), "SamplingParams.temperature must be a finite number >= 0"),
+    (lambda e: SamplingParams(temperature=float("inf")), "SamplingParams.temperature must be a finite number >= 0"),
+    (lambda e: SamplingParams(max_new_tokens=True), "SamplingParams.max_new_tokens must be an int >= 1, got True"),
+    (lambda e: SamplingParams(top_k=True), "SamplingParams.top_k must be an int >= 0"),
+    (lambda e: SamplingParams(stop_ids=(2, -1)), "SamplingParams.stop_ids must be token ids (ints >= 0), got (2, -1)"),
+    (lambda e: SamplingParams(stop_ids="\n"), "SamplingParams.stop_ids must be token ids"),
+    # a stop id past the vocabulary is never sampled: it silently stopped nothing
+    (lambda e: e.generate([[5, 6]], SamplingParams(max_new_tokens=2, stop_ids=(3, 10 ** 9))),
+     "SamplingParams.stop_ids [1000000000] are outside the vocabulary [0, "),
 ])
 def test_bad_generate_arguments_are_one_line_value_errors(call, says):
     """They were a TypeError deep in the cache code, an AttributeError, a raw TypeError, an OverflowError."""

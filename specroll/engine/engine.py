@@ -64,9 +64,12 @@ class DecodeState:
 
 
 def _token_ids(p, i: int) -> torch.Tensor:
-    """Prompt ``i`` as a 1-D long tensor: a sequence of integer token ids or a 1-D integer tensor. Anything else
+    """Prompt ``i`` as a 1-D long tensor: a sequence of integer token ids or a 1-D integer tensor or numpy array
+    (what tokenizers return with ``return_tensors="pt"`` / ``"np"``, one row of it). Anything else
     (a bare id, a nested list, floats, text) is a ValueError: ``as_tensor(...).flatten()`` read a flat list of
     ids given without the outer list as one-token prompts, and a nested one as their concatenation."""
+    if type(p).__name__ == "ndarray" and type(p).__module__ == "numpy" and p.dtype.kind in "iu":  # tokenizers' "np"
+        p = torch.from_numpy(p.astype("int64"))
     if isinstance(p, torch.Tensor):
         if p.dim() != 1 or p.is_floating_point() or p.is_complex() or p.dtype == torch.bool:
             raise ValueError(f"prompt {i} must be a 1-D tensor of integer token ids, got shape {tuple(p.shape)} "
@@ -240,6 +243,10 @@ class Engine:
     def _check_prompts(self, prompts, params: SamplingParams) -> list[torch.Tensor]:
         out = []
         limit = self.model.cfg.max_position
+        oov = [s for s in params.stop_ids if s >= self.model.cfg.vocab_size]
+        if oov:  # never sampled, so it would never stop a row
+            raise ValueError(f"SamplingParams.stop_ids {oov} are outside the vocabulary [0, "
+                             f"{self.model.cfg.vocab_size})")
         for i, p in enumerate(prompts):
             t = _token_ids(p, i)
             if t.numel() == 0:

@@ -21,6 +21,11 @@ from dataclasses import dataclass, field
 import torch
 
 
+def _is_int(x) -> bool:
+    """An integer, not a bool (``True`` is an int to Python, never a length or an id here)."""
+    return isinstance(x, numbers.Integral) and not isinstance(x, bool)
+
+
 @dataclass
 class SamplingParams:
     temperature: float = 1.0
@@ -34,19 +39,24 @@ class SamplingParams:
     min_new_tokens: int = 0  # stop ids are ignored before this many tokens (benchmarks force lengths)
 
     def __post_init__(self):
-        if not isinstance(self.temperature, (int, float)) or math.isnan(self.temperature) or self.temperature < 0:
-            raise ValueError(f"SamplingParams.temperature must be >= 0 (0 = greedy), got {self.temperature!r}")
+        if (isinstance(self.temperature, bool) or not isinstance(self.temperature, (int, float))
+                or not math.isfinite(self.temperature) or self.temperature < 0):
+            raise ValueError(f"SamplingParams.temperature must be a finite number >= 0 (0 = greedy), "
+                             f"got {self.temperature!r}")
         if isinstance(self.top_p, bool) or not isinstance(self.top_p, (int, float)) or not (0.0 < self.top_p <= 1.0):
             raise ValueError(f"SamplingParams.top_p must be in (0, 1], got {self.top_p!r}")
-        if not isinstance(self.top_k, int) or self.top_k < 0:
+        if not _is_int(self.top_k) or self.top_k < 0:
             raise ValueError(f"SamplingParams.top_k must be an int >= 0 (0 = off), got {self.top_k!r}")
-        if not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 1:
+        if not _is_int(self.max_new_tokens) or self.max_new_tokens < 1:
             raise ValueError(f"SamplingParams.max_new_tokens must be an int >= 1, got {self.max_new_tokens!r}")
-        if not isinstance(self.min_new_tokens, int) or not (0 <= self.min_new_tokens <= self.max_new_tokens):
+        if not _is_int(self.min_new_tokens) or not (0 <= self.min_new_tokens <= self.max_new_tokens):
             raise ValueError(
                 f"SamplingParams.min_new_tokens must be in [0, max_new_tokens], got {self.min_new_tokens!r}"
             )
-        self.stop_ids = tuple(int(s) for s in self.stop_ids)
+        stop = (self.stop_ids,) if _is_int(self.stop_ids) else self.stop_ids
+        if isinstance(stop, (str, bytes)) or not all(_is_int(s) and s >= 0 for s in stop):
+            raise ValueError(f"SamplingParams.stop_ids must be token ids (ints >= 0), got {self.stop_ids!r}")
+        self.stop_ids = tuple(int(s) for s in stop)
         if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, numbers.Integral)
                                       or not -2 ** 63 <= self.seed < 2 ** 64):  # torch.Generator's range
             raise ValueError(f"SamplingParams.seed must be None or an int in [-2**63, 2**64), got {self.seed!r}")
