@@ -590,3 +590,25 @@ def test_tuned_planner_rejects_bad_arguments():
         TunedPlanner(chain_candidates(2))(0)
     with pytest.raises(ValueError, match="l_max"):
         chain_candidates(0)
+
+
+def test_profile_force_says_which_cached_profile_it_replaced(tmp_path, monkeypatch, capsys):
+    """`profile --force` with a small grid replaced the machine's cached profile silently, though adaptive drafting
+    everywhere then plans with its C_peak (a capped one: no knee below its --max-tokens). It now says what it
+    replaced, with both C_peaks."""
+    from specroll.cli import main
+
+    monkeypatch.setattr(profiler, "profiles_dir", lambda: tmp_path / "profiles")
+    argv = ["profile", "--model", "tiny-llama", "--dtype", "float32", "--repeats", "2", "--quiet", "--context", "4",
+            "--batches", "1"]
+    assert main([*argv, "--max-tokens", "8"]) == 0
+    first = profiler.load_profile("tiny-llama", "float32")
+    assert "replaced the cached profile" not in capsys.readouterr().out  # nothing was cached
+    assert main([*argv, "--max-tokens", "2", "--force"]) == 0
+    second = profiler.load_profile("tiny-llama", "float32")
+    printed = " ".join(capsys.readouterr().out.split())
+    capped = " (no knee below it)"
+    assert (f"replaced the cached profile: C_peak {first['c_peak']} (--max-tokens 8{capped * first['capped']}) -> "
+            f"{second['c_peak']} (--max-tokens 2{capped * second['capped']}); adaptive drafting (generate --draft, "
+            "train, bench spec) uses the new one") in printed, printed
+    assert second["max_tokens"] == 2

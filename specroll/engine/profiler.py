@@ -454,6 +454,7 @@ def cli(args) -> int:
             print(f"--delta {args.delta:g} applied to the cached points (the profile had --delta "
                   f"{cached.get('delta')}; updated, no re-measuring)")
     else:
+        before = load_profile(args.model, args.dtype) if args.force else None
         engine = _load_engine(args.model, args.dtype)
         check_positions(args.context, args.max_tokens, engine.model.cfg.max_position)
         result = run_profile(args.model, args.dtype, engine, max_tokens=args.max_tokens, batches=batches,
@@ -461,6 +462,10 @@ def cli(args) -> int:
                              log=None if args.quiet else print)
         path = save_profile(result)
         wrote = [path]
+        if before is not None and before.get("mode") == "full":  # what the cache held: said, not replaced silently
+            grid = lambda r: f"--max-tokens {r.get('max_tokens')}{' (no knee below it)' * bool(r.get('capped'))}"  # noqa: E731
+            print(f"replaced the cached profile: C_peak {before.get('c_peak')} ({grid(before)}) -> {result['c_peak']} "
+                  f"({grid(result)}); adaptive drafting (generate --draft, train, bench spec) uses the new one")
     elsewhere = bool(args.out_dir) and Path(args.out_dir).resolve() != path.parent.resolve()
     if wrote or not elsewhere:  # the PNG beside the cached JSON: rewritten whenever that is, so the two agree
         wrote.append(plot_profile(result, path.with_suffix(".png")))
