@@ -925,3 +925,21 @@ def test_a_directory_in_use_by_a_live_run_is_refused(tmp_path, capsys, no_model)
     again = run.RunLock(out)
     assert again.fd is not None
     again.release()
+
+
+def test_eval_without_the_accuracy_reward_names_its_score_as_the_mean_reward(tmp_path, capsys, monkeypatch):
+    """Without `accuracy` in reward.funcs, eval/accuracy is the mean total reward (1.16 in the reviewer's run), yet
+    `specroll eval` printed it as "accuracy" and `report` titled it pass@1."""
+    monkeypatch.delenv("SPECROLL_DEBUG", raising=False)
+    out = tmp_path / "run"
+    assert main(["train", "--out", str(out), "train.steps=1", "reward.funcs=[format]", *TINY]) == 0, \
+        capsys.readouterr().err
+    capsys.readouterr()
+    assert main(["eval", "--checkpoint", str(out)]) == 0
+    said = " ".join(capsys.readouterr().out.split())
+    assert ": mean reward (reward.funcs has no accuracy) " in said and "accuracy 0" not in said, said
+    assert not run._has_accuracy(out)
+    assert main(["eval", "--checkpoint", str(out), "reward.funcs=[accuracy]"]) == 0
+    assert ": accuracy " in capsys.readouterr().out
+    (out / "config.yaml").write_text("reward:\n  funcs: [accuracy, format]\n")
+    assert run._has_accuracy(out) and run._has_accuracy(tmp_path / "nowhere")

@@ -655,7 +655,9 @@ def eval_cli(args) -> int:
     finally:
         reward.close()
     what = ck if args.checkpoint else cfg.model.name  # the checkpoint itself (a run directory's latest step)
-    console.print(f"eval {what}: accuracy {m['eval/accuracy']:.3f} on {m['eval/n']} problems "
+    # without the accuracy reward, eval/accuracy is the mean total reward (it may exceed 1): named as what it is
+    score = "accuracy" if "accuracy" in cfg.reward.funcs else "mean reward (reward.funcs has no accuracy)"
+    console.print(f"eval {what}: {score} {m['eval/accuracy']:.3f} on {m['eval/n']} problems "
                   f"(T={args.temperature}, mean length {m['eval/completion_len']:.1f} tokens, {m['timing/eval']:.1f}s)")
     if args.json:
         import json
@@ -663,6 +665,15 @@ def eval_cli(args) -> int:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(json.dumps({"model": str(what), **m}, indent=2))
     return 0
+
+
+def _has_accuracy(run_dir: Path) -> bool:
+    """Whether the run in ``run_dir`` scored with the accuracy reward (its eval/accuracy is pass@1; else the mean
+    total reward). A run directory without a readable config.yaml counts as having it (the default)."""
+    try:
+        return "accuracy" in load_config(str(run_dir / "config.yaml")).reward.funcs
+    except (OSError, ValueError):
+        return True
 
 
 def report_cli(args) -> int:
@@ -704,7 +715,8 @@ def report_cli(args) -> int:
     ax[0].plot([r["step"] for r in steps], [r["reward/mean"] for r in steps], marker=".")
     ax[0].set_title("reward/mean (train rollouts)")
     ax[1].plot([r["step"] for r in evals], [r["eval/accuracy"] for r in evals], marker="o")
-    ax[1].set_title("eval/accuracy (pass@1)")
+    ax[1].set_title("eval/accuracy (pass@1)" if _has_accuracy(Path(args.run_dir)) else
+                    "eval/accuracy = mean eval reward (no accuracy reward)")
     for k in ("rollout", "reward", "logprob", "update"):
         ax[2].plot([r["step"] for r in steps], [r.get(f"timing/{k}", 0) for r in steps], label=k)
     ax[2].set_title("seconds per step by phase")
