@@ -175,7 +175,8 @@ def _draft(sub):
     t.add_argument("-n", type=int, default=4, help="generations per prompt")
     t.add_argument("--max-new-tokens", type=int, default=128)
     t.add_argument("--temperature", type=float, default=1.0)
-    t.add_argument("--steps", type=int, default=300)
+    t.add_argument("--steps", type=int, default=300,
+                   help="optimizer steps; 0 trains nothing and only builds the --data-cache (needs --data-cache)")
     t.add_argument("--batch", type=int, default=8, help="sequences per optimizer step")
     t.add_argument("--lr", type=float, default=1e-3)
     t.add_argument("--noise", type=float, default=0.0, help="uniform input-feature noise (relative to RMS)")
@@ -198,11 +199,13 @@ def _draft(sub):
                         "the head's own drafted features, as a sampled chain feeds them (held-out scored per depth)")
     t.add_argument("--unroll-decay", type=float, default=0.8, help="loss weight of depth j: decay ** (j - 1)")
     t.add_argument("--eval-depth", type=int, default=3,
-                   help="chain depths the held-out score reports (at least --unroll), with the expected kept drafts of "
+                   help="chain depths the held-out score reports (raised to --unroll when below it; the head records the "
+                        "depth scored), with the expected kept drafts of "
                         "a chain that deep under token-by-token and block verification")
     t.add_argument("--data-cache", default=None,
-                   help="safetensors file for the generated sequences and hidden states: reused when it exists "
-                        "and matches the model, prompts and generation settings, written otherwise")
+                   help="safetensors file for the generated sequences and hidden states: written when it does not "
+                        "exist, reused when it does; one made with another model, prompts or generation settings is "
+                        "refused (and left unchanged)")
     t.add_argument("--extra-data", default=None,
                    help="comma-separated data caches of other prompts or seeds (same model and --dtype) whose "
                         "sequences join the training data")
@@ -215,7 +218,8 @@ def _draft(sub):
                    help="bf16 autocast for the head's training steps, fp32 master weights (default: where the CPU "
                         "has fast bf16: AMX, or AVX-512 BF16 where it measures faster); the held-out score runs in fp32 either way")
     t.add_argument("--seed", type=int, default=0)
-    t.add_argument("--init", default=None, help="continue training this draft head directory")
+    t.add_argument("--init", default=None, help="continue training this draft head directory (the new head's meta "
+                   "keeps the earlier sessions: total_steps and history)")
     t.add_argument("--out", required=True, help="output directory for the head (one already holding a head: only with --init of that head)")
     p.set_defaults(func=_run("specroll.drafters.distill:cli"))
 

@@ -230,6 +230,110 @@ def test_negative_noise_is_refused(tmp_path, capsys, no_work):
     assert list(tmp_path.iterdir()) == []
 
 
+def recording_distill(seen):
+    """``distill`` that records its arguments and returns the --init head (or a fresh one) untrained, with the info
+    of a session of ``cfg.steps`` steps over 8 sequences."""
+    from specroll.drafters.eagle import head_for
+
+    def run(policy, prompts, **kw):
+        seen.update(kw)
+        head = kw["init"] or head_for(policy)
+        return head, {"sequences": 8, "steps": kw["cfg"].steps, "final": {}, "draft_vocab": head.draft_vocab}
+
+    return run
+
+
+def test_a_head_of_another_architecture_is_refused_one_of_another_name_is_not(tmp_path, capsys):
+    """tiny-llama's head drafted for tiny-qwen2 (same sizes and vocabulary) silently, accepting nothing: only the
+    sizes were compared. The model's name is not: a head fits the same model under another name or path (a
+    fine-tuned checkpoint of it, a run's own model)."""
+    import shutil
+
+    from specroll.drafters.build import DraftConfig, make_head
+    from specroll.drafters.eagle import head_for, load_head, save_head
+
+    llama, qwen2 = hub.load("tiny-llama")[0], hub.load("tiny-qwen2")[0]
+    d = tmp_path / "head"
+    save_head(head_for(llama), d, {"model": "tiny-llama"})
+    msg = (f"{d / 'draft_head.json'}: policy.arch is 'llama' but the model has 'qwen2'; this head was trained for "
+           "another model (tiny-llama): distil one for this model with `specroll draft train --model M`")
+    with pytest.raises(ValueError) as e:
+        load_head(d, qwen2)
+    assert str(e.value) == msg
+    with pytest.raises(ValueError) as e:  # a GRPO run's draft.head
+        make_head(DraftConfig(head=str(d)), qwen2)
+    assert str(e.value) == f"draft.head={d}: {msg}"
+    line = cli_error(capsys, ["generate", "--model", "tiny-qwen2", "--dtype", "float32", "--draft", str(d),
+                              "--prompt", "hi", "--max-new-tokens", "2"])
+    assert line == f"specroll: error: --draft {d}: {msg}"
+    # the same model under another name (a local copy of its directory), with changed weights: fits
+    copy = tmp_path / "tuned"
+    shutil.copytree(hub.resolve("tiny-llama", quiet=True), copy)
+    (copy / hub.MARKER).unlink()
+    tuned = hub.load(str(copy))[0]
+    with torch.no_grad():
+        tuned.lm_head.weight.mul_(1.01)
+    assert load_head(d, tuned).draft_vocab == llama.cfg.vocab_size
+    assert make_head(DraftConfig(head=str(d), online=True), tuned) is not None
+
+
+def test_steps_0_without_a_data_cache_is_refused(tmp_path, capsys, no_work):
+    """--steps 0 without --data-cache generated, trained nothing and saved an untrained head as "saved draft head"."""
+    line = cli_error(capsys, ["draft", "train", "--model", "tiny-llama", "--steps", "0", "--out", str(tmp_path / "h")])
+    assert line == ("specroll: error: --steps 0 trains nothing and only builds a --data-cache; pass --data-cache "
+                    "FILE to keep the generations, or --steps N (N >= 1) to train a head")
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_steps_0_with_a_data_cache_says_its_head_is_untrained(tmp_path, capsys, monkeypatch):
+    seen = {}
+    monkeypatch.setattr(D, "distill", recording_distill(seen))
+    cache = tmp_path / "c.st"
+    assert main(["draft", "train", "--model", "tiny-llama", "--dtype", "float32", "--prompts", "2", "--steps", "0",
+                 "--data-cache", str(cache), "--out", str(tmp_path / "h")]) == 0
+    assert seen["data_cache"] == str(cache) and seen["cfg"].steps == 0
+    assert capsys.readouterr().out.splitlines()[-1] == (f"--steps 0: trained nothing; saved an untrained head to "
+                                                        f"{tmp_path / 'h'} (the generations are in --data-cache {cache})")
+
+
+def test_a_continued_head_keeps_its_history(tmp_path, monkeypatch, capsys):
+    """--init X --out X overwrote the head's meta: steps and sequences became the last session's alone."""
+    from specroll.drafters.eagle import head_meta
+
+    monkeypatch.setattr(D, "distill", recording_distill({}))
+    base = ["draft", "train", "--model", "tiny-llama", "--dtype", "float32", "--prompts", "2"]
+    d, e = tmp_path / "h", tmp_path / "h2"
+    assert main([*base, "--steps", "3", "--out", str(d)]) == 0
+    first = head_meta(d)
+    assert first["steps"] == first["total_steps"] == 3 and first["history"] == []
+    assert main([*base, "--steps", "2", "--lr", "5e-4", "--init", str(d), "--out", str(d)]) == 0
+    second = head_meta(d)
+    assert (second["steps"], second["total_steps"], second["sequences"], second["init"]) == (2, 5, 8, str(d))
+    assert second["config"]["lr"] == 5e-4  # the meta's own keys: the latest session
+    assert second["history"] == [{k: v for k, v in first.items() if k != "history"}]
+    assert main([*base, "--steps", "4", "--init", str(d), "--out", str(e)]) == 0  # into another directory
+    third = head_meta(e)
+    assert third["total_steps"] == 9 and [h["steps"] for h in third["history"]] == [3, 2]
+    assert third["history"][1]["config"]["lr"] == 5e-4 and "history" not in third["history"][1]
+    # a head saved before the history (its meta has steps only) or by a run's online updates (no steps)
+    assert D.session_meta({"steps": 2}, {"steps": 7})["total_steps"] == 9
+    assert D.session_meta({"steps": 2}, {"online": True, "updates": 3}) == {
+        "steps": 2, "total_steps": 2, "history": [{"online": True, "updates": 3}]}
+
+
+def test_the_recorded_eval_depth_is_the_one_scored(tmp_path, monkeypatch):
+    """--unroll 4 --eval-depth 2 scored depths 1..4 (eval depth is at least --unroll) but recorded eval_depth 2."""
+    assert D.DistillConfig(unroll=4, eval_depth=2).eval_depth == 4
+    assert D.DistillConfig(unroll=2, eval_depth=5).eval_depth == 5
+    seen = {}
+    monkeypatch.setattr(D, "distill", recording_distill(seen))
+    assert main(["draft", "train", "--model", "tiny-llama", "--dtype", "float32", "--prompts", "2", "--steps", "1",
+                 "--unroll", "4", "--eval-depth", "2", "--out", str(tmp_path / "h")]) == 0
+    from specroll.drafters.eagle import head_meta
+
+    assert seen["cfg"].eval_depth == head_meta(tmp_path / "h")["config"]["eval_depth"] == 4
+
+
 # --- export and models pull ---------------------------------------------------------------------------
 
 @pytest.fixture

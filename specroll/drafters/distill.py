@@ -51,7 +51,7 @@ from ..device import adamw, check_bf16_switch, use_bf16
 from ..engine.engine import Engine
 from ..engine.sampling import SamplingParams
 from ..models.decoder import Decoder, write_safetensors
-from .eagle import HEAD_CONFIG, DraftHead, DraftVocab, head_for, load_head_as, save_head
+from .eagle import HEAD_CONFIG, DraftHead, DraftVocab, head_for, head_meta, load_head_as, save_head
 from .reuse import prompt_key
 from .verify import vocab_columns
 
@@ -75,7 +75,8 @@ class DistillConfig:
     prompt_loss: bool = False  # also train on prompt positions (the held-out score never counts them)
     unroll: int = 1  # chain depths trained per position (1 = teacher-forced only; see ``unrolled_features``)
     unroll_decay: float = 0.8  # weight of depth j's loss: unroll_decay ** (j - 1)
-    eval_depth: int = 3  # chain depths the held-out score reports (at least ``unroll``)
+    eval_depth: int = 3  # chain depths the held-out score reports; raised to ``unroll`` when below it (the value kept
+    # is the depth reported, so a head's recorded config says what its held-out score covers)
     bf16: bool | str = "auto"  # bf16 autocast for the head's training forward/backward (fp32 master weights);
     # auto = where the CPU has fast bf16 (``device.use_bf16``). The held-out score always runs in fp32.
 
@@ -93,6 +94,7 @@ class DistillConfig:
             raise ValueError("DistillConfig.w_feat, DistillConfig.w_ce, DistillConfig.w_tv and DistillConfig.w_block "
                              "must be >= 0, not all 0 (no loss to train); got all 0")
         check_bf16_switch(self.bf16, "DistillConfig.bf16")
+        self.eval_depth = max(self.eval_depth, self.unroll)  # every trained depth is scored
 
 
 def generate_sequences(engine: Engine, prompts: list[list[int]], params: SamplingParams, n: int,
@@ -535,9 +537,10 @@ def distill(policy: Decoder, prompts: list[list[int]], *, eos_ids=(), n: int = 4
             extra_data=()):
     """Generate, collect hidden states, train a head (fresh, or continue ``init``). Returns (head, info).
     ``log(info)`` hears training steps, ``note(str)`` the generation and hidden-state progress.
-    ``data_cache``: a safetensors file for the sequences and hidden states -- loaded when it exists and
-    was made by the same setup (``setup``, e.g. the model's name, plus the generation settings and the
-    prompts), written otherwise, so runs that only change the training settings skip the generation.
+    ``data_cache``: a safetensors file for the sequences and hidden states -- written when it does not exist,
+    loaded when it does, so runs that only change the training settings skip the generation. A file made by
+    another setup (``setup``, e.g. the model's name, plus the generation settings and the prompts) is refused
+    before any generation and left unchanged (``load_sequences``).
     ``extra_data``: more such files (other prompts or seeds) whose sequences join the training data; each
     must come from the same model and rollout dtype (``load_extra``)."""
     cfg = cfg or DistillConfig()
@@ -738,7 +741,33 @@ def _prompts(args, tokenizer, loaded=None) -> list[list[int]]:
     return build_prompts(examples, tokenizer, cfg, _advice())[0]
 
 
+def session_meta(meta: dict, prev: dict | None) -> dict:
+    """``meta`` of one `draft train` session (its own ``steps``, ``sequences``, ``config``, ...) with the head's
+    history: ``total_steps``, the optimizer steps of every session that trained the head, and ``history``, the
+    metas of the earlier sessions, oldest first (each without its own ``history``). ``prev``: the meta of the
+    --init head the session continued (None = a new head). A head from before ``total_steps`` counts its
+    ``steps``; a run's online head (no ``steps``) counts 0, its meta still joins the history."""
+    prev = prev if isinstance(prev, dict) else None
+    earlier = [] if prev is None else [*(h for h in prev.get("history") or [] if isinstance(h, dict)),
+                                       {k: v for k, v in prev.items() if k != "history"}]
+    before = 0
+    if prev is not None:
+        n = prev.get("total_steps", prev.get("steps", 0))
+        before = n if isinstance(n, int) and not isinstance(n, bool) else 0
+    steps = meta.get("steps", 0)
+    return {**meta, "total_steps": before + (steps if isinstance(steps, int) else 0), "history": earlier}
+
+
 def cli(args) -> int:
+    """`specroll draft train`. Every option is checked before the model loads.
+
+    --steps 0 trains nothing: it only builds the --data-cache (refused without one); the head written to --out is
+    then untrained (or the --init head, unchanged), and the run says so.
+
+    The head's meta (``draft_head.json``) describes this session -- ``steps``, ``sequences``, ``config``, ... --
+    and, through ``session_meta``, the head's history: with --init (into its own directory or another)
+    ``total_steps`` counts the steps of every session and ``history`` keeps the earlier sessions' metas, so a
+    continued head never loses what trained it before."""
     from ..cli import CliError, as_option_error, check_at_least, check_output
     from ..models import hub
 
@@ -770,6 +799,13 @@ def cli(args) -> int:
         check_output(args.data_cache, "--data-cache")
     extra = [x for x in (args.extra_data or "").split(",") if x]
     check_caches(args.data_cache, extra)
+    prev = None
+    if args.init:  # a damaged --init head fails before the model loads; its meta joins the new one's history
+        load_head_as(f"--init {args.init}", args.init)
+        prev = head_meta(args.init)
+    if args.steps == 0 and not args.data_cache:
+        raise CliError("--steps 0 trains nothing and only builds a --data-cache; pass --data-cache FILE to keep "
+                       "the generations, or --steps N (N >= 1) to train a head")
     loaded = _examples(args)  # bad --data / --prompts fail before the model loads
     torch.manual_seed(args.seed)
     policy, tok = hub.load(args.model, torch.float32)
@@ -798,8 +834,13 @@ def cli(args) -> int:
                          note=lambda msg: print(msg, flush=True), data_cache=args.data_cache,
                          setup={"model": args.model, "data": args.data},
                          extra_data=extra)
-    meta = {"model": args.model, "prompts": len(prompts), **info, "config": asdict(cfg)}
-    out = save_head(head, args.out, meta)
+    meta = {"model": args.model, "prompts": len(prompts), **info, "config": asdict(cfg),
+            **({"init": str(args.init)} if args.init else {})}
+    out = save_head(head, args.out, session_meta(meta, prev))
     print(json.dumps({k: v for k, v in info.items() if k != "final"}, indent=None))
-    print(f"saved draft head to {Path(out)}")
+    if cfg.steps == 0:
+        print(f"--steps 0: trained nothing; saved {'the --init head, unchanged,' if args.init else 'an untrained head'}"
+              f" to {Path(out)} (the generations are in --data-cache {args.data_cache})")
+    else:
+        print(f"saved draft head to {Path(out)}")
     return 0

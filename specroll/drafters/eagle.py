@@ -238,7 +238,13 @@ def _read_head_weights(w_file: Path, cfg_file: Path, cfg: DecoderConfig) -> Draf
 
 
 def load_head(path: str | Path, policy: Decoder | None = None) -> DraftHead:
-    """Load a head saved by ``save_head``; checks it fits ``policy`` (hidden size, vocabulary).
+    """Load a head saved by ``save_head``; checks it fits ``policy``: the architecture and the sizes
+    (``FIT_FIELDS``) of the policy config the head records must be the model's.
+
+    The model's *name* is not compared: a head fits a fine-tuned checkpoint of the model it was distilled from, or a
+    run's own model loaded from another path. A head of another architecture with the same sizes (tiny-llama's on
+    tiny-qwen2) would load and draft, but it learnt another model's hidden states: lossless and useless (it had
+    none of 18 drafts accepted in a review), so it is refused like one of another hidden size.
 
     A missing file raises ``FileNotFoundError``; a damaged or inconsistent one a one-line ``ValueError``
     naming the file."""
@@ -248,14 +254,28 @@ def load_head(path: str | Path, policy: Decoder | None = None) -> DraftHead:
         if not f.is_file():
             raise FileNotFoundError(f"{f} not found; a draft head dir holds {HEAD_CONFIG} and {HEAD_WEIGHTS} "
                                     "(make one with `specroll draft train`)")
-    _, cfg = _read_head_config(cfg_file)
+    meta, cfg = _read_head_config(cfg_file)
     if policy is not None:
         pc = policy.cfg
-        for field in ("hidden_size", "vocab_size", "num_heads", "num_kv_heads", "head_dim"):
+        for field in FIT_FIELDS:
             if getattr(pc, field) != getattr(cfg, field):
-                raise ValueError(f"{cfg_file}: policy.{field} is {getattr(cfg, field)} but the model has "
-                                 f"{getattr(pc, field)}; this head was trained for another model")
+                made = (meta.get("meta") or {}).get("model") if isinstance(meta.get("meta"), dict) else None
+                src = f" ({made})" if isinstance(made, str) and made else ""
+                raise ValueError(f"{cfg_file}: policy.{field} is {getattr(cfg, field)!r} but the model has "
+                                 f"{getattr(pc, field)!r}; this head was trained for another model{src}: distil one "
+                                 "for this model with `specroll draft train --model M`")
     return _read_head_weights(w_file, cfg_file, cfg).eval()
+
+
+# the policy config fields a head must share with the model it drafts for (``load_head``): the architecture, then the
+# sizes. Not the name, nor rope/context settings a fine-tune may change.
+FIT_FIELDS = ("arch", "hidden_size", "vocab_size", "intermediate_size", "num_heads", "num_kv_heads", "head_dim")
+
+
+def head_meta(path: str | Path) -> dict:
+    """The ``meta`` object of the head directory ``path``'s config ({} when it holds none); errors as ``load_head``'s."""
+    meta, _ = _read_head_config(Path(path) / HEAD_CONFIG)
+    return meta.get("meta") if isinstance(meta.get("meta"), dict) else {}
 
 
 def load_head_as(label: str, path: str | Path, policy: Decoder | None = None) -> DraftHead:
@@ -865,4 +885,4 @@ def head_for(policy: Decoder, vocab_ids=None, seed: int = 0) -> DraftHead:
 
 
 __all__ = ["DraftHead", "DraftTree", "DraftVocab", "EagleDrafter", "Plan", "ancestor_mask", "emit_run",
-           "head_for", "load_head", "save_head"]
+           "head_for", "head_meta", "load_head", "save_head"]
