@@ -330,7 +330,8 @@ def _bench_e2e(s):
     b.add_argument("overrides", nargs="*", metavar="key=value",
                    help="config overrides, e.g. draft.plan=adaptive draft.online=true: the specroll rows follow every "
                    "key (draft.* the rows with a head, reuse.* the reusing rows), the TRL rows only data.*, reward.*, "
-                   "rollout.temperature, rollout.top_p, train.lr, train.seed, train.grad_clip and loss.eps_low "
+                   "rollout.temperature, rollout.top_p, rollout.top_k, train.lr, train.seed, train.grad_clip and "
+                   "loss.eps_low "
                    "(trl+specroll with --trl-reuse also reuse.store_mb); each row's JSON lists the overrides it "
                    "followed. Keys the options above set (e.g. model.name: --model) or the benchmark fixes (e.g. "
                    "loss.beta) are refused")

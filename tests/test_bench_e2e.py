@@ -252,3 +252,33 @@ def test_run_figures_of_two_runs_in_one_folder_do_not_overwrite_each_other(tmp_p
     assert written[0] != written[1]  # two different figures, both kept
     assert (tmp_path / "a_curve.png").read_bytes() == written[0]
     assert (tmp_path / "curve.png").read_bytes() == written[1]
+
+
+def test_a_row_without_steps_leaves_the_measured_rows_written(tmp_path, monkeypatch, capsys):
+    """A TRL row whose GRPOTrainer took no step (as it did with more prompts per step than prompts) has no median:
+    the command still writes the specroll row it measured, marks the empty row ``no_steps`` and names it, instead
+    of dying on ``statistics.median([])`` with nothing written."""
+    import types
+
+    monkeypatch.setitem(sys.modules, "trl", types.SimpleNamespace(__version__="0"))  # no TRL needed
+    monkeypatch.setattr(e2e, "run_trl", lambda cfg, model_dir, rf, first_epoch: e2e._summary("trl", []))
+    out = tmp_path / "e2e.json"
+    assert main(COMMON + ["--steps", "1", "--warmup", "0", "--systems", "specroll,trl", "--out", str(out)]) == 0
+    res = json.loads(out.read_text())
+    ours, trl = res["rows"]
+    assert ours["step_s_median"] > 0 and len(ours["step_s_all"]) == 1 and not ours.get("no_steps")
+    assert trl["no_steps"] is True and trl["step_s_median"] is None and trl["step_s_all"] == []
+    assert ours["speedup_vs_trl"] is None and trl["speedup_vs_off"] is None  # no ratio to or from the empty row
+    assert res["rows_without_steps"] == ["trl"] and res["best"]["spec"] == "off"
+    text = capsys.readouterr().out
+    assert "no timed steps in row trl" in text and (tmp_path / "e2e_reward_vs_step.png").is_file()
+
+
+def test_ratios_skip_a_row_without_steps():
+    res = {"rows": [{"system": "specroll", "spec": "off", "step_s_median": 4.0, "reward_mean_per_step": [0.1],
+                     "ms_per_token_median": 3.0}, e2e._summary("trl", [])]}
+    e2e.add_ratios(res)
+    off, trl = res["rows"]
+    assert (off["speedup_vs_off"], off["speedup_vs_trl"], off["speedup_vs_trl_per_token"]) == (1.0, None, None)
+    assert (trl["speedup_vs_off"], trl["speedup_vs_off_per_token"]) == (None, None)
+    assert res["rows_without_steps"] == ["trl"] and res["best"]["step_s_median"] == 4.0

@@ -139,15 +139,16 @@ def test_bench_e2e_records_the_overrides_each_row_followed(tmp_path):
     assert [(r["system"], r["overrides"]) for r in res["rows"]] == [
         ("specroll", ["train.lr=1e-4", "rollout.top_k=5"]),  # draft.*: the rows with a head; reuse.*: reusing rows
         ("specroll", ["train.lr=1e-4", "rollout.top_k=5", "draft.plan=static"]),
-        ("trl", ["train.lr=1e-4"]),  # GRPOConfig gets the learning rate, not top_k
-        ("trl+specroll", ["train.lr=1e-4"]),  # reuse.store_mb only with --trl-reuse
+        ("trl", ["train.lr=1e-4", "rollout.top_k=5"]),  # GRPOConfig gets the learning rate and top_k
+        ("trl+specroll", ["train.lr=1e-4", "rollout.top_k=5"]),  # reuse.store_mb only with --trl-reuse
     ]
     assert res["config"]["lr"] == 1e-4
 
 
 def test_the_trl_rows_follow_exactly_the_overrides_help_names(tmp_path, monkeypatch, capsys):
-    """``run_trl`` hands every key of ``TRL_KEYS`` (and the data section) to TRL's GRPOTrainer, and not a key
-    outside them (rollout.top_k); ``--help`` names those keys."""
+    """``run_trl`` hands every key of ``TRL_KEYS`` (and the data section) to TRL's GRPOTrainer, rollout.top_k among
+    them (the specroll rows sample with it: "x vs trl" must compare the same sampling), and not a key outside them
+    (train.weight_decay); ``--help`` names those keys."""
     trl = pytest.importorskip("trl")
     from specroll.bench import e2e
     from specroll.models import hub
@@ -172,7 +173,7 @@ def test_the_trl_rows_follow_exactly_the_overrides_help_names(tmp_path, monkeypa
         return {k: v for k, v in c.items() if "dir" not in k}, got["prompts"]  # output_dir: a fresh temporary one
 
     base, prompts = trl_config()
-    fields = {"rollout.temperature": ("temperature", 0.5), "rollout.top_p": ("top_p", 0.5),
+    fields = {"rollout.temperature": ("temperature", 0.5), "rollout.top_p": ("top_p", 0.5), "rollout.top_k": ("top_k", 5),
               "train.lr": ("learning_rate", 1e-3), "train.seed": ("seed", 7), "train.grad_clip": ("max_grad_norm", 0.5),
               "loss.eps_low": ("epsilon", 0.3)}
     assert set(fields) == set(e2e.TRL_KEYS)
@@ -180,7 +181,7 @@ def test_the_trl_rows_follow_exactly_the_overrides_help_names(tmp_path, monkeypa
         c, _ = trl_config(f"{key}={value}")
         assert c[field] == value != base[field], key
         assert {k for k in c if c[k] != base[k]} == {field}, key
-    assert trl_config("rollout.top_k=5") == (base, prompts)  # a specroll-only key
+    assert trl_config("train.weight_decay=0.1") == (base, prompts)  # a specroll-only key
     assert trl_config("data.level=3")[1] != prompts  # the data section reaches TRL's dataset
     text = help_text(["bench", "e2e"], capsys)
     for key in (*e2e.TRL_KEYS, *e2e.TRL_REUSE_KEYS, *(f"{s}.*" for s in e2e.TRL_SECTIONS)):
@@ -352,3 +353,75 @@ def test_options_that_become_config_keys_are_named_before_any_work(tmp_path, cap
     line, out = cli_error(capsys, [*argv, "--out", str(tmp_path / "b.json")])
     assert line == msg
     assert out == "" and list(tmp_path.iterdir()) == []  # no banner, no JSON
+
+
+# --- 5. prompt counts and list options, checked before any work ---------------------------------------------------
+
+@pytest.mark.parametrize("argv, msg", [
+    (E2E + ["--prompts-per-step", "3"], "--prompts-per-step 3 exceeds --prompts 2: a step would repeat prompts and "
+     "TRL's GRPOTrainer would take no step; give --prompts-per-step <= --prompts"),
+    (E2E + ["--prompts-per-step", "3", "--systems", "specroll", "--epochs", "1"], "--prompts-per-step 3 exceeds "
+     "--prompts 2: a step would repeat prompts and TRL's GRPOTrainer would take no step; give --prompts-per-step <= "
+     "--prompts"),
+    (REUSE + ["--prompts-per-step", "3"], "--prompts-per-step 3 exceeds --prompts 2: a step would repeat prompts, so "
+     "an epoch would not be one pass over them; give --prompts-per-step <= --prompts"),
+], ids=["e2e", "e2e-specroll-only", "reuse"])
+def test_more_prompts_per_step_than_prompts_is_refused(tmp_path, capsys, no_work, argv, msg):
+    """`bench e2e`: TRL's GRPOTrainer made no batch of 3 out of 2 prompts and took no step, after every specroll
+    row had run; `bench reuse`: a step repeating prompts breaks its one pass over the prompts per epoch."""
+    line, out = cli_error(capsys, [*argv, "--out", str(tmp_path / "b.json")])
+    assert line == msg
+    assert out == "" and list(tmp_path.iterdir()) == []
+
+
+def test_bench_e2e_takes_as_many_prompts_per_step_as_prompts_or_the_whole_set():
+    from specroll.bench import e2e
+
+    e2e.check_args(build_parser().parse_args(E2E + ["--prompts-per-step", "2"]))
+    e2e.check_args(build_parser().parse_args(E2E + ["--prompts", "0", "--prompts-per-step", "3"]))  # --steps 1 given
+
+
+SPEC = ["bench", "spec", "--model", "tiny-llama", "--draft", "head"]
+LIST_ERRORS = [
+    (["bench", "engine", "--model", "tiny-llama", "--batch-sizes", "2,1,2"],
+     "--batch-sizes lists a batch size twice, got 2,1,2; give each once"),
+    (["bench", "engine", "--model", "tiny-llama", "--batch-sizes", "1,,2"],
+     "--batch-sizes must be a comma-separated list of positive integers, got '1,,2'"),
+    (["bench", "engine", "--model", "tiny-llama", "--batch-sizes", "1,2,"],
+     "--batch-sizes must be a comma-separated list of positive integers, got '1,2,'"),
+    (SPEC + ["--batch-sizes", "4,4"], "--batch-sizes lists a batch size twice, got 4,4; give each once"),
+    (SPEC + ["--plan", "chain,chain"], "--plan lists a plan twice, got chain,chain; give each once"),
+    (SPEC + ["--plan", "static,,chain"], "--plan '' is not available here; known plans: ['adaptive', "
+     "'adaptive-chain', 'chain', 'static', 'tuned', 'tuned-chain']"),
+    (SPEC + ["--head-weights", "bf16,bf16"], "--head-weights lists a setting twice, got bf16,bf16; give each once"),
+    (SPEC + ["--plan", "chain", "--verify", "token,token"], "--verify lists a rule twice, got token,token; give each "
+     "once"),
+    (SPEC + ["--plan", "chain", "--chain-stop", "0,0.0"], "--chain-stop lists a stop twice, got 0,0; give each once"),
+    (SPEC + ["--plan", "chain", "--chain-stop", "0,,0.15"], "--chain-stop must be a comma-separated list of numbers "
+     "in [0, 1), e.g. 0,0.15, got '0,,0.15'"),
+    (REUSE + ["--modes", "exact,exact"], "--modes lists a mode twice, got exact,exact; give each once"),
+    (REUSE + ["--modes", "lenient,"], "--modes must be a comma-separated subset of ['lenient', 'exact', 'off'], got "
+     "'lenient,'"),
+    (REUSE + ["--lenience", "2,2"], "--lenience lists an l value twice, got 2,2; give each once"),
+    (E2E + ["--spec", "off,,reuse"], "--spec must be a comma-separated list of distinct modes from ['off', 'reuse', "
+     "'draft', 'reuse+draft'], got 'off,,reuse'"),
+]
+
+
+@pytest.mark.parametrize("argv, msg", LIST_ERRORS, ids=[" ".join(a[1:2] + a[-2:]) for a, _ in LIST_ERRORS])
+def test_bench_list_options_refuse_a_repeated_or_empty_item(tmp_path, capsys, no_work, argv, msg):
+    """As `specroll profile --batches 1,1` is refused: a value given twice would run (and record) its rows twice,
+    and an empty item ("1,,2") is a typo, not "1,2"."""
+    line, out = cli_error(capsys, [*argv, "--out", str(tmp_path / "b.json")])
+    assert line == msg
+    assert out == "" and list(tmp_path.iterdir()) == []
+
+
+def test_bench_online_names_its_acceptance_conditions_without_internal_references():
+    from specroll.bench.online import conditions_line
+
+    c = {"never_below_start": True, "ends_at_target": False, "frozen_ends_lower": True, "all": False,
+         "end_target": 3.0, "level": 0.05}
+    line = conditions_line(c)
+    assert line.startswith("acceptance conditions: online head never below its start yes, ends >= 3 no, ")
+    assert "issue" not in line and line.endswith("not all met")

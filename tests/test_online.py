@@ -512,7 +512,7 @@ def test_cli_bench_online_writes_both_curves(tmp_path, monkeypatch, capsys, desi
     assert res["figure"] == str(png) and png.read_bytes()[:4] == b"\x89PNG"
     assert (out.parent / "accept_length_vs_step.png").read_bytes() == png.read_bytes()
     printed = capsys.readouterr().out
-    assert "online: accept length" in printed and "issue 6's conditions" in printed
+    assert "online: accept length" in printed and "acceptance conditions" in printed
     c = res["conditions"]  # recomputed from the rows the file holds
     on, fr = res["summary"]["online"], res["summary"]["frozen"]
     assert c["never_below_start"] == (min(r["accept_length"] for r in rows if r["mode"] == "online")

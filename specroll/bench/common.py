@@ -109,28 +109,51 @@ def write_json(path: str | Path, data: dict) -> None:
         raise
 
 
-def parse_int_list(s: str, name: str) -> list[int]:
+def list_items(s: str) -> list[str]:
+    """The items of a comma-separated list option, stripped; an empty item stays (as ``""``), so that "1,,2", a
+    trailing comma or an empty list is refused by the caller like any other bad item rather than read as "1,2"."""
+    return [x.strip() for x in s.split(",")]
+
+
+def check_distinct(values: list, name: str, item: str) -> None:
+    """Refuse a list option naming one value twice, which would run (and record) the same row twice, as `specroll
+    profile --batches` does: "--batch-sizes lists a batch size twice, got 2,1,2; give each once"."""
+    if len(set(values)) != len(values):
+        from ..cli import CliError
+
+        listed = ",".join(f"{v:g}" if isinstance(v, float) else str(v) for v in values)
+        raise CliError(f"{name} lists {item} twice, got {listed}; give each once")
+
+
+def parse_int_list(s: str, name: str, distinct: str | None = None) -> list[int]:
+    """Comma-separated positive integers, no item empty; ``distinct`` (what an item is, "a batch size"): refuse one
+    given twice (``check_distinct``)."""
     try:
-        out = [int(x) for x in s.split(",") if x.strip()]
+        out = [int(x) for x in list_items(s)]
     except ValueError:
         out = []
     if not out or min(out) < 1:
         from ..cli import CliError
 
         raise CliError(f"{name} must be a comma-separated list of positive integers, got {s!r}")
+    if distinct:
+        check_distinct(out, name, distinct)
     return out
 
 
-def parse_float_list(s: str, name: str, ok, what: str) -> list[float]:
-    """Comma-separated numbers, each passing ``ok``; else one CLI error naming ``name`` and ``what`` they must be."""
+def parse_float_list(s: str, name: str, ok, what: str, distinct: str | None = None) -> list[float]:
+    """Comma-separated numbers, each passing ``ok`` (no item empty); else one CLI error naming ``name`` and ``what``
+    they must be. ``distinct`` as for ``parse_int_list``."""
     try:
-        out = [float(x) for x in s.split(",") if x.strip()]
+        out = [float(x) for x in list_items(s)]
     except ValueError:
         out = []
     if not out or not all(ok(x) for x in out):
         from ..cli import CliError
 
         raise CliError(f"{name} must be a comma-separated list of {what}, got {s!r}")
+    if distinct:
+        check_distinct(out, name, distinct)
     return out
 
 

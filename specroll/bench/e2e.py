@@ -58,7 +58,9 @@ different numbers of tokens: each row also has ``ms_per_token_median`` (the medi
 time per completion token; ``tokens_all`` per step) and the same two ratios of it,
 ``speedup_vs_off_per_token`` and ``speedup_vs_trl_per_token``. Each row also has its per-step reward curve
 and spec metrics, and ``step_s_median_after_epoch1`` when there is more than one epoch;
-``reward_curves`` and a PNG (reward and step time against step, every row) sit beside the timings.
+``reward_curves`` and a PNG (reward and step time against step, every row) sit beside the timings. A row that
+took no timed step (TRL's GRPOTrainer finding no full batch of prompts in a whole train set, ``--prompts 0``) has
+``no_steps`` true and None medians; the other rows are still written, and ``rows_without_steps`` names it.
 
 Trailing ``key=value`` config overrides: the specroll rows follow every key (draft.* the rows with a head, reuse.*
 the rows that reuse), the TRL rows only the keys ``run_trl`` reads (``TRL_SECTIONS``, ``TRL_KEYS``; trl+specroll
@@ -80,7 +82,7 @@ from pathlib import Path
 import torch
 
 from ..config import override_key
-from .common import check_overrides, load_bench_config, machine_info, save_figure, write_json
+from .common import check_overrides, list_items, load_bench_config, machine_info, save_figure, write_json
 
 SPEC_MODES = ("off", "reuse", "draft", "reuse+draft")
 SYSTEMS = ("specroll", "trl", "trl+specroll")
@@ -117,7 +119,8 @@ FIXED_KEYS = {
 # and these; the trl+specroll row with --trl-reuse also TRL_REUSE_KEYS (``trl_rollout_func``). Every other override
 # applies to the specroll rows only (``follows``)
 TRL_SECTIONS = ("data", "reward")
-TRL_KEYS = ("rollout.temperature", "rollout.top_p", "train.lr", "train.seed", "train.grad_clip", "loss.eps_low")
+TRL_KEYS = ("rollout.temperature", "rollout.top_p", "rollout.top_k", "train.lr", "train.seed", "train.grad_clip",
+            "loss.eps_low")
 TRL_REUSE_KEYS = ("reuse.store_mb",)
 
 
@@ -131,7 +134,7 @@ def spec_modes(s: str | None) -> list[str]:
     from ..cli import CliError
 
     s = DEFAULTS["spec"] if s is None else s
-    out = [m.strip() for m in s.split(",") if m.strip()]
+    out = list_items(s)  # an empty item ("off,,reuse") is a bad one
     bad = [m for m in out if m not in SPEC_MODES]
     if not out or bad or len(set(out)) != len(out):
         raise CliError(f"--spec must be a comma-separated list of distinct modes from {list(SPEC_MODES)}, got {s!r}")
@@ -141,7 +144,7 @@ def spec_modes(s: str | None) -> list[str]:
 def systems(s: str) -> list[str]:
     from ..cli import CliError
 
-    out = [m.strip() for m in s.split(",") if m.strip()]
+    out = list_items(s)
     bad = [m for m in out if m not in SYSTEMS]
     if not out or bad or len(set(out)) != len(out):
         raise CliError(f"--systems must be a comma-separated list of distinct systems from {list(SYSTEMS)}, "
@@ -202,6 +205,10 @@ def _config(args, spec: str = "off"):
 
 
 def _summary(system: str, steps: list[dict], spec: str = "off", first_epoch: int = 0) -> dict:
+    if not steps:  # e.g. a TRL GRPOTrainer that found no batch to take: the row says so, the rows measured stand
+        return {"system": system, "spec": spec, "no_steps": True, "step_s_median": None, "tokens_per_step": None,
+                "tokens_all": [], "ms_per_token_median": None, "phases": {p: None for p in PHASES},
+                "step_s_all": [], "phases_all": {p: [] for p in PHASES}, "reward_mean_per_step": []}
     med = lambda k, ss=steps: statistics.median(s.get(k, 0.0) for s in ss)  # noqa: E731
     out = {
         "system": system, "spec": spec, "step_s_median": med("step"),
@@ -340,8 +347,9 @@ def run_trl(cfg, model_dir, rollout_func=None, first_epoch: int = 0) -> dict:
         output_dir=out, per_device_train_batch_size=rows, gradient_accumulation_steps=1,
         num_generations=cfg.rollout.G, max_completion_length=cfg.rollout.max_new_tokens,
         max_steps=cfg.train.steps, learning_rate=cfg.train.lr, lr_scheduler_type="constant", warmup_steps=0,
-        temperature=cfg.rollout.temperature, top_p=cfg.rollout.top_p, loss_type="grpo", scale_rewards="group",
-        beta=0.0, num_iterations=1, epsilon=cfg.loss.eps_low, max_grad_norm=cfg.train.grad_clip,
+        temperature=cfg.rollout.temperature, top_p=cfg.rollout.top_p, top_k=cfg.rollout.top_k,  # 0 = off in both
+        loss_type="grpo", scale_rewards="group", beta=0.0, num_iterations=1, epsilon=cfg.loss.eps_low,
+        max_grad_norm=cfg.train.grad_clip,
         bf16=cfg.train.bf16, use_cpu=True, report_to="none", save_strategy="no", logging_steps=1,
         disable_tqdm=True, seed=cfg.train.seed, dataloader_num_workers=0,
         # TRL defaults to gradient checkpointing (a memory saver that recomputes activations);
@@ -464,23 +472,25 @@ def run_bench(args) -> dict:
 def add_ratios(res: dict) -> None:
     """Per row ``speedup_vs_off`` / ``speedup_vs_trl`` (the reference row's median step time over this row's,
     None when the reference did not run; ``trl+specroll`` too is measured against ``trl``); top level: ``speedup_vs_trl`` of the first specroll row (``off`` when it ran), the
-    ``best`` specroll row, and ``reward_curves`` per row."""
+    ``best`` specroll row, ``reward_curves`` per row and ``rows_without_steps`` (the labels of rows with
+    ``no_steps``, whose ratios, like those against them, are None)."""
     rows = res["rows"]
     ours = [r for r in rows if r["system"] == "specroll"]
     off = next((r for r in ours if r["spec"] == "off"), None)
     trl = next((r for r in rows if r["system"] == "trl"), None)
-    for r in rows:
-        r["speedup_vs_off"] = off["step_s_median"] / r["step_s_median"] if off else None
-        r["speedup_vs_trl"] = trl["step_s_median"] / r["step_s_median"] if trl else None
-        for name, ref in (("off", off), ("trl", trl)):  # the same ratios per completion token
-            a, b = (ref or {}).get("ms_per_token_median"), r.get("ms_per_token_median")
-            r[f"speedup_vs_{name}_per_token"] = a / b if a and b else None
+    for r in rows:  # a reference or row without steps (``no_steps``) has no median: None
+        for key, suffix in (("step_s_median", ""), ("ms_per_token_median", "_per_token")):  # per step, per token
+            for name, ref in (("off", off), ("trl", trl)):
+                a, b = (ref or {}).get(key), r.get(key)
+                r[f"speedup_vs_{name}{suffix}"] = a / b if a and b else None
     ref = off or (ours[0] if ours else None)
     res["speedup_vs_trl"] = ref["speedup_vs_trl"] if ref else None
-    best = min(ours, key=lambda r: r["step_s_median"]) if ours else None
+    timed = [r for r in ours if r["step_s_median"] is not None]
+    best = min(timed, key=lambda r: r["step_s_median"]) if timed else None
     res["best"] = None if best is None else {k: best.get(k) for k in (
         "spec", "step_s_median", "speedup_vs_off", "speedup_vs_trl", "speedup_vs_trl_per_token")}
     res["reward_curves"] = {_label(r): r["reward_mean_per_step"] for r in rows}
+    res["rows_without_steps"] = [_label(r) for r in rows if r.get("no_steps")]
 
 
 def _label(row: dict) -> str:
@@ -499,7 +509,8 @@ def plot(res: dict, png: str | Path) -> Path:
     for r in res["rows"]:
         x = list(range(1, len(r["step_s_all"]) + 1))
         rew = [float("nan") if v is None else v for v in r["reward_mean_per_step"]]
-        lab = f"{_label(r)} ({r['step_s_median']:.2f} s/step)"
+        t = r["step_s_median"]
+        lab = f"{_label(r)} ({'no steps' if t is None else f'{t:.2f} s/step'})"
         ax_r.plot(x, rew, marker="o", label=lab)
         ax_t.plot(x, r["step_s_all"], marker="o", label=lab)
     c = res["config"]
@@ -544,6 +555,9 @@ def check_args(args) -> None:
         raise CliError("--prompts must be >= 0 (0 = the task's whole train set)")
     if not args.prompts and args.steps is None:
         raise CliError("--prompts 0 (the whole train set) needs --steps")
+    if args.prompts and args.prompts_per_step > args.prompts:  # TRL's sampler would make no batch of them
+        raise CliError(f"--prompts-per-step {args.prompts_per_step} exceeds --prompts {args.prompts}: a step would "
+                       "repeat prompts and TRL's GRPOTrainer would take no step; give --prompts-per-step <= --prompts")
     if args.generations < 2:
         raise CliError("--generations must be >= 2 (GRPO groups)")
     if getattr(args, "warmup", 0) < 0:
@@ -586,6 +600,9 @@ def cli(args) -> int:
     write_json(args.out, res)
     plot(res, res["figure"])
     for r in res["rows"]:
+        if r.get("no_steps"):
+            print(f"{r['system']:12s} {_label(r):12s} no timed steps")
+            continue
         ph = ", ".join(f"{k} {v:.2f}" for k, v in r["phases"].items())
         vs = "".join(f"  {v:.2f}x vs {k[11:]}" for k in ("speedup_vs_off", "speedup_vs_trl") if (v := r.get(k)))
         eng = f", engine rollout {r['rollout_s']:.2f}" if r.get("rollout_s") is not None else ""
@@ -597,5 +614,8 @@ def cli(args) -> int:
               f"{r['tokens_per_step']:.0f}{vs}{pt}  ({ph}{eng}{fw})")
     if res.get("trl_missing"):
         print(res["trl_missing"])
+    if res["rows_without_steps"]:
+        print(f"warning: no timed steps in row {', '.join(res['rows_without_steps'])} (the JSON records it with "
+              "no_steps: true); the other rows were measured")
     print(f"wrote {args.out} and {res['figure']}")
     return 0

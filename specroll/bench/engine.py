@@ -115,7 +115,7 @@ def run_bench(model_name: str, batch_sizes: list[int], M: int, dtype_name: str, 
 def cli(args) -> int:
     from ..cli import CliError, check_output
 
-    batch_sizes = parse_int_list(args.batch_sizes, "--batch-sizes")
+    batch_sizes = parse_int_list(args.batch_sizes, "--batch-sizes", distinct="a batch size")
     if args.max_new_tokens < 1:
         raise CliError("--max-new-tokens must be >= 1")
     if args.repeats < 1:

@@ -24,7 +24,7 @@ import time
 
 import torch
 
-from .common import load_bench_config, machine_info, parse_float_list, write_json
+from .common import check_distinct, list_items, load_bench_config, machine_info, parse_float_list, write_json
 
 ROW_KEYS = ("tokens_generated", "rollout_s", "reward_mean", "reuse_ratio", "skip_ratio")
 LENIENCE = "1,1.2214,1.6487,2.7183,inf"  # --lenience when not given (the lenient mode's l values)
@@ -37,17 +37,19 @@ OPTION_KEYS = {"model.name": "--model", "model.rollout_dtype": "--dtype", "data.
 
 
 def _floats(s: str, name: str) -> list[float]:
-    return parse_float_list(s, name, lambda x: x > 0, "numbers > 0 (inf allowed)")  # NaN fails x > 0
+    return parse_float_list(s, name, lambda x: x > 0, "numbers > 0 (inf allowed)",  # NaN fails x > 0
+                            distinct="an l value")
 
 
 def _modes(s: str) -> list[str]:
     from ..cli import CliError
     from ..drafters.reuse import MODES
 
-    out = [m.strip() for m in s.split(",") if m.strip()]
+    out = list_items(s)  # an empty item ("lenient,,exact") is a bad one
     bad = [m for m in out if m not in MODES]
     if not out or bad:
         raise CliError(f"--modes must be a comma-separated subset of {list(MODES)}, got {s!r}")
+    check_distinct(out, "--modes", "a mode")
     return out
 
 
@@ -236,8 +238,13 @@ def cli(args) -> int:
     if args.prompts_per_step < 1:
         raise CliError(f"--prompts-per-step must be >= 1, got {args.prompts_per_step}")
     check_counts(args)
+    if args.prompts_per_step > args.prompts:
+        raise CliError(f"--prompts-per-step {args.prompts_per_step} exceeds --prompts {args.prompts}: a step would "
+                       "repeat prompts, so an epoch would not be one pass over them; give --prompts-per-step <= "
+                       "--prompts")
     lenience(args)  # a bad value, then a value no mode uses
-    if args.lenience is not None and "lenient" not in _modes(args.modes):
+    modes = _modes(args.modes)
+    if args.lenience is not None and "lenient" not in modes:
         raise CliError(f"--lenience {args.lenience} applies to the lenient mode; add lenient to --modes")
     bench_config(args)  # the options that become config keys (--level), named as the options
     check_output(args.out, "--out")

@@ -30,7 +30,16 @@ import torch
 from ..drafters.eagle import EagleDrafter, Plan, load_head_as
 from ..engine.engine import Engine
 from ..engine.sampling import SamplingParams
-from .common import DTYPES, machine_info, parse_float_list, parse_int_list, run_figure, write_json
+from .common import (
+    DTYPES,
+    check_distinct,
+    list_items,
+    machine_info,
+    parse_float_list,
+    parse_int_list,
+    run_figure,
+    write_json,
+)
 
 
 def _static(args):
@@ -185,7 +194,7 @@ def run_bench(args) -> dict:
     from ..models import hub
 
     given = plan_options_given(args)
-    batches = parse_int_list(args.batch_sizes, "--batch-sizes")
+    batches = parse_int_list(args.batch_sizes, "--batch-sizes", distinct="a batch size")
     if args.repeats < 1:
         raise CliError(f"--repeats must be >= 1, got {args.repeats}")
     check_at_least("--n-verify", args.n_verify, 1, "tree nodes per row, root included")
@@ -193,19 +202,25 @@ def run_bench(args) -> dict:
     check_at_least("--depth", args.depth, 1)
     if args.c_peak is not None:  # checked whatever the plan: a value no plan could use is a mistake
         check_at_least("--c-peak", args.c_peak, 1, "tokens per forward")
-    plans = [p.strip() for p in args.plan.split(",") if p.strip()]
+    # the list options: an empty item ("static,,chain") is refused as an unknown value, one given twice (it would
+    # run, and be recorded, twice) as `specroll profile --batches` refuses a batch size given twice
+    plans = list_items(args.plan)
     for p in plans:
         if p not in PLANS:
             raise CliError(f"--plan {p!r} is not available here; known plans: {sorted(PLANS)}")
-    head_weights = [w.strip() for w in args.head_weights.split(",") if w.strip()]
+    check_distinct(plans, "--plan", "a plan")
+    head_weights = list_items(args.head_weights)
     for w in head_weights:
         if w not in HEAD_WEIGHTS:
             raise CliError(f"--head-weights {w!r}: choose from {', '.join(HEAD_WEIGHTS)}")
-    verifies = [v.strip() for v in args.verify.split(",") if v.strip()]
+    check_distinct(head_weights, "--head-weights", "a setting")
+    verifies = list_items(args.verify)
     for v in verifies:
         if v not in EagleDrafter.VERIFY:
             raise CliError(f"--verify {v!r}: choose from {', '.join(EagleDrafter.VERIFY)}")
-    stops = parse_float_list(args.chain_stop, "--chain-stop", lambda x: 0 <= x < 1, "numbers in [0, 1), e.g. 0,0.15")
+    check_distinct(verifies, "--verify", "a rule")
+    stops = parse_float_list(args.chain_stop, "--chain-stop", lambda x: 0 <= x < 1, "numbers in [0, 1), e.g. 0,0.15",
+                             distinct="a stop")
     check_plan_options(given, plans)  # after the values: a bad value is named as such whatever the plan
     dtype = DTYPES[args.dtype]
     try:
