@@ -518,3 +518,22 @@ def test_all_long_held_out_prompts_name_the_eval_split(tmp_path, tok):
         build_prompts(load_examples(DataConfig(n_eval=4), "eval"), tok, DataConfig(max_prompt_tokens=2))
     with pytest.raises(DataError, match="^all 2 prompts are longer"):  # not an eval split: as before
         build_prompts([rows[3], rows[7]], tok, cfg)
+
+
+def test_a_prompt_of_exactly_max_prompt_tokens_is_kept(tok):
+    """``data.max_prompt_tokens`` is the longest prompt kept: only longer ones are dropped."""
+    ex = [{"question": "What is 2 + 3?", "answer": "5"}]
+    n = len(build_prompts(ex, tok, DataConfig(system_prompt=None))[0][0])
+    ids, kept, dropped = build_prompts(ex, tok, DataConfig(system_prompt=None, max_prompt_tokens=n))
+    assert (len(ids[0]), kept, dropped) == (n, ex, 0)
+    assert build_prompts(ex + ex, tok, DataConfig(system_prompt=None, max_prompt_tokens=n + 1))[2] == 0
+
+
+def test_a_chat_with_its_own_system_message_gets_no_second_one(tok):
+    """``data.system_prompt`` goes in front of a chat question only when the chat has no system message."""
+    chat = [{"role": "system", "content": "Own rules."}, {"role": "user", "content": "What is 2 + 3?"}]
+    ids, _, _ = build_prompts([{"question": chat, "answer": "5"}], tok, DataConfig(system_prompt="Be brief."))
+    text = tok.decode(ids[0])
+    assert "Own rules." in text and "Be brief." not in text and text.count("system") == 1
+    ids, _, _ = build_prompts([{"question": chat[1:], "answer": "5"}], tok, DataConfig(system_prompt="Be brief."))
+    assert tok.decode(ids[0]).startswith("<|im_start|>system\nBe brief.<|im_end|>")

@@ -943,3 +943,35 @@ def test_eval_without_the_accuracy_reward_names_its_score_as_the_mean_reward(tmp
     assert ": accuracy " in capsys.readouterr().out
     (out / "config.yaml").write_text("reward:\n  funcs: [accuracy, format]\n")
     assert run._has_accuracy(out) and run._has_accuracy(tmp_path / "nowhere")
+
+
+def test_eval_cli_scores_at_the_temperature_it_is_given(monkeypatch, capsys):
+    """``specroll eval --temperature T`` samples at T (the trainer's evaluate reads train.eval_temperature)."""
+    from specroll.cli import main
+    from specroll.rl import run
+
+    seen = []
+
+    def evaluate(self):
+        seen.append(self.cfg.train.eval_temperature)
+        return {"eval/accuracy": 0.0, "eval/n": 2, "eval/completion_len": 1.0, "timing/eval": 0.0}
+
+    monkeypatch.setattr(run.Trainer, "evaluate", evaluate)
+    assert main(["eval", "--model", "tiny-llama", "--temperature", "0.7", "data.n_eval=2"]) == 0
+    assert seen == [0.7]  # the config's train.eval_temperature is 0
+
+
+def test_metrics_rows_are_strict_json(tmp_path):
+    """A NaN or an infinity (e.g. actor/grad_norm after an overflow) is written as null: ``json.dumps`` would write
+    the non-standard ``NaN`` / ``Infinity``, which strict JSON readers (jq, JavaScript, most JSONL tools) reject."""
+    from specroll.rl.metrics import MetricsWriter, read_metrics
+
+    def strict(name):
+        raise AssertionError(f"metrics.jsonl holds the non-JSON constant {name}")
+
+    w = MetricsWriter(tmp_path)
+    w.write(1, {"actor/grad_norm": float("inf"), "actor/kl": float("-inf"), "reward/mean": float("nan"), "lr": 0.5})
+    w.close()
+    row = json.loads((tmp_path / "metrics.jsonl").read_text(), parse_constant=strict)
+    assert [row[k] for k in ("actor/grad_norm", "actor/kl", "reward/mean", "lr")] == [None, None, None, 0.5]
+    assert read_metrics(tmp_path)[0]["step"] == 1

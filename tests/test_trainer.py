@@ -160,7 +160,6 @@ def test_mu_and_mini_batches_take_more_optimizer_steps(groups, mu, mini_batches)
     # exactly the steps the lr schedule was laid out for
     assert m["actor/n_optimizer_steps"] == mu * mini_batches == tr.total_opt_steps == tr.sched.last_epoch
     assert tr.engine.policy_version == m["actor/n_optimizer_steps"]
-    assert m["timing/logprob"] > 0  # old logprobs were recomputed (mu > 1 or mini_batches > 1)
 
 
 def test_reward_gets_the_columns_of_every_row():
@@ -637,3 +636,226 @@ def test_a_resume_keeps_the_bf16_decision_the_run_started_with(tmp_path, capsys,
         assert "SPECROLL_FAST_BF16" not in os.environ and "resume: bf16" not in capsys.readouterr().out
     finally:
         device.fast_bf16.cache_clear()
+
+
+def _reference_rows(rollouts, rewards, G, mask_truncated, skip_zero_variance):
+    """The rows that take part in the loss, by the documented rules, written out independently of the trainer."""
+    keep = []
+    for i, (r, x) in enumerate(zip(rollouts, rewards.tolist())):
+        grp = rewards[i // G * G:(i // G + 1) * G]
+        vals = grp[~torch.isnan(grp)]
+        ok = not math.isnan(x)
+        if mask_truncated and r.finish_reason == "length":
+            ok = False
+        if skip_zero_variance and (vals.numel() < 2 or bool((vals == vals[0]).all())):
+            ok = False
+        keep.append(ok)
+    return torch.tensor(keep).nonzero().squeeze(1)
+
+
+@pytest.mark.parametrize("over", [
+    ["loss.type=grpo"],
+    ["loss.type=dapo", "loss.mask_truncated=true"],
+    ["loss.type=dr_grpo", "loss.skip_zero_variance=true"],
+], ids=["grpo", "dapo-mask_truncated", "dr_grpo-skip_zero_variance"])
+def test_update_gradient_is_the_gradient_of_the_whole_batch_loss(over):
+    """``Trainer.update`` (row filtering, zero-advantage skipping, micro-batches, the prompt-shared forward)
+    against the loss written out directly: one per-row forward of every row that takes part in the loss and one
+    ``policy_loss`` over them, token weights over those rows. Rewards: a None, a zero-variance group, advantages
+    of both signs; stop ids 0-3 so that some rows stop and some are truncated."""
+    from specroll.rl.losses import group_advantages, policy_loss, token_weights
+
+    G = 4
+    cfg = make_cfg(*over, "train.micro_batch_size=3", "train.grad_clip=0")
+    ps = prompts()
+    tr = Trainer(cfg, tiny_model(0), ps, ps, target_fraction, decode, eos_ids=[0, 1, 2, 3])
+    rollouts = tr.engine.generate(ps.ids[:4], SamplingParams(temperature=1.0, max_new_tokens=8, seed=3), n=G)
+    trunc = torch.tensor([r.finish_reason == "length" for r in rollouts])
+    assert trunc.any() and (~trunc).any()
+    nan = float("nan")
+    rewards = torch.tensor([0.0, 1.0, 2.0, 0.5, 1.0, 1.0, 1.0, 1.0, 3.0, 0.0, 1.0, nan, 2.0, 0.0, 0.0, 1.0])
+    lc = cfg.loss
+    rows = _reference_rows(rollouts, rewards, G, lc.mask_truncated, lc.skip_zero_variance)
+    adv = group_advantages(rewards, G, lc.scale_rewards, lc.adv_eps)
+    assert (adv[rows] > 0).any() and (adv[rows] < 0).any()
+    batch = Batch.from_rollouts(rollouts)
+    ref_model = tiny_model(0)  # the trainer's starting weights
+    params = [p for p in ref_model.parameters() if p.requires_grad]
+    logp, _ = completion_logprobs(ref_model, batch, rows)
+    w = token_weights(batch.cmask[rows], lc.type, cfg.rollout.max_new_tokens)
+    loss, _ = policy_loss(logp, batch.old_lp[rows], adv[rows], w, lc)
+    want = torch.cat([g.flatten() for g in torch.autograd.grad(loss, params)])
+    m = tr.update(rollouts, rewards)
+    got = torch.cat([p.grad.flatten() for p in tr.params])
+    assert m["actor/rows_in_loss"] == len(rows)
+    assert want.norm() > 0
+    assert float((got - want).norm() / want.norm()) < 1e-4
+
+
+def test_grad_clip_bounds_the_norm_of_the_step_gradient():
+    """``train.grad_clip`` rescales the gradient the optimizer steps with; ``actor/grad_norm`` is the norm before."""
+    ps = prompts()
+    for clip in (1e-3, 0.0):
+        tr = Trainer(make_cfg(f"train.grad_clip={clip}"), tiny_model(0), ps, ps, distinct, decode, eos_ids=[0])
+        rollouts = tr.engine.generate(ps.ids[:4], SamplingParams(temperature=1.0, max_new_tokens=8, seed=3), n=4)
+        m = tr.update(rollouts, torch.tensor(distinct(None, rollouts)))
+        norm = float(torch.cat([p.grad.flatten() for p in tr.params]).norm())
+        assert m["actor/grad_norm"] > 1e-2
+        assert norm == pytest.approx(clip if clip else m["actor/grad_norm"], rel=1e-3)
+
+
+def test_optimizer_uses_the_configured_weight_decay():
+    tr = make_trainer(make_cfg("train.weight_decay=0.1"))
+    assert [g["weight_decay"] for g in tr.opt.param_groups] == [0.1]
+    assert [g["weight_decay"] for g in make_trainer(make_cfg()).opt.param_groups] == [0.0]
+
+
+@pytest.mark.parametrize("over, recomputed", [
+    (["train.recompute_old_logprobs=true"], True),
+    (["train.mu=2"], True),
+    (["train.mini_batches=2"], True),
+    ([], False),
+])
+def test_old_logprobs_are_recomputed_when_the_engines_cannot_serve(over, recomputed):
+    """The behaviour log-probs come from the training forward with ``train.recompute_old_logprobs``, mu > 1 or
+    several mini-batches: stale engine log-probs (here off by 1 nat: ratio e, clipped on every token of a
+    positive-advantage row) must then not reach the loss. With mu = 1 and one mini-batch they are used as they
+    are. (``timing/logprob`` is no witness: it is the elapsed time even when nothing was recomputed.)"""
+    import dataclasses
+
+    ps = prompts()
+    cfg = make_cfg("loss.type=dapo", "train.lr=1e-9", *over)  # later optimizer steps stay at ratio ~1
+    tr = Trainer(cfg, tiny_model(0), ps, ps, distinct, decode, eos_ids=[0])
+    rollouts = tr.engine.generate(ps.ids[:4], SamplingParams(temperature=1.0, max_new_tokens=8, seed=3), n=4)
+    stale = [dataclasses.replace(r, logprobs=r.logprobs - 1.0) for r in rollouts]
+    m = tr.update(stale, torch.tensor(distinct(None, rollouts)))
+    if recomputed:
+        assert m["actor/clip_ratio"] == 0.0
+    else:
+        assert m["actor/clip_ratio"] > 0.2
+
+
+def test_clip_ratio_is_the_share_of_clipped_tokens():
+    """dapo weighs every token alike, so ``actor/clip_ratio`` is the share of the trained tokens whose gradient the
+    clip removed. At ratio e > 1 + eps_high on every token that is every token of the positive-advantage rows."""
+    import dataclasses
+
+    from specroll.rl.losses import group_advantages
+
+    ps = prompts()
+    tr = Trainer(make_cfg("loss.type=dapo"), tiny_model(0), ps, ps, distinct, decode, eos_ids=[0])
+    rollouts = tr.engine.generate(ps.ids[:4], SamplingParams(temperature=1.0, max_new_tokens=8, seed=3), n=4)
+    stale = [dataclasses.replace(r, logprobs=r.logprobs - 1.0) for r in rollouts]
+    rewards = torch.tensor(distinct(None, rollouts))
+    adv = group_advantages(rewards, 4)
+    lens = torch.tensor([float(len(r.completion_ids)) for r in rollouts])
+    m = tr.update(stale, rewards)
+    assert m["actor/clip_ratio"] == pytest.approx(float(lens[adv > 0].sum() / lens[adv != 0].sum()), rel=1e-5)
+
+
+def test_mini_batches_split_each_pass_into_whole_groups():
+    """mu = 2 passes x 2 mini-batches: each optimizer step gets whole prompt groups, each pass every row once."""
+    G = 4
+    ps = prompts()
+    tr = Trainer(make_cfg("train.mini_batches=2", "train.mu=2"), tiny_model(0), ps, ps, distinct, decode, eos_ids=[0])
+    rollouts = tr.engine.generate(ps.ids[:4], SamplingParams(temperature=1.0, max_new_tokens=8, seed=3), n=G)
+    seen = []
+    real = tr._optimizer_step
+
+    def spy(batch, rows, *a):
+        seen.append(rows.tolist())
+        return real(batch, rows, *a)
+
+    tr._optimizer_step = spy
+    tr.update(rollouts, torch.tensor(distinct(None, rollouts)))
+    assert len(seen) == 4
+    for rows in seen:
+        groups = sorted({r // G for r in rows})
+        assert sorted(rows) == [g * G + j for g in groups for j in range(G)]
+    assert sorted(seen[0] + seen[1]) == sorted(seen[2] + seen[3]) == list(range(4 * G))
+
+
+def test_every_epoch_draws_a_new_order_of_all_prompts():
+    tr = make_trainer(make_cfg("train.prompts_per_step=4"))  # 8 prompts: 2 steps an epoch
+    epochs = [tr.batch_indices(2 * e) + tr.batch_indices(2 * e + 1) for e in range(3)]
+    for ep in epochs:
+        assert sorted(ep) == list(range(8))
+    assert len({tuple(ep) for ep in epochs}) == 3
+
+
+def test_each_step_samples_with_its_own_seed():
+    tr = make_trainer(make_cfg())
+    assert len({tr.rollout_params(s).seed for s in range(50)}) == 50
+
+
+def test_evaluate_samples_at_train_eval_temperature():
+    tr = make_trainer(make_cfg("rollout.temperature=1.0"))  # train.eval_temperature: 0 (greedy) by default
+    seen = []
+    real = tr.engine.generate
+
+    def spy(ids, params, *a, **k):
+        seen.append(params.temperature)
+        return real(ids, params, *a, **k)
+
+    tr.engine.generate = spy
+    tr.evaluate()
+    tr.cfg.train.eval_temperature = 0.7
+    tr.evaluate()
+    assert seen == [0.0, 0.7]
+
+
+def test_actor_loss_is_the_mean_over_optimizer_steps():
+    """At a negligible learning rate the two optimizer steps of mu = 2 see the same loss as mu = 1's one step:
+    the metric averages them (it summed them into twice the loss)."""
+    ps = prompts()
+    rows = []
+    for mu in (1, 2):
+        cfg = make_cfg("loss.type=dapo", f"train.mu={mu}", "train.lr=1e-12")
+        tr = Trainer(cfg, tiny_model(0), ps, ps, distinct, decode, eos_ids=[0])
+        rollouts = tr.engine.generate(ps.ids[:4], SamplingParams(temperature=1.0, max_new_tokens=8, seed=3), n=4)
+        rows.append(tr.update(rollouts, torch.tensor(distinct(None, rollouts))))
+    assert rows[1]["actor/n_optimizer_steps"] == 2 and abs(rows[0]["actor/loss"]) > 1e-3
+    assert rows[1]["actor/loss"] == pytest.approx(rows[0]["actor/loss"], rel=1e-3)
+
+
+def test_fit_evaluates_and_saves_on_schedule(tmp_path):
+    """``train.eval_every`` / ``train.save_every``: at the steps that are multiples of them, plus the last step."""
+    from specroll.rl import checkpoint as ckpt
+
+    cfg = make_cfg("train.steps=4", "train.eval_every=2", "train.save_every=3", "train.keep_last=5")
+    rows = make_trainer(cfg, tmp_path).fit()
+    assert [r["step"] for r in rows if "eval/accuracy" in r] == [2, 4]
+    assert [p.name for p in ckpt.list_checkpoints(tmp_path)] == ["step_000003", "step_000004"]
+
+
+def test_step_metrics_describe_the_steps_rollouts_and_updates(monkeypatch):
+    """``rollout/truncated_frac``, ``frac_reward_zero_std`` and ``actor/grad_norm`` (the mean over the step's
+    optimizer steps) against the step's own rollouts and the norms ``clip_grad_norm_`` returned."""
+    G = 4
+
+    def one_flat_group(prompts, completions, **cols):  # group 0 all equal, the other groups distinct
+        return [0.0 if i < G else float(i) for i in range(len(completions))]
+
+    ps = prompts()
+    cfg = make_cfg("rollout.max_new_tokens=4", "train.mini_batches=2")
+    tr = Trainer(cfg, tiny_model(0), ps, ps, one_flat_group, decode, eos_ids=[0, 1, 2, 3])
+    made, norms = [], []
+    generate, clip = tr.engine.generate, torch.nn.utils.clip_grad_norm_
+
+    def spy_generate(*a, **k):
+        made.append(generate(*a, **k))
+        return made[-1]
+
+    def spy_clip(*a, **k):
+        norms.append(clip(*a, **k))
+        return norms[-1]
+
+    tr.engine.generate = spy_generate
+    monkeypatch.setattr(torch.nn.utils, "clip_grad_norm_", spy_clip)
+    m = tr.train_step()
+    trunc = [r.finish_reason == "length" for r in made[0]]
+    assert 0 < sum(trunc) < len(trunc)
+    assert m["rollout/truncated_frac"] == pytest.approx(sum(trunc) / len(trunc))
+    assert m["frac_reward_zero_std"] == pytest.approx(0.25)
+    assert len(norms) == 2 and float(norms[0]) != pytest.approx(float(norms[1]))
+    assert m["actor/grad_norm"] == pytest.approx(float(sum(norms)) / 2)
