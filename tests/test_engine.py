@@ -772,6 +772,9 @@ def test_sliding_window_attention_is_refused_unless_it_spans_the_context():
     # bools were lengths and temperatures, an infinite temperature sampled uniformly (`specroll eval` refused it)
     (lambda e: SamplingParams(temperature=True), "SamplingParams.temperature must be a finite number >= 0"),
     (lambda e: SamplingParams(temperature=float("inf")), "SamplingParams.temperature must be a finite number >= 0"),
+    # logits / 1e-40 overflowed: NaN sample log-probs, and with top-k / top-p the last token id every time
+    (lambda e: SamplingParams(temperature=1e-40), "SamplingParams.temperature must be 0 (greedy) or at least 1e-06"),
+    (lambda e: Engine(e.model, eos_ids=[2, V]), f"eos_ids [{V}] are outside the model's vocabulary [0, {V})"),
     (lambda e: SamplingParams(max_new_tokens=True), "SamplingParams.max_new_tokens must be an int >= 1, got True"),
     (lambda e: SamplingParams(top_k=True), "SamplingParams.top_k must be an int >= 0"),
     (lambda e: SamplingParams(stop_ids=(2, -1)), "SamplingParams.stop_ids must be token ids (ints >= 0), got (2, -1)"),
@@ -785,3 +788,94 @@ def test_bad_generate_arguments_are_one_line_value_errors(call, says):
     _, model = tiny_hf("llama")
     with pytest.raises(ValueError, match=re.escape(says)):
         call(Engine(model, eos_ids=[], dtype=torch.float32))
+
+
+# -- bookkeeping edges (mutation audit) --------------------------------------------------------
+
+def test_sampling_params_stop_ids_end_rows_as_eos_ids_do():
+    """``SamplingParams.stop_ids`` join the engine's ``eos_ids`` in the stop set: rows end on them (the stop token
+    kept), with ``finish_reason`` "stop", also when the stop token is the row's last allowed token."""
+    _, model = tiny_hf("llama", seed=3)
+    refs = [naive_greedy(model, p, 16) for p in PROMPTS]
+    stop = refs[1][4]
+    eng = Engine(model, eos_ids=[])
+    outs = eng.generate(PROMPTS, SamplingParams(temperature=0, max_new_tokens=16, stop_ids=(stop,)))
+    for o, p in zip(outs, PROMPTS):
+        ref = naive_greedy(model, p, 16, stop=(stop,))
+        assert o.completion_ids.tolist() == ref
+        assert o.finish_reason == ("stop" if ref[-1] == stop else "length")
+    assert outs[1].finish_reason == "stop"
+    # the stop token as the max_new_tokens-th token: the row stopped, it did not run out of length
+    k = refs[1].index(stop) + 1
+    last = eng.generate([PROMPTS[1]], SamplingParams(temperature=0, max_new_tokens=k, stop_ids=(stop,)))[0]
+    assert last.completion_ids.tolist() == refs[1][:k] and last.finish_reason == "stop"
+    plain = eng.generate([PROMPTS[1]], SamplingParams(temperature=0, max_new_tokens=k - 1, stop_ids=(stop,)))[0]
+    assert plain.finish_reason == "length"
+
+
+def test_a_stop_id_equal_to_the_vocabulary_size_is_refused():
+    _, model = tiny_hf("llama")
+    with pytest.raises(ValueError, match=rf"stop_ids \[{V}\] are outside the vocabulary"):
+        Engine(model, eos_ids=[]).generate([[5, 6]], SamplingParams(max_new_tokens=2, stop_ids=(V,)))
+
+
+def test_the_default_seed_is_reproducible_and_none_is_fresh():
+    """``SamplingParams.seed`` defaults to 0, a seed like any other: two calls give the same samples. None draws
+    a fresh stream per call."""
+    _, model = tiny_hf("llama")
+    eng = Engine(model, eos_ids=[])
+    for p in (SamplingParams(max_new_tokens=10), SamplingParams(max_new_tokens=10, seed=0)):
+        a = [o.completion_ids.tolist() for o in eng.generate(PROMPTS, p, n=3)]
+        assert a == [o.completion_ids.tolist() for o in eng.generate(PROMPTS, p, n=3)]
+    p = SamplingParams(max_new_tokens=10, seed=None)
+    a = [o.completion_ids.tolist() for o in eng.generate(PROMPTS, p, n=3)]
+    assert a != [o.completion_ids.tolist() for o in eng.generate(PROMPTS, p, n=3)]
+
+
+@pytest.mark.parametrize("kw", [dict(temperature=0), dict(temperature=1.0, top_p=0.6), dict(temperature=1.0, top_k=3)])
+def test_rollout_logprobs_are_the_policys_whatever_the_filter(kw):
+    """``Rollout.logprobs`` are log softmax of the raw logits (T = 1, unfiltered) and ``sample_logprobs`` those of
+    the distribution sampled, also greedy (0) and at T = 1 with only top-p or top-k, where the two differ although
+    the temperature is 1."""
+    _, model = tiny_hf("qwen3", seed=1)
+    params = SamplingParams(**kw, max_new_tokens=8, seed=4)
+    gap = 0.0
+    for o in Engine(model, eos_ids=[]).generate(PROMPTS[:2], params, n=2):
+        ids = torch.cat([o.prompt_ids, o.completion_ids])[None]
+        with torch.no_grad():
+            logits = model.logits(model(ids, torch.arange(ids.shape[1])[None]))[0]
+        P = len(o.prompt_ids)
+        ref = torch.log_softmax(logits[P - 1 : -1], -1).gather(-1, o.completion_ids[:, None])[:, 0]
+        torch.testing.assert_close(o.logprobs, ref, atol=1e-4, rtol=1e-4)
+        slp = processed_logprobs(logits[P - 1 : -1], params).gather(-1, o.completion_ids[:, None])[:, 0]
+        torch.testing.assert_close(o.sample_logprobs, slp, atol=1e-4, rtol=1e-4)
+        gap = max(gap, float((o.logprobs - o.sample_logprobs).abs().max()))
+    assert gap > 1e-2  # the filter changed the distribution somewhere: the test tells the two apart
+
+
+def test_top_k_at_the_vocabulary_edges():
+    """top_k = V - 1 drops exactly the least likely token; top_k >= V (a config written for a larger vocabulary)
+    filters nothing and samples like no top-k."""
+    logits = torch.tensor([2.0, 1.0, 0.5, -1.0, 0.0])
+    nv = logits.numel()
+    lp = processed_logprobs(logits, SamplingParams(top_k=nv - 1))
+    assert torch.isneginf(lp[3]) and torch.isfinite(lp[[0, 1, 2, 4]]).all()
+    for k in (nv, nv + 1, 1000):
+        p = SamplingParams(top_k=k)
+        torch.testing.assert_close(processed_logprobs(logits, p), torch.log_softmax(logits, -1))
+        tok, plp, slp = sample(logits.expand(8, nv), p, p.generator())
+        torch.testing.assert_close(slp, plp)
+
+
+def test_top_k_and_top_p_ties_follow_hf_warpers():
+    """Ties at the boundary, as transformers' TopKLogitsWarper / TopPLogitsWarper treat them: top-k keeps every
+    token tied with the k-th; top-p drops a token once the mass before it reaches top_p exactly (four equal
+    tokens at top_p = 0.5: two kept)."""
+    from transformers.generation.logits_process import TopKLogitsWarper, TopPLogitsWarper
+
+    for x, kw, warp in [(torch.zeros(4), dict(top_p=0.5), TopPLogitsWarper(0.5)),
+                        (torch.zeros(8), dict(top_p=0.25), TopPLogitsWarper(0.25)),
+                        (torch.tensor([1.0, 1.0, 1.0, 0.0]), dict(top_k=2), TopKLogitsWarper(2))]:
+        got = torch.isfinite(processed_logprobs(x, SamplingParams(**kw)))
+        want = torch.isfinite(warp(None, x[None].clone())[0])
+        assert int(got.sum()) == int(want.sum()), (kw, got, want)

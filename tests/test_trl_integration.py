@@ -284,3 +284,19 @@ def test_stop_ids_when_the_trainer_lists_none():
     assert eos_ids_of(SimpleNamespace(processing_class=tok), hf) == [tok.eos_token_id, 5]
     hf.generation_config.eos_token_id = None
     assert eos_ids_of(SimpleNamespace(processing_class=tok), hf) == [tok.eos_token_id]
+
+
+def test_seeds_differ_across_processes_and_steps(trainer, monkeypatch):
+    """Each call's seed mixes in the process index and the step (module docstring): two processes handed the two
+    halves of one group (a group straddling two slices) must not draw the same completions, and a fresh rollout
+    function (a resumed run) at a later step must not replay the seeds of step 0."""
+    batch = repeat(CHAT[:1], 2)
+    outs = []
+    for proc in (0, 1):
+        monkeypatch.setattr(type(trainer.accelerator), "process_index", property(lambda self, p=proc: p))
+        assert trainer.accelerator.process_index == proc
+        outs.append(specroll_rollout_func(dtype="float32")(batch, trainer)["completion_ids"])
+    assert outs[0] != outs[1]
+    monkeypatch.undo()
+    trainer.state.global_step = 5
+    assert specroll_rollout_func(dtype="float32")(batch, trainer)["completion_ids"] != outs[0]

@@ -122,6 +122,9 @@ class Engine:
     def __init__(self, model: Decoder, eos_ids=(), dtype: torch.dtype | None = None, prefill_chunk: int = 4096):
         self.model = model
         self.eos_ids = tuple(int(e) for e in (eos_ids if isinstance(eos_ids, (list, tuple)) else [eos_ids]))
+        bad = [e for e in self.eos_ids if not 0 <= e < model.cfg.vocab_size]
+        if bad:  # never sampled, so it would never end a row
+            raise ValueError(f"eos_ids {bad} are outside the model's vocabulary [0, {model.cfg.vocab_size})")
         self.dtype = dtype or model.dtype
         # bf16 on a CPU without fast bf16 arithmetic: bf16 weights, fp32 activations and arithmetic
         self.bf16_weights = (self.dtype == torch.bfloat16 and model.dtype == torch.float32 and not fast_bf16()

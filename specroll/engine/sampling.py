@@ -21,6 +21,9 @@ from dataclasses import dataclass, field
 import torch
 
 
+MIN_TEMPERATURE = 1e-6  # the smallest positive temperature: logits / T stays finite far beyond any real logit
+
+
 def _is_int(x) -> bool:
     """An integer, not a bool (``True`` is an int to Python, never a length or an id here)."""
     return isinstance(x, numbers.Integral) and not isinstance(x, bool)
@@ -43,6 +46,9 @@ class SamplingParams:
                 or not math.isfinite(self.temperature) or self.temperature < 0):
             raise ValueError(f"SamplingParams.temperature must be a finite number >= 0 (0 = greedy), "
                              f"got {self.temperature!r}")
+        if 0 < self.temperature < MIN_TEMPERATURE:  # logits / T overflow to inf, then NaN log-probs
+            raise ValueError(f"SamplingParams.temperature must be 0 (greedy) or at least {MIN_TEMPERATURE:g}, got "
+                             f"{self.temperature!r}")
         if isinstance(self.top_p, bool) or not isinstance(self.top_p, (int, float)) or not (0.0 < self.top_p <= 1.0):
             raise ValueError(f"SamplingParams.top_p must be in (0, 1], got {self.top_p!r}")
         if not _is_int(self.top_k) or self.top_k < 0:
