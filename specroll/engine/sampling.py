@@ -20,7 +20,6 @@ from dataclasses import dataclass, field
 
 import torch
 
-
 MIN_TEMPERATURE = 1e-6  # the smallest positive temperature: logits / T stays finite far beyond any real logit
 
 
