@@ -372,3 +372,34 @@ def test_pairs_for_online_learning_cover_every_position_in_order(mid):
         assert toks[:m].tolist() == seq[1 : m + 1].tolist()
         H = mid(seq[None], torch.arange(len(seq))[None])[0]
         torch.testing.assert_close(hid[:m], H[:m], atol=1e-4, rtol=0)
+
+
+def test_metrics_cover_the_calls_since_the_last_and_the_head_state_round_trips(mid):
+    """metrics(): the reuse figures and the tree acceptance of the rollouts since the previous call, not of the run;
+    load_state_dict restores the EAGLE side's state ('draft/' keys: an online head's weights) too."""
+    from specroll.drafters.build import DraftConfig
+    from specroll.drafters.online import OnlineDrafter
+
+    mid, head = mid
+    engine = Engine(mid, eos_ids=[EOS])
+    first = engine.generate(PROMPTS, SamplingParams(temperature=1.0, max_new_tokens=M, seed=0), n=4)
+    drafts, _ = mixed_drafts(first, torch.Generator().manual_seed(4))
+    d = mixed_drafter(head, drafts, mode="lenient")
+    engine.generate(PROMPTS, SamplingParams(temperature=1.0, max_new_tokens=M, seed=1), n=4, drafter=d)
+    d.metrics()
+    before = d.eagle.totals.clone()
+    outs = engine.generate(PROMPTS[:1], SamplingParams(temperature=1.0, max_new_tokens=M, seed=2), n=4, drafter=d)
+    m = d.metrics()
+    _, _, drafted, accepted = (int(x) for x in d.eagle.totals - before)
+    reused, n_tok = sum(o.n_reused for o in outs), sum(len(o.completion_ids) for o in outs)
+    assert m["rollout/spec_accept_rate"] == pytest.approx(accepted / drafted)
+    assert m["rollout/tokens_generated"] == n_tok - reused and m["spec/reuse_ratio"] == pytest.approx(reused / n_tok)
+
+    def online(seed):
+        cfg = DraftConfig(head="given", online=True)
+        return CombinedDrafter(ReuseDrafter(mode="exact"), OnlineDrafter(head_for(mid, head.vocab_ids, seed=seed), cfg))
+
+    a, b = online(3), online(4)
+    b.load_state_dict(a.state_dict())
+    for k, v in a.eagle.head.state_dict().items():
+        assert torch.equal(b.eagle.head.state_dict()[k], v), k

@@ -1376,3 +1376,16 @@ def test_a_failed_head_write_is_an_os_error_naming_the_file_and_keeps_the_old_he
         save_head(head, tmp_path / "h")
     assert e.value.errno == 28 and e.value.strerror == "No space left on device" and ".tmp" in e.value.filename
     assert {p.name: p.read_bytes() for p in (tmp_path / "h").iterdir()} == before
+
+
+def test_max_plan_bounds_a_plan_fn_deeper_than_the_default(mid):
+    """``max_plan`` (not the static default plan) sizes the drafter when a ``plan_fn`` may return larger plans: a
+    depth-7 budget plan runs, and its depths are counted."""
+    model, head = mid
+    big = Plan(29, 2, 7)
+    d = EagleDrafter(head, plan_fn=lambda b: big, max_plan=big)
+    assert d.max_plan == big and d.max_tokens_per_step() == 29 and d.by_depth.shape == (2, 7)
+    params = SamplingParams(temperature=0, max_new_tokens=24)
+    outs = Engine(model, eos_ids=[]).generate(PROMPTS[:2], params, n=1, drafter=d)
+    for o, p in zip(outs, PROMPTS[:2]):
+        assert o.completion_ids.tolist() == naive_greedy(model, p, 24)

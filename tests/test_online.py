@@ -97,6 +97,27 @@ def test_misaligned_pairs_are_dropped_not_trained_on(mid):
     assert learner._chunks == [] and learner._prompt == {}  # consumed
 
 
+def test_rows_whose_pairs_skip_a_step_are_cut_at_the_gap(mid):
+    """A step whose pairs never reached the learner shifts every later pair of its rows: those rows are kept only
+    up to the gap (their hidden states still those of a cache-free pass), never trained on shifted targets."""
+    model, head = mid
+    learner = OnlineLearner(clone_head(model, head), online_cfg())
+    d = EagleDrafter(head, Plan(6, 2, 3), on_pairs=learner.on_pairs)
+    outs = Engine(model, eos_ids=[EOS]).generate(PROMPTS, SamplingParams(temperature=1.0, max_new_tokens=16, seed=1),
+                                                n=2, drafter=d)
+    learner._chunks.pop(2)  # a step's pairs lost
+    learner.finish(outs)
+    assert len(learner.buffer[-1]) == len(outs)
+    cut = 0
+    for o, (ids, H, P) in zip(outs, learner.buffer[-1]):
+        full = torch.cat([o.prompt_ids, o.completion_ids])
+        assert P == len(o.prompt_ids)
+        assert torch.equal(ids, full[: len(ids)])
+        torch.testing.assert_close(H.float(), reference_hidden(model, full)[: len(ids)], atol=1e-4, rtol=0)
+        cut += len(ids) < len(full) - 1
+    assert cut > 0
+
+
 # --- the learner ---------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("loss", [{}, {"w_feat": 0.5, "w_ce": 0.5, "w_tv": 1.0, "unroll": 2},
@@ -158,6 +179,34 @@ def test_online_updates_score_completion_targets_only(mid, monkeypatch):
         assert scored[r].nonzero().flatten().tolist() == list(range(P, n))
 
 
+def test_each_adamw_step_samples_a_batch_of_the_buffer(mid, monkeypatch):
+    """draft.batch sequences per AdamW step, drawn from the whole buffer (not all of it at once), with fresh
+    gradients clipped to norm 1."""
+    from specroll.drafters import online
+
+    model, head = mid
+    fresh = head_for(model, head.vocab_ids, seed=5)  # far from the policy: gradients above the clip norm
+    d = OnlineDrafter(fresh, online_cfg(update_steps=3, batch=3), plan=Plan(6, 2, 3))
+    outs = Engine(model, eos_ids=[EOS]).generate(PROMPTS, SamplingParams(temperature=1.0, max_new_tokens=8, seed=4),
+                                                n=2, drafter=d)
+    d.learner.finish(outs)
+    assert len(d.learner.buffer[-1]) == 8
+    seen = []
+    real = online.head_loss
+
+    def spy(head, lm, embed, ids, *a, **k):  # each step's gradient is its own batch's (none left from the last)
+        seen.append((ids.shape[0], all(p.grad is None for p in d.learner.params)))
+        return real(head, lm, embed, ids, *a, **k)
+
+    monkeypatch.setattr(online, "head_loss", spy)
+    norms, step = [], d.learner.opt.step
+    d.learner.opt.step = lambda *a, **k: norms.append(
+        float(torch.stack([p.grad.norm() for p in d.learner.params if p.grad is not None]).norm())) or step(*a, **k)
+    d.learner.update(model)
+    assert seen == [(3, True)] * 3
+    assert len(norms) == 3 and max(norms) <= 1.0 + 1e-4  # clipped to norm 1
+
+
 def test_update_is_seen_by_the_next_rollout(mid, tmp_path):
     """The head's inference path runs prepacked weights: after AdamW the drafter must draft with the new
     weights, exactly as a freshly loaded copy of them does."""
@@ -196,7 +245,56 @@ def test_updates_every_k_rollouts_from_a_bounded_buffer(mid):
         d.after_rollout(engine.generate(PROMPTS, SamplingParams(max_new_tokens=8, seed=step), n=2, drafter=d), step)
         got.append("draft/loss" in d.metrics())
         assert len(d.learner.buffer) == min(step + 1, 2)
-    assert got == [False, True, False, True] and d.learner.updates == 2
+    assert got == [True, False, True, False] and d.learner.updates == 2  # update_after=1: rollouts 1 and 3
+
+
+def test_the_first_update_comes_after_update_after_rollouts_then_every_update_every(mid):
+    """``draft.update_after`` rollouts come before the first update, ``draft.update_every`` between updates (the
+    README's words). The learner updated only at multiples of update_every, so update_after=4, update_every=3
+    first updated after 6 rollouts."""
+    model, head = mid
+    for after, every, want in ((4, 3, [4, 7]), (3, 2, [3, 5, 7]), (1, 1, list(range(1, 9))), (2, 4, [2, 6])):
+        learner = OnlineLearner(clone_head(model, head), online_cfg(update_after=after, update_every=every))
+        learner.buffer.append([(torch.arange(4), torch.zeros(4, model.cfg.hidden_size), 1)])
+        due = []
+        for r in range(1, 9):
+            learner.rollouts = r
+            if learner.due():
+                due.append(r)
+        assert due == want, (after, every, due)
+
+
+def test_metrics_are_the_last_rollouts_and_time_the_update(mid, monkeypatch):
+    """spec/* are the last rollout's acceptance (not the run's so far), draft/loss the mean over the update's AdamW
+    steps, timing/draft_update the collection + update time."""
+    import time
+
+    from specroll.drafters import online
+
+    model, head = mid
+    d = OnlineDrafter(clone_head(model, head), online_cfg(update_steps=3, batch=4), policy=model, plan=Plan(6, 2, 3))
+    engine = Engine(model, eos_ids=[EOS])
+    d.after_rollout(engine.generate(PROMPTS, SamplingParams(temperature=0, max_new_tokens=12), n=2, drafter=d), 0)
+    before = d.totals.clone()
+    outs = engine.generate(PROMPTS[1:2], SamplingParams(temperature=1.0, max_new_tokens=12, seed=9), n=2, drafter=d)
+    steps, emitted, drafted, accepted = (int(x) for x in d.totals - before)
+    losses = []
+    real = online.head_loss
+
+    def spy(*a, **k):
+        loss, info = real(*a, **k)
+        losses.append(float(loss.detach()))
+        time.sleep(0.05)
+        return loss, info
+
+    monkeypatch.setattr(online, "head_loss", spy)
+    d.after_rollout(outs, 1)
+    m = d.metrics()
+    assert m["spec/accept_length"] == pytest.approx(emitted / steps)
+    assert m["spec/accept_rate"] == pytest.approx(accepted / drafted)
+    assert len(losses) == 3 and m["draft/loss"] == pytest.approx(sum(losses) / 3, rel=1e-5)
+    assert m["draft/loss_first"] == pytest.approx(losses[0], rel=1e-5)
+    assert m["timing/draft_update"] >= 0.15
 
 
 def test_state_dict_roundtrip_carries_head_and_adamw(mid):
@@ -215,6 +313,19 @@ def test_state_dict_roundtrip_carries_head_and_adamw(mid):
     bad = OnlineDrafter(head_for(model, torch.arange(10)), online_cfg())
     with pytest.raises(ValueError, match="draft vocabulary"):
         bad.load_state_dict(sd)
+
+
+def test_learner_state_restores_the_rollout_count_and_the_sampler(mid):
+    """The counters both come back: ``rollouts`` decides when the next update is due (update_every / update_after),
+    and the generator continues the same batches."""
+    model, head = mid
+    a = OnlineLearner(clone_head(model, head), online_cfg(update_every=3))
+    a.rollouts, a.updates = 5, 7
+    torch.rand(4, generator=a.gen)
+    b = OnlineLearner(clone_head(model, head), online_cfg(update_every=3))
+    b.load_state_dict(a.state_dict())
+    assert (b.rollouts, b.updates) == (5, 7)
+    assert torch.equal(torch.rand(4, generator=a.gen), torch.rand(4, generator=b.gen))
 
 
 # --- the trainer -----------------------------------------------------------------------------------------

@@ -538,6 +538,21 @@ def test_reused_tokens_carry_current_policy_logprobs():
         assert o.n_reused == len(o.completion_ids)
 
 
+def test_the_store_keeps_sampling_logprobs_as_p_old():
+    """after_rollout keeps each completion with its sampling log-probs (temperature / top-p applied): lenient mode's
+    p_old is under the sampling distribution, as p_new is; the T = 1 policy log-probs would bias the ratio."""
+    model = small_model(3)
+    outs = Engine(model, eos_ids=[]).generate(PROMPTS, SamplingParams(temperature=0.7, top_p=0.9, max_new_tokens=6,
+                                                                     seed=0), n=2)
+    d = ReuseDrafter(mode="lenient")
+    d.after_rollout(outs, step=3)
+    for o in outs:
+        got = d.store.get(o.prompt_ids, o.sample_index)
+        assert torch.equal(got.ids, o.completion_ids.to(torch.int32)) and got.step == 3
+        assert torch.equal(got.logprobs, o.sample_logprobs.float())
+        assert not torch.allclose(o.logprobs, o.sample_logprobs)
+
+
 def test_off_mode_equals_plain_generation():
     model = small_model(4)
     eng = Engine(model, eos_ids=[3])
@@ -584,6 +599,19 @@ def test_config_section_builds_the_drafter():
     assert build_drafter(load_config().reuse) is None  # off by default
     with pytest.raises(ValueError, match="reuse.mode"):
         load_config(overrides=["reuse.mode=fast"])
+
+
+def test_config_section_reaches_the_store_and_the_coins():
+    """reuse.store_mb bounds the store in MiB, reuse.seed seeds the acceptance coins, reuse.verify_block is kept."""
+    from specroll.config import load_config
+    from specroll.drafters.reuse import build_drafter
+
+    cfg = load_config(overrides=["reuse.mode=exact", "reuse.store_mb=0.5", "reuse.seed=7", "reuse.verify_block=4"])
+    d = build_drafter(cfg.reuse)
+    assert d.store.max_bytes == 1 << 19 and d.verify_block == 4
+    assert torch.equal(torch.rand(8, generator=d.gen), torch.rand(8, generator=torch.Generator().manual_seed(7)))
+    with pytest.raises(ValueError, match="reuse.store_mb must be > 0"):  # a 0-byte store would reuse nothing
+        load_config(overrides=["reuse.mode=exact", "reuse.store_mb=0"])
 
 
 def test_bench_reuse_aggregates_and_validates():

@@ -139,8 +139,9 @@ class OnlineLearner:
     def due(self) -> bool:
         """An update is due. With ``grad_sync`` it does not ask for a filled buffer, so that every rank (whose
         rollout counts agree) enters ``update`` together; a rank without pairs contributes no gradient there."""
-        return ((bool(self.buffer) or self.grad_sync is not None) and self.rollouts >= self.cfg.first_update()
-                and self.rollouts % self.cfg.update_every == 0)
+        first = self.cfg.first_update()  # then every update_every rollouts: first, first + every, ...
+        return ((bool(self.buffer) or self.grad_sync is not None) and self.rollouts >= first
+                and (self.rollouts - first) % self.cfg.update_every == 0)
 
     def lr_at(self, i: int) -> float:
         """The lr of AdamW step ``i`` (0-based, counted over the whole run): ``draft.lr`` after a linear
