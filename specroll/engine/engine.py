@@ -25,7 +25,7 @@ from .. import kernels
 from ..device import fast_bf16
 from ..models.decoder import Decoder, bf16_weights
 from .cache import KVCache, PackedPrefill, SlotCausal, compaction_order
-from .sampling import SamplingParams, sample, token_logprobs
+from .sampling import SamplingParams, is_int, sample, token_logprobs
 
 
 @dataclass
@@ -76,7 +76,7 @@ def _token_ids(p, i: int) -> torch.Tensor:
                              f"and dtype {p.dtype}")
         return p.to(torch.long)
     if isinstance(p, (str, bytes)) or not isinstance(p, Sequence) or not all(
-            isinstance(x, numbers.Integral) and not isinstance(x, bool) for x in p):
+            is_int(x) for x in p):
         what = f"{type(p).__name__} {p!r:.40}"
         hint = "; prompts is a list of prompts: [ids], not ids" if isinstance(p, numbers.Integral) else ""
         raise ValueError(f"prompt {i} must be a sequence of integer token ids (tokenize text first), got {what}{hint}")
@@ -342,7 +342,7 @@ class Engine:
             return self._generate(prompts, params, n, drafter)
 
     def _generate(self, prompts, params: SamplingParams, n: int, drafter) -> list[Rollout]:
-        if isinstance(n, bool) or not isinstance(n, numbers.Integral) or n < 1:
+        if not is_int(n) or n < 1:
             raise ValueError(f"n must be an int >= 1 (completions per prompt), got {n!r}")
         if not isinstance(params, SamplingParams):
             raise ValueError(f"params must be a SamplingParams, got {type(params).__name__}")

@@ -23,7 +23,7 @@ import torch
 MIN_TEMPERATURE = 1e-6  # the smallest positive temperature: logits / T stays finite far beyond any real logit
 
 
-def _is_int(x) -> bool:
+def is_int(x) -> bool:
     """An integer, not a bool (``True`` is an int to Python, never a length or an id here)."""
     return isinstance(x, numbers.Integral) and not isinstance(x, bool)
 
@@ -50,19 +50,19 @@ class SamplingParams:
                              f"{self.temperature!r}")
         if isinstance(self.top_p, bool) or not isinstance(self.top_p, (int, float)) or not (0.0 < self.top_p <= 1.0):
             raise ValueError(f"SamplingParams.top_p must be in (0, 1], got {self.top_p!r}")
-        if not _is_int(self.top_k) or self.top_k < 0:
+        if not is_int(self.top_k) or self.top_k < 0:
             raise ValueError(f"SamplingParams.top_k must be an int >= 0 (0 = off), got {self.top_k!r}")
-        if not _is_int(self.max_new_tokens) or self.max_new_tokens < 1:
+        if not is_int(self.max_new_tokens) or self.max_new_tokens < 1:
             raise ValueError(f"SamplingParams.max_new_tokens must be an int >= 1, got {self.max_new_tokens!r}")
-        if not _is_int(self.min_new_tokens) or not (0 <= self.min_new_tokens <= self.max_new_tokens):
+        if not is_int(self.min_new_tokens) or not (0 <= self.min_new_tokens <= self.max_new_tokens):
             raise ValueError(
                 f"SamplingParams.min_new_tokens must be in [0, max_new_tokens], got {self.min_new_tokens!r}"
             )
-        stop = (self.stop_ids,) if _is_int(self.stop_ids) else self.stop_ids
-        if isinstance(stop, (str, bytes)) or not all(_is_int(s) and s >= 0 for s in stop):
+        stop = (self.stop_ids,) if is_int(self.stop_ids) else self.stop_ids
+        if isinstance(stop, (str, bytes)) or not all(is_int(s) and s >= 0 for s in stop):
             raise ValueError(f"SamplingParams.stop_ids must be token ids (ints >= 0), got {self.stop_ids!r}")
         self.stop_ids = tuple(int(s) for s in stop)
-        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, numbers.Integral)
+        if self.seed is not None and (not is_int(self.seed)
                                       or not -2 ** 63 <= self.seed < 2 ** 64):  # torch.Generator's range
             raise ValueError(f"SamplingParams.seed must be None or an int in [-2**63, 2**64), got {self.seed!r}")
 

@@ -171,9 +171,9 @@ def _not_started(resume: str, out: str | None) -> Path | None:
     """For a ``--resume`` that names no checkpoint: the start of the run (``DIR/step_000000``, which does not
     exist) when the directory it names holds a run's config.yaml and no checkpoint, i.e. a run stopped before its
     first checkpoint (with ``train.save_every=0``, the default, one killed before its end). Else None."""
-    base = Path(out) if str(resume) == "latest" else Path(resume)
-    if out is None and str(resume) == "latest":
+    if str(resume) == "latest" and out is None:
         return None
+    base = Path(out if str(resume) == "latest" else resume)
     if (base / "config.yaml").is_file() and not ckpt.list_checkpoints(base):
         return base / "step_000000"
     return None
