@@ -374,6 +374,32 @@ def test_more_prompts_per_step_than_prompts_is_refused(tmp_path, capsys, no_work
     assert out == "" and list(tmp_path.iterdir()) == []
 
 
+E2E_EPOCHS = [a for a in E2E if a not in ("--steps", "1")] + ["--epochs", "1"]
+WHOLE_EPOCHS = ("--prompts 3 is not a multiple of --prompts-per-step 2: an epoch's last step would take prompts from "
+                "the next epoch, so an epoch would not be one pass over them; give --prompts a multiple of "
+                "--prompts-per-step (e.g. 2)")
+
+
+@pytest.mark.parametrize("argv, msg", [
+    (E2E_EPOCHS + ["--prompts", "3"], WHOLE_EPOCHS + " (or give --steps)"),
+    (REUSE + ["--prompts", "3"], WHOLE_EPOCHS),
+], ids=["e2e", "reuse"])
+def test_epochs_of_prompts_not_divisible_by_prompts_per_step_are_refused(tmp_path, capsys, no_work, argv, msg):
+    """The trainer draws prompts from one shuffled pass after another: with 3 prompts at 2 per step, an epoch of
+    2 steps drew 4 prompts, one of them twice, and its last step took a prompt of the next pass, so the epochs
+    compared were not passes over the prompts."""
+    line, out = cli_error(capsys, [*argv, "--out", str(tmp_path / "b.json")])
+    assert line == msg
+    assert out == "" and list(tmp_path.iterdir()) == []
+
+
+def test_bench_e2e_counts_steps_by_steps_for_any_prompt_count():
+    from specroll.bench import e2e
+
+    e2e.check_args(build_parser().parse_args(E2E + ["--prompts", "3"]))  # --steps 1: no epochs to keep whole
+    assert e2e.n_steps(build_parser().parse_args(E2E_EPOCHS + ["--prompts", "4", "--epochs", "3"])) == 6
+
+
 def test_bench_e2e_takes_as_many_prompts_per_step_as_prompts_or_the_whole_set():
     from specroll.bench import e2e
 

@@ -216,3 +216,12 @@ def chat_prompts(tokenizer, n: int) -> list[list[int]]:
                          " or benchmark another model")
         out.append(tokenizer(text, add_special_tokens=False).input_ids)
     return out
+
+
+def not_whole_epochs(prompts: int, per_step: int) -> str:
+    """The error for --prompts that --prompts-per-step does not divide: the trainer draws prompts from one
+    shuffled pass after another, so an epoch's last step would take prompts of the next pass and the epochs
+    compared would not each be one pass over the prompts."""
+    return (f"--prompts {prompts} is not a multiple of --prompts-per-step {per_step}: an epoch's last step would "
+            "take prompts from the next epoch, so an epoch would not be one pass over them; give --prompts a "
+            f"multiple of --prompts-per-step (e.g. {prompts - prompts % per_step or per_step})")

@@ -82,7 +82,8 @@ from pathlib import Path
 import torch
 
 from ..config import override_key
-from .common import check_overrides, list_items, load_bench_config, machine_info, save_figure, write_json
+from .common import (check_overrides, list_items, load_bench_config, machine_info, not_whole_epochs, save_figure,
+                     write_json)
 
 SPEC_MODES = ("off", "reuse", "draft", "reuse+draft")
 SYSTEMS = ("specroll", "trl", "trl+specroll")
@@ -558,6 +559,8 @@ def check_args(args) -> None:
     if args.prompts and args.prompts_per_step > args.prompts:  # TRL's sampler would make no batch of them
         raise CliError(f"--prompts-per-step {args.prompts_per_step} exceeds --prompts {args.prompts}: a step would "
                        "repeat prompts and TRL's GRPOTrainer would take no step; give --prompts-per-step <= --prompts")
+    if args.prompts and args.steps is None and args.prompts % args.prompts_per_step:  # --epochs counts the steps
+        raise CliError(not_whole_epochs(args.prompts, args.prompts_per_step) + " (or give --steps)")
     if args.generations < 2:
         raise CliError("--generations must be >= 2 (GRPO groups)")
     if getattr(args, "warmup", 0) < 0:

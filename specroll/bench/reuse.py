@@ -24,7 +24,8 @@ import time
 
 import torch
 
-from .common import check_distinct, list_items, load_bench_config, machine_info, parse_float_list, write_json
+from .common import (check_distinct, list_items, load_bench_config, machine_info, not_whole_epochs, parse_float_list,
+                     write_json)
 
 ROW_KEYS = ("tokens_generated", "rollout_s", "reward_mean", "reuse_ratio", "skip_ratio")
 LENIENCE = "1,1.2214,1.6487,2.7183,inf"  # --lenience when not given (the lenient mode's l values)
@@ -242,6 +243,8 @@ def cli(args) -> int:
         raise CliError(f"--prompts-per-step {args.prompts_per_step} exceeds --prompts {args.prompts}: a step would "
                        "repeat prompts, so an epoch would not be one pass over them; give --prompts-per-step <= "
                        "--prompts")
+    if args.prompts % args.prompts_per_step:
+        raise CliError(not_whole_epochs(args.prompts, args.prompts_per_step))
     lenience(args)  # a bad value, then a value no mode uses
     modes = _modes(args.modes)
     if args.lenience is not None and "lenient" not in modes:
