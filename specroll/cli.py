@@ -300,7 +300,8 @@ def _bench_e2e(s):
     b.add_argument("--generations", type=int, default=8)
     b.add_argument("--max-new-tokens", type=int, default=64)
     b.add_argument("--prompts", type=int, default=4,
-                   help="training prompts, cycled every epoch (reuse needs repeats); 0 = the task's whole train set")
+                   help="training prompts, cycled every epoch (reuse needs repeats; with --epochs a multiple of "
+                   "--prompts-per-step); 0 = the task's whole train set")
     b.add_argument("--epochs", type=int, default=3, help="passes over --prompts (steps = epochs x prompts / per step)")
     b.add_argument("--steps", type=int, default=None, help="GRPO steps per row (overrides --epochs)")
     b.add_argument("--dtype", default="float32", choices=["auto", "float32", "bfloat16"],
@@ -346,7 +347,7 @@ def _bench_reuse(s):
     b.add_argument("--lenience", default=None, help="lenient mode's l values (inf = reuse all; default "
                    "1,1.2214,1.6487,2.7183,inf)")
     b.add_argument("--modes", default="lenient,exact", help="compared against off (always run)")
-    b.add_argument("--prompts", type=int, default=16, help="training prompts (the whole epoch)")
+    b.add_argument("--prompts", type=int, default=16, help="training prompts (the whole epoch; a multiple of --prompts-per-step)")
     b.add_argument("--prompts-per-step", type=int, default=8)
     b.add_argument("-G", type=int, default=4, help="completions per prompt")
     b.add_argument("--max-new-tokens", type=int, default=48)
