@@ -88,7 +88,7 @@ def cli(args) -> int:
     engine = Engine(model, eos_ids=hub.eos_ids(tok, base), dtype=dtype)
     drafter = None
     if getattr(args, "draft", None):
-        drafter = build_drafter(args, model, engine, name)
+        drafter = build_drafter(args, model, engine, name, tok)
     ids = [encode_chat(tok, p, args.system, args.raw) for p in prompts_text]
     t = time.perf_counter()
     try:
@@ -121,7 +121,7 @@ def cli(args) -> int:
     return 0
 
 
-def build_drafter(args, model, engine: Engine, model_name: str):
+def build_drafter(args, model, engine: Engine, model_name: str, tokenizer=None):
     """The ``--draft`` head's ``EagleDrafter``: sampled chains, fixed (``--draft-plan chain``) or sized by the
     live rows and C_peak (``adaptive``, ``engine.profiler.adaptive_planner``)."""
     from .drafters.eagle import EagleDrafter, Plan, load_head_as
@@ -132,7 +132,7 @@ def build_drafter(args, model, engine: Engine, model_name: str):
         raise CliError(f"--draft-depth must be >= 1, got {depth}")
     if depth >= limit:
         raise CliError(f"--draft-depth must be below the model's context of {limit} tokens, got {depth}")
-    head = load_head_as(f"--draft {args.draft}", args.draft, model)
+    head = load_head_as(f"--draft {args.draft}", args.draft, model, tokenizer)
     if args.draft_plan == "chain":
         plan = Plan(depth + 1, 1, depth)
         return EagleDrafter(head, plan=plan, sampled=True)

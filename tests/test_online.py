@@ -510,6 +510,49 @@ def test_build_spec_drafter_picks_by_reuse_mode_and_head(tmp_path):
         build_spec_drafter(load_config(overrides=[f"draft.head={tmp_path / 'draft_head'}"]), tiny(vocab=V + 1))
 
 
+class Vocab:
+    """A tokenizer as far as ``tokenizer_fingerprint`` reads one: its vocabulary."""
+
+    def __init__(self, tokens):
+        self.tokens = dict(tokens)
+
+    def get_vocab(self):
+        return dict(self.tokens)
+
+
+def test_a_head_records_its_tokenizer_and_refuses_another(tmp_path):
+    """Two models of one architecture and size can tokenize differently; a head's token ids mean nothing under
+    another vocabulary, yet such a head loaded (and drafted, none of it accepted)."""
+    from specroll.drafters.eagle import head_meta, tokenizer_fingerprint
+
+    ours = Vocab((f"t{i}", i) for i in range(V))
+    assert tokenizer_fingerprint(ours) == tokenizer_fingerprint(Vocab(reversed(list(ours.tokens.items()))))
+    swapped = Vocab({**ours.tokens, "t1": 2, "t2": 1})  # the same tokens, two ids exchanged
+    renamed = Vocab({**{k: v for k, v in ours.tokens.items() if k != "t3"}, "x3": 3})
+    assert len({tokenizer_fingerprint(t) for t in (ours, swapped, renamed)}) == 3
+    model = tiny()
+    cfg = load_config(overrides=["draft.head=random", "draft.vocab=8", "draft.plan=static"])
+    d = build_spec_drafter(cfg, model, PROMPTS, [EOS], log=None, tokenizer=ours)
+    d.save_final(tmp_path, {"model": "m1"})
+    head = tmp_path / "draft_head"
+    assert head_meta(head)["tokenizer"] == tokenizer_fingerprint(ours)
+    loaded = load_head(head, model, ours)
+    assert torch.equal(loaded.fc.weight, d.head.fc.weight)
+    assert torch.equal(load_head(head, model).fc.weight, d.head.fc.weight)  # no tokenizer given: not compared
+    again = load_config(overrides=[f"draft.head={head}"])
+    with pytest.raises(ValueError) as e:
+        build_spec_drafter(again, model, tokenizer=swapped)
+    assert str(e.value) == (f"draft.head={head}: {head / 'draft_head.json'}: meta.tokenizer is "
+                            f"{tokenizer_fingerprint(ours)!r} but the model's tokenizer is "
+                            f"{tokenizer_fingerprint(swapped)!r} (a vocabulary fingerprint); this head was trained "
+                            "for another model (m1): distil one for this model with `specroll draft train --model M`")
+    # a head saved before heads recorded their tokenizer loads under any
+    plain = build_spec_drafter(cfg, model, PROMPTS, [EOS], log=None)
+    plain.save_final(tmp_path / "old")
+    assert "tokenizer" not in head_meta(tmp_path / "old" / "draft_head")
+    assert load_head(tmp_path / "old" / "draft_head", model, renamed).draft_vocab == 8
+
+
 def test_combined_drafter_is_built_for_reuse_plus_head():
     from specroll.drafters.combined import CombinedDrafter
 

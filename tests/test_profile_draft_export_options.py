@@ -277,6 +277,39 @@ def test_a_head_of_another_architecture_is_refused_one_of_another_name_is_not(tm
     assert make_head(DraftConfig(head=str(d), online=True), tuned) is not None
 
 
+def test_draft_train_records_the_tokenizer_and_every_loader_checks_it(tmp_path, capsys, monkeypatch):
+    """A head of tiny-llama's sizes trained under another vocabulary loaded everywhere: --init, generate --draft,
+    bench spec --draft (and a run's draft.head, test_online)."""
+    from specroll.drafters.eagle import head_meta, tokenizer_fingerprint
+
+    monkeypatch.setattr(D, "distill", recording_distill({}))
+    d = tmp_path / "h"
+    assert main(["draft", "train", "--model", "tiny-llama", "--dtype", "float32", "--prompts", "2", "--steps", "1",
+                 "--out", str(d)]) == 0
+    tok = hub.load("tiny-llama")[1]
+    assert head_meta(d)["tokenizer"] == tokenizer_fingerprint(tok)
+    capsys.readouterr()
+    assert main(["generate", "--model", "tiny-llama", "--dtype", "float32", "--draft", str(d), "--prompt", "hi",
+                 "--max-new-tokens", "2", "--draft-plan", "chain"]) == 0  # its own tokenizer: loads
+    cfg_file = d / "draft_head.json"
+    stored = json.loads(cfg_file.read_text())
+    stored["meta"]["tokenizer"] = "0" * 16
+    cfg_file.write_text(json.dumps(stored))
+    msg = (f"{cfg_file}: meta.tokenizer is '{'0' * 16}' but the model's tokenizer is "
+           f"'{tokenizer_fingerprint(tok)}' (a vocabulary fingerprint); this head was trained for another model "
+           "(tiny-llama): distil one for this model with `specroll draft train --model M`")
+    for argv, label in (
+        (["draft", "train", "--model", "tiny-llama", "--dtype", "float32", "--prompts", "2", "--steps", "1",
+          "--init", str(d), "--out", str(tmp_path / "h2")], "--init"),
+        (["generate", "--model", "tiny-llama", "--dtype", "float32", "--draft", str(d), "--prompt", "hi",
+          "--max-new-tokens", "2"], "--draft"),
+        (["bench", "spec", "--model", "tiny-llama", "--draft", str(d), "--batch-sizes", "1", "--max-new-tokens", "2",
+          "--out", str(tmp_path / "s.json")], "--draft"),
+    ):
+        assert cli_error(capsys, argv) == f"specroll: error: {label} {d}: {msg}", argv
+    assert not (tmp_path / "h2").exists() and not (tmp_path / "s.json").exists()
+
+
 def test_steps_0_without_a_data_cache_is_refused(tmp_path, capsys, no_work):
     """--steps 0 without --data-cache generated, trained nothing and saved an untrained head as "saved draft head"."""
     line = cli_error(capsys, ["draft", "train", "--model", "tiny-llama", "--steps", "0", "--out", str(tmp_path / "h")])

@@ -229,7 +229,7 @@ def run_bench(args) -> dict:
     except ValueError as e:  # "SamplingParams.top_p must be ..." -> "--top-p must be ..."
         raise as_option_error(e, "SamplingParams") from None
     model, tok = hub.load(args.model, torch.float32)
-    head = load_head_as(f"--draft {args.draft}", args.draft, model)
+    head = load_head_as(f"--draft {args.draft}", args.draft, model, tok)
     eos = hub.eos_ids(tok, hub.resolve(args.model, quiet=True))
     engine = Engine(model, eos_ids=eos, dtype=dtype)
     prompts = bench_prompts(tok, max(batches) * args.repeats, args.seed)  # distinct prompts for every repeat

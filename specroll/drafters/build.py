@@ -133,8 +133,9 @@ def random_head_vocab(prompt_ids, vocab_size: int, n: int, eos_ids=()):
     return frequent_vocab(list(prompt_ids or ()), vocab_size, n, always=eos_ids)
 
 
-def make_head(dc: DraftConfig, model, prompt_ids=None, eos_ids=(), seed: int = 0):
-    """The head ``draft.head`` names, checked against ``model`` (None when it is "")."""
+def make_head(dc: DraftConfig, model, prompt_ids=None, eos_ids=(), seed: int = 0, tokenizer=None):
+    """The head ``draft.head`` names, checked against ``model`` (and ``tokenizer``: ``eagle.load_head``); None when
+    it is ""."""
     from .eagle import head_for, load_head_as
 
     if not dc.head:
@@ -142,7 +143,7 @@ def make_head(dc: DraftConfig, model, prompt_ids=None, eos_ids=(), seed: int = 0
     if dc.head == "random":
         ids = random_head_vocab(prompt_ids, model.cfg.vocab_size, dc.vocab, eos_ids)
         return head_for(model, ids, seed=seed)
-    return load_head_as(f"draft.head={dc.head}", dc.head, model)
+    return load_head_as(f"draft.head={dc.head}", dc.head, model, tokenizer)
 
 
 RECIPE = ("w_feat", "w_ce", "w_tv", "w_block", "unroll")  # the loss settings online updates share with `draft train`
@@ -201,12 +202,14 @@ def make_plan(cfg, model, log=print):
     return planner.max_plan, planner, planner.max_plan
 
 
-def build_eagle(cfg, model, prompt_ids=None, eos_ids=(), log=print):
-    """The EAGLE drafter of ``cfg.draft`` (an ``online.OnlineDrafter``), or None when draft.head is ""."""
+def build_eagle(cfg, model, prompt_ids=None, eos_ids=(), log=print, tokenizer=None):
+    """The EAGLE drafter of ``cfg.draft`` (an ``online.OnlineDrafter``), or None when draft.head is "".
+    ``tokenizer``: the policy's, checked against a loaded head's and recorded in the head a run saves."""
+    from .eagle import tokenizer_fingerprint
     from .online import OnlineDrafter
 
     dc = cfg.draft
-    head = make_head(dc, model, prompt_ids, eos_ids, seed=cfg.train.seed)
+    head = make_head(dc, model, prompt_ids, eos_ids, seed=cfg.train.seed, tokenizer=tokenizer)
     if head is None:
         return None
     if dc.online and log is not None:
@@ -214,17 +217,20 @@ def build_eagle(cfg, model, prompt_ids=None, eos_ids=(), log=print):
         if note:
             log(note)
     plan, plan_fn, max_plan = make_plan(cfg, model, log)
-    return OnlineDrafter(head, dc, policy=model, plan=plan, plan_fn=plan_fn, max_plan=max_plan, seed=cfg.train.seed,
-                         sampled=dc.chain, chain_stop=float(dc.chain_stop), int8_head=dc.int8_head,
-                         verify=dc.verify)
+    drafter = OnlineDrafter(head, dc, policy=model, plan=plan, plan_fn=plan_fn, max_plan=max_plan,
+                            seed=cfg.train.seed, sampled=dc.chain, chain_stop=float(dc.chain_stop),
+                            int8_head=dc.int8_head, verify=dc.verify)
+    drafter.tokenizer_fp = tokenizer_fingerprint(tokenizer) if tokenizer is not None else None
+    return drafter
 
 
-def build_spec_drafter(cfg, model, prompt_ids=None, eos_ids=(), log=print):
-    """None | ReuseDrafter | EagleDrafter | CombinedDrafter, from ``cfg.reuse.mode`` and ``cfg.draft.head``."""
+def build_spec_drafter(cfg, model, prompt_ids=None, eos_ids=(), log=print, tokenizer=None):
+    """None | ReuseDrafter | EagleDrafter | CombinedDrafter, from ``cfg.reuse.mode`` and ``cfg.draft.head``
+    (``tokenizer``: ``build_eagle``'s)."""
     from .reuse import build_drafter
 
     reuse = build_drafter(cfg.reuse)
-    eagle = build_eagle(cfg, model, prompt_ids, eos_ids, log)
+    eagle = build_eagle(cfg, model, prompt_ids, eos_ids, log, tokenizer)
     if eagle is None:
         return reuse
     if reuse is None:

@@ -51,7 +51,8 @@ from ..device import adamw, check_bf16_switch, use_bf16
 from ..engine.engine import Engine
 from ..engine.sampling import SamplingParams
 from ..models.decoder import Decoder, write_safetensors
-from .eagle import HEAD_CONFIG, DraftHead, DraftVocab, head_for, head_meta, load_head_as, save_head
+from .eagle import (HEAD_CONFIG, DraftHead, DraftVocab, head_for, head_meta, load_head_as, save_head,
+                    tokenizer_fingerprint)
 from .reuse import prompt_key
 from .verify import vocab_columns
 
@@ -820,7 +821,7 @@ def cli(args) -> int:
         print(f"step {info['step']:5d}  loss {info['loss']:.4f}  feat {info['feat']:.4f}  ce {info['ce']:.3f}  "
               f"top1 {info['top1']:.3f}{ev}  {info['elapsed']:.0f}s", flush=True)
 
-    init = load_head_as(f"--init {args.init}", args.init, policy) if args.init else None
+    init = load_head_as(f"--init {args.init}", args.init, policy, tok) if args.init else None
     vocab = DEFAULT_DRAFT_VOCAB if args.draft_vocab is None else args.draft_vocab
     if init is not None and args.draft_vocab is not None:  # a head keeps its vocabulary: said, not ignored
         V = policy.cfg.vocab_size
@@ -834,7 +835,8 @@ def cli(args) -> int:
                          note=lambda msg: print(msg, flush=True), data_cache=args.data_cache,
                          setup={"model": args.model, "data": args.data},
                          extra_data=extra)
-    meta = {"model": args.model, "prompts": len(prompts), **info, "config": asdict(cfg),
+    meta = {"model": args.model, "tokenizer": tokenizer_fingerprint(tok), "prompts": len(prompts), **info,
+            "config": asdict(cfg),
             **({"init": str(args.init)} if args.init else {})}
     out = save_head(head, args.out, session_meta(meta, prev))
     print(json.dumps({k: v for k, v in info.items() if k != "final"}, indent=None))

@@ -38,6 +38,7 @@ order (a prefix drafter reports its pairs through ``start_chain(..., rows=)``).
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import time
@@ -237,9 +238,19 @@ def _read_head_weights(w_file: Path, cfg_file: Path, cfg: DecoderConfig) -> Draf
     return head
 
 
-def load_head(path: str | Path, policy: Decoder | None = None) -> DraftHead:
+def tokenizer_fingerprint(tokenizer) -> str:
+    """A short hash of ``tokenizer``'s vocabulary (every token and its id). A head records the one it was trained
+    with (meta ``tokenizer``): two models of one architecture and size can tokenize differently, and a head's token
+    ids mean nothing under another vocabulary."""
+    vocab = sorted(tokenizer.get_vocab().items())
+    return hashlib.sha256(json.dumps(vocab).encode()).hexdigest()[:16]
+
+
+def load_head(path: str | Path, policy: Decoder | None = None, tokenizer=None) -> DraftHead:
     """Load a head saved by ``save_head``; checks it fits ``policy``: the architecture and the sizes
-    (``FIT_FIELDS``) of the policy config the head records must be the model's.
+    (``FIT_FIELDS``) of the policy config the head records must be the model's; with ``tokenizer``, the
+    vocabulary fingerprint the head records (``tokenizer_fingerprint``; heads saved before it have none) must be
+    the tokenizer's.
 
     The model's *name* is not compared: a head fits a fine-tuned checkpoint of the model it was distilled from, or a
     run's own model loaded from another path. A head of another architecture with the same sizes (tiny-llama's on
@@ -255,15 +266,22 @@ def load_head(path: str | Path, policy: Decoder | None = None) -> DraftHead:
             raise FileNotFoundError(f"{f} not found; a draft head dir holds {HEAD_CONFIG} and {HEAD_WEIGHTS} "
                                     "(make one with `specroll draft train`)")
     meta, cfg = _read_head_config(cfg_file)
+    info = meta.get("meta") if isinstance(meta.get("meta"), dict) else {}
+    made = info.get("model")
+    another = (f"this head was trained for another model{f' ({made})' if isinstance(made, str) and made else ''}: "
+               "distil one for this model with `specroll draft train --model M`")
     if policy is not None:
         pc = policy.cfg
         for field in FIT_FIELDS:
             if getattr(pc, field) != getattr(cfg, field):
-                made = (meta.get("meta") or {}).get("model") if isinstance(meta.get("meta"), dict) else None
-                src = f" ({made})" if isinstance(made, str) and made else ""
                 raise ValueError(f"{cfg_file}: policy.{field} is {getattr(cfg, field)!r} but the model has "
-                                 f"{getattr(pc, field)!r}; this head was trained for another model{src}: distil one "
-                                 "for this model with `specroll draft train --model M`")
+                                 f"{getattr(pc, field)!r}; {another}")
+    recorded = info.get("tokenizer")
+    if tokenizer is not None and isinstance(recorded, str):
+        own = tokenizer_fingerprint(tokenizer)
+        if recorded != own:
+            raise ValueError(f"{cfg_file}: meta.tokenizer is {recorded!r} but the model's tokenizer is {own!r} (a "
+                             f"vocabulary fingerprint); {another}")
     return _read_head_weights(w_file, cfg_file, cfg).eval()
 
 
@@ -278,11 +296,11 @@ def head_meta(path: str | Path) -> dict:
     return meta.get("meta") if isinstance(meta.get("meta"), dict) else {}
 
 
-def load_head_as(label: str, path: str | Path, policy: Decoder | None = None) -> DraftHead:
+def load_head_as(label: str, path: str | Path, policy: Decoder | None = None, tokenizer=None) -> DraftHead:
     """``load_head`` whose errors start with ``label``, the option that named the head (``--draft X``,
     ``draft.head=X``): a one-line ``FileNotFoundError`` or plain ``ValueError`` (never a JSONDecodeError)."""
     try:
-        return load_head(path, policy)
+        return load_head(path, policy, tokenizer)
     except FileNotFoundError as e:  # the head directory or one of its two files is not there
         raise FileNotFoundError(f"{label}: {e}") from None
     except ValueError as e:  # any subclass (e.g. json.JSONDecodeError) becomes a plain one-line ValueError
@@ -885,4 +903,4 @@ def head_for(policy: Decoder, vocab_ids=None, seed: int = 0) -> DraftHead:
 
 
 __all__ = ["DraftHead", "DraftTree", "DraftVocab", "EagleDrafter", "Plan", "ancestor_mask", "emit_run",
-           "head_for", "head_meta", "load_head", "save_head"]
+           "head_for", "head_meta", "load_head", "save_head", "tokenizer_fingerprint"]

@@ -240,6 +240,7 @@ class OnlineDrafter(EagleDrafter):
         on_pairs = self.learner.on_pairs if self.learner is not None else None
         super().__init__(head, plan, plan_fn, max_plan, on_pairs=on_pairs, **kw)
         self.policy = policy
+        self.tokenizer_fp: str | None = None  # the policy tokenizer's fingerprint, recorded by save_final when set
         self._seen = self.totals.clone()
         self._m: dict = {}
 
@@ -290,7 +291,8 @@ class OnlineDrafter(EagleDrafter):
 
     def save_final(self, run_dir, meta: dict | None = None):
         """``save_head`` into ``run_dir/draft_head`` (usable as ``draft.head=run_dir/draft_head``)."""
-        info = {"online": self.cfg.online, "updates": self.learner.updates if self.learner else 0, **(meta or {})}
+        info = {"online": self.cfg.online, "updates": self.learner.updates if self.learner else 0,
+                **({"tokenizer": self.tokenizer_fp} if self.tokenizer_fp else {}), **(meta or {})}
         return save_head(self.head, f"{run_dir}/draft_head", info)
 
 

@@ -71,7 +71,7 @@ def build_trainer(cfg: Config, run_dir: str | Path | None, console=None, drafter
         from ..drafters.build import build_spec_drafter
 
         # None unless reuse.mode is lenient / exact or draft.head is set (see drafters/build.py)
-        drafter = build_spec_drafter(cfg, model, train_set.ids, eos, log=say)
+        drafter = build_spec_drafter(cfg, model, train_set.ids, eos, log=say, tokenizer=tok)
     return Trainer(cfg, model, train_set, eval_set, reward, decode, eos, drafter=drafter, run_dir=run_dir,
                    console=console, dist=dist)
 
