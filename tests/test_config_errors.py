@@ -31,6 +31,8 @@ from specroll.rl.rewards import RewardConfig, RewardError
     ("reuse.store_mb=inf", "reuse.store_mb must be a finite number, got inf"),
     ("loss.eps_high=.nan", "loss.eps_high must be a finite number, got nan"),
     ("train.steps=true", "train.steps must be an integer, got true"),
+    ("train.steps=2.5", "train.steps must be an integer, got 2.5"),  # not truncated to 2
+    ("data.eval_fraction=", "data.eval_fraction must be a number or null, got ''"),  # empty is not null
     ("reward.weights=1,x", "reward.weights must be a list of numbers (e.g. [1, 0.5] or 1,0.5) or null; "
                            "item 2, 'x', is not a number"),
     ("reward.weights={a: 1}", "reward.weights must be a list of numbers"),
@@ -108,6 +110,68 @@ def test_range_errors_name_the_file_line_or_override_that_set_the_value(tmp_path
         load_config(overrides=["data.task=file"])  # the section's own error class is kept
 
 
+@pytest.mark.parametrize("override, msg", [
+    ("model.name=", "model.name must not be empty"),
+    ("model.dtype=fp16", "model.dtype must be one of ['auto', 'float32', 'bfloat16'], got 'fp16'"),
+    ("rollout.temperature=0", "rollout.temperature must be a finite number > 0 for training rollouts, got 0.0"),
+    ("rollout.top_p=0", "rollout.top_p must be in (0, 1], got 0.0"),
+    ("rollout.top_p=1.01", "rollout.top_p must be in (0, 1], got 1.01"),
+    ("rollout.top_k=-1", "rollout.top_k must be >= 0 (0 = off), got -1"),
+    ("rollout.max_new_tokens=0", "rollout.max_new_tokens must be >= 1, got 0"),
+    ("train.steps=0", "train.steps must be an integer >= 1, got 0"),
+    ("train.keep_last=0", "train.keep_last must be an integer >= 1, got 0"),
+    ("train.warmup=-1", "train.warmup must be >= 0, got -1"),
+    ("train.save_every=-1", "train.save_every must be >= 0, got -1"),
+    ("train.lr=0", "train.lr must be > 0, got 0.0"),
+    ("train.weight_decay=-1", "train.weight_decay must be a finite number >= 0, got -1.0"),
+    ("train.min_lr_ratio=1.5", "train.min_lr_ratio must be in [0, 1], got 1.5"),
+    ("train.min_lr_ratio=-0.1", "train.min_lr_ratio must be in [0, 1], got -0.1"),
+    ("train.mini_batches=5", "train.mini_batches (5) cannot exceed train.prompts_per_step (4)"),
+    ("train.eval_temperature=-1", "train.eval_temperature must be a finite number >= 0, got -1.0"),
+])
+def test_out_of_range_values_name_the_override_and_the_range(override, msg):
+    with pytest.raises(ValueError) as e:
+        load_config(overrides=[override])
+    assert str(e.value).startswith(f"override {override!r}: {msg}")
+
+
+def test_values_on_the_range_boundaries_are_accepted():
+    cfg = load_config(overrides=["rollout.top_p=1", "rollout.top_k=0", "rollout.max_new_tokens=1", "train.warmup=0",
+                                 "train.min_lr_ratio=1", "train.mini_batches=4", "train.grad_clip=0",
+                                 "train.eval_temperature=0", "rollout.G=2", "train.steps=1"])
+    assert (cfg.rollout.top_p, cfg.rollout.top_k, cfg.rollout.max_new_tokens, cfg.train.mini_batches) == (1.0, 0, 1, 4)
+    assert load_config(overrides=["train.min_lr_ratio=0"]).train.min_lr_ratio == 0.0
+
+
+def test_override_text_details():
+    # switches read as YAML 1.2 booleans or yes/no in any case
+    for text, want in [("Yes", True), ("yes", True), ("NO", False), ("True", True)]:
+        assert load_config(overrides=[f"train.eval_before={text}"]).train.eval_before is want, text
+    # the value is everything after the first "=", and YAML's other spellings of null are null
+    assert load_config(overrides=["data.system_prompt=a=b"]).data.system_prompt == "a=b"
+    assert load_config(overrides=["data.system_prompt=Null"]).data.system_prompt is None
+    assert load_config(overrides=["data.system_prompt=NULL"]).data.system_prompt is None
+    # a trailing comma adds no empty item
+    assert load_config(overrides=["reward.funcs=accuracy, format,"]).reward.funcs == ["accuracy", "format"]
+    for key in (".lr", "train."):
+        with pytest.raises(ValueError, match=rf"^override key '{key}' must be section\.key, e\.g\. train\.lr"):
+            load_config(overrides=[f"{key}=1"])
+
+
+def test_empty_yaml_files_and_sections_keep_the_defaults_and_other_shapes_are_named(tmp_path):
+    f = tmp_path / "run.yaml"
+    for body in ("", "# nothing set yet\n", "train:\nrollout:\n  G: 4\n"):
+        f.write_text(body)
+        cfg = load_config(f)
+        assert cfg.train.steps == TrainConfig().steps and cfg.rollout.G == (4 if body.startswith("train") else 8)
+    f.write_text("- train\n- rollout\n")
+    with pytest.raises(ValueError, match=rf"^{f}: expected a mapping of sections \['data', .*got list$"):
+        load_config(f)
+    f.write_text("data:\n  system_prompt: 42\ntrain:\n  out_dir: 7\n")  # numbers in string fields: their text
+    cfg = load_config(f)
+    assert cfg.data.system_prompt == "42" and cfg.train.out_dir == "7"
+
+
 @pytest.mark.parametrize("body, line, key, first", [
     ("train:\n  steps: 3\nrollout:\n  G: 4\ntrain:\n  lr: 1.0e-3\n", 5, "train", 1),  # a section written twice
     ("train:\n  lr: 1.0e-5\n  steps: 2\n  lr: 1.0e-3\n", 4, "lr", 2),
@@ -127,6 +191,10 @@ def test_sections_built_directly_reject_bad_values_with_their_key():
         TrainConfig(grad_clip=float("nan"))
     with pytest.raises(ValueError, match="train.eval_temperature"):
         TrainConfig(eval_temperature=float("nan"))
+    with pytest.raises(ValueError, match=r"^train.steps must be an integer >= 1, got 1.5$"):
+        TrainConfig(steps=1.5)
+    with pytest.raises(ValueError, match="train.bf16 must be true, false or auto, got 'sometimes'"):
+        TrainConfig(bf16="sometimes")
     with pytest.raises(ValueError, match="rollout.temperature must be a finite number > 0"):
         RolloutConfig(temperature=float("nan"))
     with pytest.raises(DataError, match=r"data.eval_fraction must be in \(0, 1\) or null, got 'abc'"):
@@ -376,6 +444,9 @@ def test_config_save_never_leaves_a_truncated_file(tmp_path, monkeypatch):
     path = tmp_path / "config.yaml"
     cfg.save(path)
     before = path.read_text()
+    saved = yaml.safe_load(before)  # written in the order of the sections and their fields, not sorted
+    assert list(saved) == list(cfg.to_dict()) and list(saved["train"]) == list(cfg.to_dict()["train"])
+    assert list(saved)[:2] == ["model", "rollout"]
     real = Path.write_text
 
     def full(self, text, *a, **k):

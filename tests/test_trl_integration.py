@@ -237,6 +237,14 @@ def one_line_error(rf, prompts, tr, match):
     ("trainer", "use_vllm", True, "use_vllm"),
     ("trainer", "tools", [length_reward], "tools"),
     ("trainer", "environment_factories", {None: object}, "environment_factory"),
+    ("args", "repetition_penalty", 0.8, "repetition_penalty"),  # below 1.0 is no more supported than above
+    ("args", "max_completion_length", 0, "max_completion_length must be a positive integer"),
+    ("args", "temperature", 0.0, "temperature must be > 0"),
+    ("args", "temperature", math.inf, "temperature must be > 0"),
+    ("args", "use_vllm", True, "use_vllm"),
+    ("trainer", "is_fsdp_enabled", True, "DeepSpeed / FSDP"),
+    ("trainer", "is_deepspeed_enabled", True, "DeepSpeed / FSDP"),
+    ("trainer", "_is_vlm", True, "multimodal models"),
 ])
 def test_unsupported_trl_settings_are_one_line_errors(trainer, monkeypatch, where, name, value, match):
     monkeypatch.setattr(trainer.args if where == "args" else trainer, name, value)
@@ -248,6 +256,11 @@ def test_bad_inputs_are_one_line_errors(trainer, tmp_path, monkeypatch):
     image = [{"role": "user", "content": [{"type": "image", "image": None}, {"type": "text", "text": "hi"}]}]
     one_line_error(rf, [image, image], trainer, "multimodal")
     one_line_error(rf, [CHAT[0], "plain text"], trainer, "all strings or all")
+    one_line_error(rf, "What is 1 + 1?", trainer, "prompts must be a list, got str")  # not one prompt per character
+    one_line_error(rf, [[{"role": "user"}]] * 2, trainer, r"not a \{'role', 'content'\} dict")
+    monkeypatch.setattr(trainer.processing_class, "image_processor", object(), raising=False)  # a multimodal processor
+    one_line_error(rf, repeat(CHAT[:1], 2), trainer, "multimodal models are not supported")
+    monkeypatch.undo()
     one_line_error(rf, repeat(CHAT[:1], 2), object(), "GRPOTrainer")
     monkeypatch.setattr(trainer.args, "max_completion_length", 2047)
     one_line_error(rf, repeat(CHAT[:1], 2), trainer, "exceeds the model's context")
@@ -260,9 +273,125 @@ def test_bad_inputs_are_one_line_errors(trainer, tmp_path, monkeypatch):
     mistral = make_trainer(tmp_path, model=tiny_hf_model_mistral().train())
     one_line_error(specroll_rollout_func(), repeat(CHAT[:1], 2), mistral, "'mistral' is not supported")
     for kw, match in [({"reuse": "yes"}, "reuse"), ({"dtype": "float16"}, "dtype"),
-                      ({"reuse": "lenient", "lenience": 0.0}, "lenience"), ({"seed": "1"}, "seed")]:
+                      ({"reuse": "lenient", "lenience": 0.0}, "lenience"), ({"seed": "1"}, "seed"),
+                      ({"seed": True}, "seed must be an int")]:
         with pytest.raises(ValueError, match=match):
             specroll_rollout_func(**kw)
+
+
+@pytest.mark.parametrize("change,match", [
+    ("meta", "specroll's engine runs on the CPU"),
+    ("float16", "weights are torch.float16"),
+    ("extra", r"parameters the specroll decoder does not model \(model\.extra\)"),
+    ("shape", r"norm\.weight would be \[5\] but its config implies \[64\]"),
+])
+def test_models_the_decoder_cannot_mirror_are_one_line_errors(trainer, change, match):
+    from torch import nn
+
+    m = trainer.model.model
+    h = m.norm.weight.shape[0]
+    assert h == 64  # the hidden size the message names
+    if change == "meta":
+        m.norm.weight = nn.Parameter(torch.ones(h, device="meta"))
+    elif change == "float16":
+        m.norm.weight = nn.Parameter(torch.ones(h, dtype=torch.float16))
+    elif change == "extra":
+        m.register_parameter("extra", nn.Parameter(torch.zeros(3)))
+    else:
+        m.norm.weight = nn.Parameter(torch.ones(5))
+    one_line_error(specroll_rollout_func(dtype="float32"), repeat(CHAT[:1], 2), trainer, match)
+
+
+def test_an_empty_batch_returns_empty_lists_and_builds_nothing(trainer):
+    rf = specroll_rollout_func(dtype="float32")
+    assert rf([], trainer) == {"prompt_ids": [], "completion_ids": [], "logprobs": []}
+    assert rf.decoder is None and rf.engine is None
+
+
+def test_stats_count_the_tokens_and_are_logged_in_the_mode_of_the_call(trainer):
+    rf = specroll_rollout_func(dtype="float32")
+    out = rf(repeat(CHAT[:2], 2), trainer)
+    n = sum(len(c) for c in out["completion_ids"])
+    assert rf.stats["tokens"] == n > 0 and rf.stats["rollout_s"] > 0
+    metrics = trainer._metrics
+    assert metrics["train"]["specroll/tokens"] == [float(n)] and "specroll/tokens" not in metrics["eval"]
+    trainer.model.eval()
+    out = rf(repeat(CHAT[:1], 2), trainer)
+    assert metrics["eval"]["specroll/tokens"] == [float(sum(len(c) for c in out["completion_ids"]))]
+    assert len(metrics["train"]["specroll/tokens"]) == 1  # an evaluation call is not logged as training
+
+
+def test_eval_groups_are_cut_at_num_generations_eval(tmp_path, monkeypatch):
+    tr = make_trainer(tmp_path, num_generations_eval=3)
+    rf = specroll_rollout_func(dtype="float32")
+    rf(repeat(CHAT[:1], 2), tr)  # builds the engine
+    sizes = []
+    real = rf.engine.generate
+
+    def spy(prompts, params, n=1, **kw):
+        sizes.append((len(prompts), n))
+        return real(prompts, params, n=n, **kw)
+
+    monkeypatch.setattr(rf.engine, "generate", spy)
+    tr.model.eval()
+    assert len(rf(repeat(CHAT[:2], 3), tr)["completion_ids"]) == 6
+    assert sizes == [(2, 3)]  # two groups of three (not of num_generations=2), in one call
+    tr.model.train()
+    sizes.clear()
+    rf(repeat(CHAT[:1], 4), tr)
+    assert sizes == [(2, 2)]  # in training the same prompt four times is two groups of num_generations=2
+
+
+def test_the_seed_argument_and_args_seed_make_rollouts_reproducible(trainer, monkeypatch):
+    batch = repeat(CHAT[:2], 2)
+
+    def draw(**kw):
+        return specroll_rollout_func(dtype="float32", **kw)(batch, trainer)["completion_ids"]
+
+    default = draw()
+    assert draw() == default  # a fresh function (a rerun) draws the same samples
+    assert draw(seed=trainer.args.seed) == default  # the default base is args.seed
+    assert draw(seed=11) == draw(seed=11) != default
+    monkeypatch.setattr(trainer.args, "seed", 4)
+    assert draw() != default
+    assert specroll_rollout_func(reuse="exact", seed=7).drafter.gen.initial_seed() == 7  # and the reuse coins
+
+
+def test_weights_loaded_with_new_storage_are_picked_up_without_sync(tmp_path):
+    tr = make_trainer(tmp_path, "qwen2")  # untied: assign=True would untie a tied lm_head from the embeddings
+    rf = specroll_rollout_func(dtype="float32")
+    batch = repeat(CHAT[:2], 2)
+    rf(batch, tr)
+    state = {k: v * 1.5 for k, v in tr.model.state_dict().items()}
+    tr.model.load_state_dict(state, assign=True)  # new tensors: no optimizer step, global_step unchanged
+    assert max_logprob_error(tr.model, rf(batch, tr)) < 1e-4
+
+
+def test_chat_template_kwargs_reach_the_template_as_in_trl(tmp_path):
+    tr = make_trainer(tmp_path, chat_template_kwargs={"preamble": "Solve this. "})
+    tr.processing_class.chat_template = (
+        "{{ preamble | default('') }}{% for m in messages %}{{ m['role'] + ': ' + m['content'] + '\n' }}{% endfor %}"
+        "{% if add_generation_prompt %}{{ 'assistant: ' }}{% endif %}")
+    batch = repeat(CHAT[:2], 2)
+    out = specroll_rollout_func(dtype="float32")(batch, tr)
+    want = tr._tokenize_prompts(batch)[0]
+    assert out["prompt_ids"] == want
+    plain = tr.processing_class.apply_chat_template(CHAT[0], add_generation_prompt=True, tokenize=True)
+    assert len(want[0]) > len(plain)  # the preamble is in TRL's tokens too
+
+
+def test_the_trainers_stop_ids_are_the_ones_used(tmp_path):
+    """TRL's ``trainer.eos_token_ids`` wins over what the tokenizer and generation config say."""
+    model = tiny_hf_model("llama", seed=1)
+    tok = tiny_tokenizer()
+    ids = tok.apply_chat_template(CHAT[0], add_generation_prompt=True, tokenize=True, return_dict=True)["input_ids"]
+    likely = model(input_ids=torch.tensor([ids])).logits[0, -1].topk(3).indices.tolist()
+    tr = make_trainer(tmp_path, model=model.train(), max_completion_length=12)
+    tr.eos_token_ids = [2, *likely]  # the generation config does not list these
+    out = specroll_rollout_func(dtype="float32")(repeat(CHAT[:1], 32), tr)
+    stops = set(tr.eos_token_ids)
+    assert all(not stops & set(c[:-1]) for c in out["completion_ids"])
+    assert any(c[-1] in set(likely) for c in out["completion_ids"])
 
 
 def tiny_hf_model_mistral():
@@ -284,6 +413,10 @@ def test_stop_ids_when_the_trainer_lists_none():
     assert eos_ids_of(SimpleNamespace(processing_class=tok), hf) == [tok.eos_token_id, 5]
     hf.generation_config.eos_token_id = None
     assert eos_ids_of(SimpleNamespace(processing_class=tok), hf) == [tok.eos_token_id]
+    hf.generation_config.eos_token_id = 5  # one id, not a list
+    assert eos_ids_of(SimpleNamespace(processing_class=tok), hf) == [tok.eos_token_id, 5]
+    processor = SimpleNamespace(tokenizer=tok)  # a processor: its tokenizer's eos
+    assert eos_ids_of(SimpleNamespace(processing_class=processor), hf) == [tok.eos_token_id, 5]
 
 
 def test_seeds_differ_across_processes_and_steps(trainer, monkeypatch):
