@@ -102,8 +102,10 @@ def test_depth_follows_log2_of_n_over_alpha_inside_the_clamp():
     (dict(b_active=-3, c_peak=16), "b_active"),
     (dict(b_active=1, c_peak=0.5), "c_peak"),
     (dict(b_active=1, c_peak=float("nan")), "c_peak"),
+    (dict(b_active=1, c_peak=float("inf")), "c_peak"),
     (dict(b_active=1, c_peak=16, alpha=0), "alpha"),
     (dict(b_active=1, c_peak=16, alpha=-1.0), "alpha"),
+    (dict(b_active=1, c_peak=16, alpha=float("inf")), "alpha"),
     (dict(b_active=1, c_peak=16, k_max=0), "k_max"),
     (dict(b_active=1, c_peak=16, l_min=0), "l_min"),
     (dict(b_active=1, c_peak=16, l_min=4, l_max=3), "l_min"),
@@ -363,7 +365,8 @@ def test_profile_cli_with_a_cached_profile_still_writes_out_dir_and_applies_delt
     out = tmp_path / "out"
     assert main([*argv, *grid, "--out-dir", str(out)]) == 0
     printed = capsys.readouterr().out
-    assert "cached:" in printed and "grid" not in printed and "--delta" not in printed
+    # (not "grid": a noisy machine's warning has it)
+    assert "cached:" in printed and "the cached grid is used" not in printed and "--delta" not in printed
     (j,) = out.glob("*.json")
     assert json.loads(j.read_text()) == cached and len(list(out.glob("*.png"))) == 1
     assert main([*argv, "--delta", "0.05", "--out-dir", str(out)]) == 0
@@ -592,6 +595,156 @@ def test_tuned_planner_rejects_bad_arguments():
         chain_candidates(0)
 
 
+def test_tree_capacity_of_a_degenerate_shape_is_zero():
+    """No expansion or no depth: no draft candidates, never a negative count."""
+    assert tree_capacity(0, 3) == tree_capacity(3, 0) == tree_capacity(0, 0) == 0
+    assert tree_capacity(1, 5) == 5 and tree_capacity(3, 1) == 3 and tree_capacity(3, 2) == 12
+
+
+def test_tree_candidates_end_at_the_budget_and_never_repeat_a_plan():
+    """A C_max off the grid is a candidate itself and nothing beyond it is; a budget far beyond the largest tree
+    gives that tree once."""
+    from specroll.engine.budget import tree_candidates
+
+    cands = tree_candidates(20)
+    assert cands == [plan(1, c) for c in (1, 2, 3, 4, 6, 8, 12, 16, 20)]
+    assert all(p.n_verify <= 20 for p in cands)
+    big = tree_candidates(10**4)
+    assert len(set(big)) == len(big) and big[-1] == plan(1, 10**4) == Plan(85, 4, 6)
+    assert [p.n_verify for p in big] == sorted({p.n_verify for p in big})
+
+
+def test_tuned_planner_from_a_budget_takes_its_shapes():
+    """Chains when the budget plans chains (K_max = 1), else the budget's own trees: its C_peak, alpha, K_max and
+    depth limits, not the defaults."""
+    from specroll.engine.budget import TunedPlanner, chain_candidates, tree_candidates
+
+    chains = TunedPlanner.from_budget(BudgetPlanner(8, k_max=1, l_max=5))
+    assert chains.candidates == chain_candidates(5) and chains.max_plan == Plan(6, 1, 5)
+    budget = BudgetPlanner(24, alpha=2.0, k_max=3, l_min=1, l_max=3)
+    trees = TunedPlanner.from_budget(budget)
+    assert trees.candidates == tree_candidates(24, 2.0, 3, 1, 3) and trees.max_plan == budget.max_plan == Plan(22, 3, 3)
+    assert trees.current(1) == budget(1)
+
+
+def test_tuned_planner_starts_each_bucket_at_the_nearest_candidate():
+    """Nearest by node count, then by depth, then the earlier candidate."""
+    from specroll.engine.budget import TunedPlanner
+
+    cands = [PLAIN, Plan(4, 1, 3), Plan(4, 3, 1), Plan(8, 4, 2)]
+    assert TunedPlanner(cands, start=lambda b: Plan(4, 3, 1)).current(1) == Plan(4, 3, 1)
+    assert TunedPlanner(cands, start=lambda b: Plan(5, 2, 1)).current(1) == Plan(4, 3, 1)  # 4 nodes; then depth 1
+    assert TunedPlanner(cands, start=lambda b: Plan(6, 4, 2)).current(1) == Plan(8, 4, 2)  # 4 or 8 nodes; depth 2
+    assert TunedPlanner(cands, start=lambda b: Plan(4, 2, 2)).current(1) == Plan(4, 1, 3)  # a full tie: the earlier
+    assert TunedPlanner(cands).current(1) == PLAIN  # no start: the least speculation
+
+
+def test_tuned_planner_max_plan_is_component_wise():
+    from specroll.engine.budget import TunedPlanner
+
+    assert TunedPlanner([Plan(5, 4, 1), Plan(4, 1, 3), PLAIN]).max_plan == Plan(5, 4, 3)
+
+
+def test_tuned_planner_rejects_bad_schedules_and_candidates():
+    from specroll.engine.budget import TunedPlanner, chain_candidates
+
+    cands = chain_candidates(2)
+    for kw in (dict(probe_len=0), dict(probe_every=0), dict(min_probes=0), dict(window=0), dict(margin=-0.1)):
+        with pytest.raises(ValueError, match="probe_len >= 1, probe_every >= 1"):
+            TunedPlanner(cands, **kw)
+    with pytest.raises(ValueError, match="distinct Plans"):
+        TunedPlanner([(1, 0, 0)])
+    with pytest.raises(ValueError, match="b_active"):
+        TunedPlanner(cands)(1.5)
+
+
+def _two_plans(**kw):
+    """Plain decode (current) and a depth-1 chain, probed after every current step, one step a probe."""
+    from specroll.engine.budget import TunedPlanner, chain_candidates
+
+    return TunedPlanner(chain_candidates(1), **{"probe_every": 1, "probe_len": 1, "min_probes": 1, **kw})
+
+
+def _probe_once(planner, b, tokens, plain_tokens=None):
+    """One current (plain) step of ``b`` rows, then one probe step emitting ``tokens``, both taking 1 s."""
+    assert planner(b) == planner.current(b)
+    planner.observe(b, planner.current(b), 1.0, b if plain_tokens is None else plain_tokens)
+    probe = planner(b)
+    assert probe != planner.current(b)
+    planner.observe(b, probe, 1.0, tokens, probe.depth)
+
+
+def test_tuned_planner_moves_only_past_the_margin():
+    """A probe must beat the current plan by more than ``margin`` (as a ratio: log(1 + margin)) to replace it."""
+    planner = _two_plans(margin=0.5)
+    _probe_once(planner, 20, 29)  # x1.45: not enough
+    assert planner.current(20) == PLAIN
+    planner = _two_plans(margin=0.5)
+    _probe_once(planner, 20, 31)  # x1.55
+    assert planner.current(20) == Plan(2, 1, 1)
+
+
+def test_tuned_planner_ignores_steps_it_cannot_score():
+    """A step of no measurable time or no tokens, or of a plan two sizes away, scores nothing (and breaks nothing)."""
+    from specroll.engine.budget import TunedPlanner, chain_candidates
+
+    for seconds, tokens in ((0.0, 3), (1.0, 0)):
+        planner = _two_plans()
+        assert planner(3) == PLAIN
+        planner.observe(3, PLAIN, seconds, tokens)  # unusable: the probe has nothing to be scored against
+        probe = planner(3)
+        planner.observe(3, probe, 1.0, 6, 1)
+        assert planner.choices()["B=2-3"] == {"plan": [1, 0, 0], "moves": 0, "probes": {}}
+    planner = TunedPlanner(chain_candidates(3), probe_every=100, min_probes=1)
+    planner(1)
+    planner.observe(1, PLAIN, 1.0, 1)
+    planner.observe(1, Plan(3, 1, 2), 1.0, 3, 2)  # two sizes up: not a neighbour, though 3x faster
+    assert planner.choices()["B=1-1"] == {"plan": [1, 0, 0], "moves": 0, "probes": {}}
+
+
+def test_tuned_planner_a_tie_is_no_loss():
+    """Backing off needs every neighbour to have lost; a probe exactly as fast as the current plan keeps the wait
+    at probe_every (one current step between probes here)."""
+    planner = _two_plans()
+    seq = []
+    for _ in range(6):
+        p = planner(3)
+        seq.append(p.depth)
+        planner.observe(3, p, 1.0, 3, p.depth)  # the same tokens per second either way
+    assert seq == [0, 1, 0, 1, 0, 1]
+    planner = _two_plans()
+    seq = []
+    for _ in range(6):
+        p = planner(3)
+        seq.append(p.depth)
+        planner.observe(3, p, 1.0, 3 if p.plain else 2, p.depth)  # the probe loses: waits double
+    assert seq == [0, 1, 0, 0, 1, 0]
+
+
+def test_tuned_planner_after_a_move_scores_the_next_probe_against_the_winning_step():
+    """The probe step that won is the new current plan's latest step: a probe right after the move (its current
+    step unreported) is scored against it."""
+    planner = _two_plans()
+    _probe_once(planner, 3, 6)  # the chain doubles the rate: it becomes current
+    assert planner.current(3) == Plan(2, 1, 1)
+    assert planner(3) == Plan(2, 1, 1)  # a current step, not reported
+    assert planner(3) == PLAIN  # the probe back
+    planner.observe(3, PLAIN, 1.0, 3)
+    assert planner.choices()["B=2-3"]["probes"]["-1"] == [2, pytest.approx(-math.log(2), abs=1e-4)]
+
+
+def test_tuned_planner_counts_hits_of_any_plan_up_to_its_deepest_candidate():
+    """Hits reported under a plan outside the candidates, deeper than any of them, count toward the chains'
+    acceptance up to the deepest candidate, and the rest is ignored."""
+    from specroll.engine.budget import TunedPlanner, chain_candidates
+
+    planner = TunedPlanner(chain_candidates(2))
+    planner.ACCEPT_DECAY = 1.0
+    planner.observe(1, Plan(5, 1, 4), 1.0, 5, 4, ([8, 8, 8, 8], [8, 8, 8, 8]))
+    assert planner.accept_rates() == pytest.approx([(8 + 8 * 0.5) / 16, (8 + 8 * 0.75) / 16])
+    assert planner.choices() == {}  # not a candidate: nothing scored, no bucket made
+
+
 def test_profile_force_says_which_cached_profile_it_replaced(tmp_path, monkeypatch, capsys):
     """`profile --force` with a small grid replaced the machine's cached profile silently, though adaptive drafting
     everywhere then plans with its C_peak (a capped one: no knee below its --max-tokens). It now says what it
@@ -612,3 +765,165 @@ def test_profile_force_says_which_cached_profile_it_replaced(tmp_path, monkeypat
             f"{second['c_peak']} (--max-tokens 2{capped * second['capped']}); adaptive drafting (generate --draft, "
             "train, bench spec) uses the new one") in printed, printed
     assert second["max_tokens"] == 2
+
+
+# --- the knee rule and the summary, pinned on synthetic curves ------------------------------------------
+
+def test_knee_rule_rejects_degenerate_grids_and_latencies():
+    """A zero token count, a count given twice or an infinite latency is refused, not read as a curve."""
+    with pytest.raises(ValueError, match="max_tokens"):
+        profiler.token_grid(0)
+    with pytest.raises(ValueError, match="positive and strictly increasing"):
+        profiler.find_c_peak([0, 1, 2], [1.0, 1.0, 1.0])
+    with pytest.raises(ValueError, match="positive and strictly increasing"):
+        profiler.find_c_peak([1, 2, 2, 4], [1.0, 1.0, 1.0, 1.0])
+    with pytest.raises(ValueError, match="finite"):
+        profiler.find_c_peak([1, 2], [1.0, float("inf")])
+
+
+def test_knee_rule_baseline_is_the_enveloped_single_token_latency():
+    """A spike at the single-token point itself does not raise the limit: the baseline is the lower envelope's
+    first value (the least latency measured at any count), not the spiked sample."""
+    grid = [1, 2, 3, 4, 6, 8]
+    assert profiler.find_c_peak(grid, [30.0, 10.0, 10.0, 10.0, 40.0, 80.0]) == 4  # limit 15, not 45
+    assert profiler.find_c_peak(grid, [10.0, 10.0, 10.0, 10.0, 40.0, 80.0]) == 4
+
+
+def test_token_grid_is_the_half_octave_grid_below_the_maximum():
+    assert profiler.token_grid(100) == [1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 100]
+    assert profiler.token_grid(5) == [1, 2, 3, 4, 5]
+
+
+def _points(batch, totals, lat_ms, spread=None):
+    spread = spread or [1.0] * len(totals)
+    return [{"batch": batch, "tokens_per_row": t // batch, "total_tokens": t, "latency_s": x / 1e3,
+             "median_s": x / 1e3 * s} for t, x, s in zip(totals, lat_ms, spread)]
+
+
+def test_summary_knee_fields_on_a_known_curve():
+    """Every field of the knee record, the capped flag and the noise (the median point's median/min ratio), on
+    a curve whose answer is known; the order the points come in does not matter."""
+    pts = _points(1, [1, 2, 3, 4, 6, 8], [10.0, 10.0, 12.0, 13.0, 14.5, 40.0], spread=[1.0, 1.1, 1.2, 1.3, 1.4, 3.0])
+    pts += _points(2, [2, 4, 8], [11.0, 12.0, 30.0])
+    s = profiler.summarise(pts, 0.5)
+    assert s["c_peak"] == 6 and s["c_peak_by_batch"] == {"1": 6, "2": 4} and s["capped"] is False
+    assert s["knee"] == pytest.approx({"base_tokens": 1, "single_token_ms": 10.0, "c_peak_ms": 14.5, "ratio": 1.45,
+                                       "next_tokens": 8, "next_ms": 40.0, "next_ratio": 4.0})
+    assert s["noise"] == pytest.approx(1.1)  # sorted ratios 1, 1, 1, 1, 1.1, 1.2, 1.3, 1.4, 3: the middle one
+    assert profiler.summarise(pts[::-1], 0.5) == s
+    assert "8 tokens 40.00 ms (x4.00)" in profiler.describe({"model": "m", "dtype": "float32", "fingerprint":
+                                                              {"torch_threads": 2}, **s})
+
+
+def test_summary_of_a_flat_curve_is_capped_and_says_so():
+    s = profiler.summarise(_points(1, [1, 2, 4, 8], [10.0, 10.0, 10.0, 10.0]), 0.5)
+    assert s["c_peak"] == 8 and s["capped"] is True and "next_tokens" not in s["knee"]
+    line = profiler.describe({"model": "m", "dtype": "float32", "fingerprint": {"torch_threads": 2}, **s})
+    assert line.endswith("; no knee below the largest tested count (raise --max-tokens)")
+
+
+def test_summary_without_batch_1_names_its_baseline():
+    """Points measured without a single-row curve: the knee records the baseline it did have (4 tokens), which is
+    what ``load_profile`` refuses such a profile by."""
+    s = profiler.summarise(_points(4, [4, 8, 16], [10.0, 12.0, 30.0]), 0.5)
+    assert s["knee"]["base_tokens"] == 4 and s["c_peak"] == 8 and s["c_peak_by_batch"] == {"4": 8}
+
+
+# --- the profile cache and the measurement loop, without measuring ---------------------------------------
+
+def test_load_profile_refuses_files_that_are_no_profile(tmp_path, monkeypatch):
+    fp = {"cpu": "X", "cores": 2, "torch_threads": 2, "torch": "2.13.0"}
+    monkeypatch.setattr(profiler, "profiles_dir", lambda: tmp_path)
+    path = profiler.profile_path("m", "float32", fp)
+    path.write_text(json.dumps({"format": profiler.FORMAT, "c_peak": 8}))
+    assert profiler.load_profile("m", "float32", fp)["c_peak"] == 8
+    for bad in ({"format": profiler.FORMAT, "c_peak": 0}, {"format": "other/1", "c_peak": 8}, {"c_peak": 8}):
+        path.write_text(json.dumps(bad))
+        with pytest.raises(ValueError, match="field 'format'/'c_peak' is not a specroll profile"):
+            profiler.load_profile("m", "float32", fp)
+    path.write_text('{"format": ')
+    with pytest.raises(ValueError, match="unreadable profile .*; delete it or rerun `specroll profile --model m"):
+        profiler.load_profile("m", "float32", fp)
+
+
+class _ScriptedPoint:
+    """Stands in for ``VerifyPoint``: each (batch, tokens) point returns its scripted times in order."""
+
+    script: dict = {}
+
+    def __init__(self, engine, cache, tokens, gen):
+        self.batch, self.tokens = cache, tokens  # the fake prefilled cache is the batch size
+        self.times = iter(self.script[(cache, tokens)])
+
+    def run(self):
+        return next(self.times)
+
+
+def test_measure_keeps_each_points_minimum_and_median_after_a_warm_up(monkeypatch):
+    """The warm-up pass is not timed; of the timed passes each point keeps the minimum and the median; at least
+    one pass is timed. ``time_verify`` reads one point the same way."""
+    monkeypatch.setattr(profiler, "_prefilled_cache", lambda engine, batch, context, tokens, gen: batch)
+    monkeypatch.setattr(profiler, "VerifyPoint", _ScriptedPoint)
+    monkeypatch.setattr(_ScriptedPoint, "script", {(1, 1): [9.0, 3.0, 1.0, 2.0], (1, 2): [9.0, 4.0, 6.0, 5.0],
+                                                   (2, 1): [9.0, 7.0, 8.0, 9.5]})
+    pts = profiler.measure(None, max_tokens=2, batches=(1, 2), repeats=3)
+    assert [(p["batch"], p["tokens_per_row"], p["total_tokens"], p["latency_s"], p["median_s"]) for p in pts] == [
+        (1, 1, 1, 1.0, 2.0), (1, 2, 2, 4.0, 5.0), (2, 1, 2, 7.0, 8.0)]
+    monkeypatch.setattr(_ScriptedPoint, "script", {(1, 1): [9.0, 2.0], (1, 2): [9.0, 3.0]})
+    assert [(p["latency_s"], p["median_s"]) for p in profiler.measure(None, max_tokens=2, batches=(1,), repeats=0)] \
+        == [(2.0, 2.0), (3.0, 3.0)]
+    monkeypatch.setattr(_ScriptedPoint, "script", {(1, 4): [9.0, 3.0, 1.0, 2.0]})
+    assert profiler.time_verify(None, 1, 4, repeats=3) == (1.0, 2.0)
+
+
+def test_run_profile_refuses_an_engine_of_another_dtype(tiny_engine):
+    with pytest.raises(ValueError, match="the engine runs float32 but the profile asked for bfloat16"):
+        profiler.run_profile("tiny-llama", "bfloat16", engine=tiny_engine)
+
+
+def test_the_measured_cache_holds_the_engines_kv_dtype(tiny):
+    """The timed forward writes the KV cache the engine's rollouts use (bf16 under a bf16 engine), after
+    ``context`` prefilled slots, with room for the measured tokens."""
+    from specroll.engine.engine import Engine
+
+    engine = Engine(tiny("llama")[0], dtype=torch.bfloat16)
+    cache = profiler._prefilled_cache(engine, 2, 5, 3, torch.Generator().manual_seed(0))
+    assert cache.k.dtype == engine.kv_dtype == torch.bfloat16
+    assert (cache.batch, cache.max_len, cache.lens[:2].tolist()) == (2, 8, [5, 5])
+
+
+def test_profile_cli_measures_again_over_a_quick_profile(tmp_path, monkeypatch, capsys):
+    """A quick profile (made on first use by training) is no reason to skip measuring: `profile` measures a full one,
+    and replacing a quick profile with --force is not announced as replacing the machine's profile."""
+    from types import SimpleNamespace
+
+    from specroll.cli import main
+
+    monkeypatch.setattr(profiler, "profiles_dir", lambda: tmp_path / "profiles")
+    monkeypatch.setattr(profiler, "plot_profile", lambda result, png: png)
+    monkeypatch.setattr(profiler, "_load_engine", lambda model, dtype: SimpleNamespace(
+        model=SimpleNamespace(cfg=SimpleNamespace(max_position=2048))))
+    pts, fp = _points(1, [1, 2, 4, 8], [10.0, 10.0, 12.0, 40.0]), profiler.fingerprint()
+
+    def result(mode):
+        return {"format": profiler.FORMAT, "model": "tiny-llama", "dtype": "float32", "fingerprint": fp, "mode": mode,
+                "delta": 0.5, "context": 4, "max_tokens": 8, "batches": [1], "repeats": 2,
+                **profiler.summarise(pts, 0.5), "points": pts}
+
+    measured = []
+    monkeypatch.setattr(profiler, "run_profile", lambda *a, **k: measured.append(k) or result("full"))
+    argv = ["profile", "--model", "tiny-llama", "--dtype", "float32", "--max-tokens", "8", "--batches", "1",
+            "--context", "4", "--repeats", "2", "--quiet"]
+    for force in ([], ["--force"]):
+        profiler.save_profile(result("quick"))
+        capsys.readouterr()
+        assert main([*argv, *force]) == 0
+        out = capsys.readouterr().out
+        assert len(measured) == 1 + bool(force) and "cached:" not in out and "replaced the cached" not in out, out
+        assert profiler.load_profile("tiny-llama", "float32")["mode"] == "full"
+
+
+def test_profile_cli_refuses_max_tokens_below_1(capsys):
+    from helpers import cli_error
+
+    assert cli_error(capsys, ["profile", "--max-tokens", "0"]) == "specroll: error: --max-tokens must be >= 1, got 0"
