@@ -40,6 +40,9 @@ GSM8K = Path("/work/shared/data/gsm8k/train.jsonl")
     ({"n_eval": 2.5}, "data.n_eval must be an integer"),
     ({"max_prompt_tokens": 0}, "data.max_prompt_tokens"),
     ({"eval_fraction": 1.5}, "data.eval_fraction must be in"),
+    ({"task": "file", "path": "x.jsonl", "eval_fraction": 1.0}, r"data.eval_fraction must be in \(0, 1\)"),
+    ({"task": "file", "path": "x.jsonl", "eval_fraction": 0.0}, r"data.eval_fraction must be in \(0, 1\)"),
+    ({"task": "file", "path": "x.jsonl", "eval_path": "e.jsonl", "eval_fraction": 0.2}, "exclusive"),
     ({"eval_fraction": 0.2}, "data.eval_fraction holds out a share of a data.path file; the built-in task's"),
     ({"question_field": ""}, "data.question_field"),
     ({"system_prompt": 3}, "data.system_prompt"),
@@ -90,6 +93,9 @@ def test_arithmetic_answers_and_levels(level):
         assert int(ex["answer"]) >= 0
     if level >= 4:
         assert {_n_ops(ex["question"]) for ex in exs} == {level - 3}
+        # every template of the level's description occurs: both openings, and each kind of step
+        for pattern in (r"bags with", r"has \d+ \w+\.", r"buys|finds", r"gives|loses", r"doubles|triples"):
+            assert any(re.search(pattern, ex["question"]) for ex in exs), pattern
     if level == 1:
         assert all(min(map(int, re.findall(r"\d+", ex["question"]))) <= 9 for ex in exs)
         assert all(int(ex["answer"]) <= 29 for ex in exs)
@@ -111,6 +117,16 @@ def test_arithmetic_splits_disjoint_and_deterministic(level):
         n_eval_space = sum(split_of(q) == "eval" for q in space)
         assert {e["question"] for e in ev} <= space
     assert len({e["question"] for e in ev}) == (64 if level >= 2 else min(64, n_eval_space))
+
+
+def test_split_of_is_stable():
+    """A question's split is a fixed function of its text (crc32 mod 5): runs, checkpoints and evals made with an
+    earlier version split the same problems the same way."""
+    assert [split_of(q) for q in ("What is 7 + 9?", "What is 1 + 1?", "What is 2 + 3?", "What is 12 + 5?")] == [
+        "eval", "train", "train", "train"]
+    qs = [f"What is {a} + {b}?" for a in range(1, 21) for b in range(1, 10)]
+    share = sum(split_of(q) == "eval" for q in qs) / len(qs)
+    assert 0.1 < share < 0.3  # about 1 in EVAL_BUCKETS = 5
 
 
 def test_arithmetic_bad_split():
@@ -183,6 +199,87 @@ def test_csv_and_json(tmp_path):
     j = tmp_path / "d.json"
     j.write_text(json.dumps({"data": _rows(3)}))
     assert len(load_examples(DataConfig(task="file", path=str(j), n_eval=1), "train")) == 2
+
+
+def test_jsonl_suffixes_and_a_json_object_that_is_not_one_list(tmp_path):
+    rows = _rows(2)
+    for name in ("d.ndjson", "D.JSONL"):  # JSON Lines under its other name, and an upper-case suffix
+        exs = load_examples(DataConfig(task="file", path=str(_jsonl(tmp_path / name, rows)), n_eval=0), "train")
+        assert [e["answer"] for e in exs] == ["1", "2"]
+    j = tmp_path / "two.json"
+    j.write_text(json.dumps({"data": rows, "extra": [1]}))  # only a lone list under one key is unwrapped
+    with pytest.raises(DataError, match="expected a JSON list of objects"):
+        load_examples(DataConfig(task="file", path=str(j), n_eval=0), "train")
+    with pytest.raises(DataError, match=r"is a directory, not a \.jsonl"):
+        load_examples(DataConfig(task="file", path=str(tmp_path), n_eval=0), "train")
+
+
+def test_rows_are_cleaned_and_checked(tmp_path, caplog):
+    """Questions are stripped; a blank question is a bad row; a plain answer that is a worked MATH solution says
+    which format to set; the error for some (not all) bad rows counts them and says how to go on."""
+    p = _jsonl(tmp_path / "d.jsonl", [{"question": "  What is 1 + 1?\n", "answer": "2"},
+                                      {"question": " \n ", "answer": "3"}])
+    cfg = DataConfig(task="file", path=str(p), n_eval=0)
+    with pytest.raises(DataError, match=r"d\.jsonl:2: empty or missing 'question' \(1 bad row\(s\) in all; fix them "
+                                        r"or set data.skip_bad_rows=true\)"):
+        load_examples(cfg, "train")
+    with caplog.at_level(logging.WARNING):
+        assert load_examples(DataConfig(task="file", path=str(p), n_eval=0, skip_bad_rows=True), "train") == [
+            {"question": "What is 1 + 1?", "answer": "2"}]
+    b = _jsonl(tmp_path / "b.jsonl", [{"question": "Q", "answer": "so \\boxed{4}"}])
+    with pytest.raises(DataError, match="looks like a worked solution.*data.answer_format=boxed"):
+        load_examples(DataConfig(task="file", path=str(b), n_eval=0), "train")
+
+
+def test_a_chat_without_user_text_and_an_answer_that_is_not_text_are_bad_rows(tmp_path):
+    p = tmp_path / "d.jsonl"
+    p.write_text(json.dumps({"question": [{"role": "system", "content": "S"}, {"role": "user", "content": "  "}],
+                             "answer": "1"}) + "\n")
+    with pytest.raises(DataError, match=r"d\.jsonl:1: 'question' has no non-empty user message"):
+        load_examples(DataConfig(task="file", path=str(p), n_eval=0), "train")
+    p.write_text(json.dumps({"question": "Q", "answer": "caf\udce9"}) + "\n")  # a "\udce9" escape: half a pair
+    with pytest.raises(DataError, match=r"d\.jsonl:1: 'answer' holds an unpaired surrogate \\udce9 at character 4"):
+        load_examples(DataConfig(task="file", path=str(p), n_eval=0), "train")
+
+
+def test_auto_format_prefers_boxed_and_only_an_overwritten_answer_column_keeps_its_raw_value(tmp_path):
+    from specroll.rl.data import final_of
+
+    assert final_of("\\boxed{7}\n#### 8", "auto") == "7"
+    assert final_of("work\n#### 8", "auto") == "8" and final_of(" 9 ", "auto") == "9"
+    p = _jsonl(tmp_path / "m.jsonl", [{"problem": "Q", "solution": "so \\boxed{4}"}])
+    exs = load_examples(DataConfig(task="file", path=str(p), answer_format="boxed", n_eval=0), "train")
+    # the solution column is still there: no answer_raw copy of it
+    assert exs == [{"problem": "Q", "solution": "so \\boxed{4}", "question": "Q", "answer": "4"}]
+
+
+def test_a_renamed_field_gets_no_alias(tmp_path):
+    """An alias ("problem" for "question") is looked for only when the default name was kept: a name the user set
+    that the file lacks is an error, not silently another column."""
+    p = _jsonl(tmp_path / "d.jsonl", [{"problem": "Q", "answer": "1"}])
+    assert load_examples(DataConfig(task="file", path=str(p), n_eval=0), "train")[0]["question"] == "Q"
+    with pytest.raises(DataError, match=r"no question column 'q'; the file has columns \['answer', 'problem'\]"):
+        load_examples(DataConfig(task="file", path=str(p), question_field="q", n_eval=0), "train")
+
+
+def test_prompts_only_keep_the_rows_answers_as_they_are(tmp_path):
+    p = _jsonl(tmp_path / "d.jsonl", [{"question": "Q1", "answer": "work\n#### 5"}, {"question": "Q2"}])
+    exs = load_examples(DataConfig(task="file", path=str(p), answer_format="gsm8k", n_eval=0), "train",
+                        answers=False)
+    assert [(e["question"], e["answer"]) for e in exs] == [("Q1", "work\n#### 5"), ("Q2", None)]
+
+
+def test_eval_fraction_rounds_to_the_nearest_row_count(tmp_path):
+    p = _jsonl(tmp_path / "d.jsonl", _rows(10))
+    cfg = DataConfig(task="file", path=str(p), eval_fraction=0.19)  # 1.9 rows -> 2
+    assert (len(load_examples(cfg, "train")), len(load_examples(cfg, "eval"))) == (8, 2)
+
+
+def test_not_utf8_line_counts_old_mac_line_ends(tmp_path):
+    p = tmp_path / "d.jsonl"
+    p.write_bytes(b'{"question": "1+1?", "answer": "2"}\r{"question": "caf\xe9", "answer": "3"}\r')
+    with pytest.raises(DataError, match=r"d\.jsonl:2: not UTF-8 text \(byte 0xe9\)"):
+        load_examples(DataConfig(task="file", path=str(p), n_eval=0), "train")
 
 
 def test_csv_row_with_an_unquoted_comma_is_a_bad_row(tmp_path, caplog):

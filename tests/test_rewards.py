@@ -41,6 +41,7 @@ def checker():
 @pytest.mark.parametrize("text, want", [
     ("Natalia sold 48/2 = 24 clips.\n#### 72", "72"),
     ("#### 1,234", "1234"),
+    ("#### 1,234.", "1234"),  # a full stop after a number with commas: still just the number
     ("so\n#### -7.", "-7"),
     ("#### 3.5", "3.5"),
     ("first #### 1 then #### 2", "2"),
@@ -99,6 +100,8 @@ def test_extract_last_number(text, want):
     ("we get \\frac{1}{2}", None),  # the last number is inside LaTeX: no plain answer
     ("it is 2^{10}", None),
     ("1/2", None),
+    ("in binary it is 1010_2", None),  # a number with a subscript is LaTeX, not a plain answer
+    ("so x = 2^n", None),  # a number directly before "^" is a base, not an answer
 ])
 def test_final_answer(text, want):
     assert final_answer(text) == want
@@ -110,6 +113,8 @@ def test_final_answer(text, want):
     ("so \ufe635", "-5"),  # U+FE63 SMALL HYPHEN-MINUS
     ("so \uff0d5", "-5"),  # U+FF0D FULLWIDTH HYPHEN-MINUS
     ("x = \u20135", "-5"),  # en dash directly before a digit, not after one: a sign
+    ("x = \u20105", "-5"),  # U+2010 HYPHEN and U+2011 NON-BREAKING HYPHEN likewise
+    ("x = \u20115", "-5"),
     ("(\u20130.5)", "-0.5"),
     ("pages 3\u20135", "5"),  # en dash between digits: a range, not a negative
     ("20 \u2013 12 = 8", "8"),  # spaced en dash: binary minus
@@ -232,6 +237,14 @@ def test_accuracy_conversational_completion(checker):
 def test_accuracy_length_mismatch():
     with pytest.raises(ValueError, match="2 completions but 1 answers"):
         accuracy_reward(["p", "p"], ["1", "2"], ["1"])
+    with pytest.raises(ValueError, match="1 completions but 2 answers"):  # more answers: not silently truncated
+        accuracy_reward(["p"], ["1"], ["1", "2"])
+
+
+def test_accuracy_conversational_completion_reads_the_last_message(checker):
+    c = [{"role": "user", "content": "What is 2 + 3?"}, {"role": "assistant", "content": "The answer is 5"}]
+    assert accuracy_reward(["p"], [c], ["5"], checker=checker) == [1.0]
+    assert accuracy_reward(["p"], [c], ["3"], checker=checker) == [0.0]
 
 
 def _integer_cases(n: int, seed: int = 0):
@@ -319,6 +332,30 @@ def test_worker_that_cannot_start_is_reported(tmp_path):
     c.close()
 
 
+def test_worker_that_dies_after_answering_is_restarted_not_reported_as_failing_to_start(tmp_path):
+    """A worker that dies mid-batch (e.g. out of memory) after it has answered once: that item scores on_timeout
+    and the rest go to a fresh worker; only a worker that dies before its first answer failed to start."""
+    _write_module(tmp_path, "sr_diemod", """
+        import os
+        def check(x):
+            if x == "die":
+                os._exit(3)
+            return x.upper()
+    """)
+    c = MathChecker(timeout_s=30.0, fn="sr_diemod:check")
+    try:
+        assert c.map([("a",), ("die",), ("b",)], on_timeout="DEAD") == ["A", "DEAD", "B"]
+        assert c.n_timeouts == 1
+    finally:
+        c.close()
+
+
+def test_checker_timeout_must_be_positive():
+    for bad in (0, -1.0):
+        with pytest.raises(ValueError, match="timeout_s must be > 0"):
+            MathChecker(timeout_s=bad)
+
+
 def test_worker_error_scores_zero(tmp_path):
     _write_module(tmp_path, "sr_errmod", """
         def check(x):
@@ -355,6 +392,7 @@ def test_worker_error_scores_zero(tmp_path):
     ("__Answer:__ 72\n**", 1.0),
     ("**Answer:** 72\nThanks for asking!", 0.0),  # still only the last line counts
     ("**Answer:** unknown", 0.0),
+    ("work\n#### unknown", 0.0),  # "####" needs a number after it
     ("The answer is \u22125", 1.0),  # U+2212 reads as a minus
 ])
 def test_format_reward(completion, want):
@@ -383,6 +421,30 @@ def test_reward_config_validation():
     with pytest.raises(RewardError, match="non-empty"):
         RewardConfig(funcs=[])
     assert RewardConfig(funcs="accuracy, format").funcs == ["accuracy", "format"]
+    with pytest.raises(RewardError, match="True in .* is not a number"):
+        RewardConfig(funcs=["format"], weights=[True])
+    with pytest.raises(RewardError, match="weights must be finite"):
+        RewardConfig(funcs=["format"], weights=[float("inf")])
+    with pytest.raises(RewardError, match="weights must be finite"):
+        RewardConfig(funcs=["format"], weights="nan")
+
+
+def test_build_reward_uses_the_configured_timeout_and_names_every_duplicate():
+    reward = build_reward(RewardConfig(funcs=["accuracy"], timeout_s=2.5))
+    try:
+        assert reward.checker.timeout_s == 2.5
+    finally:
+        reward.close()
+    reward = build_reward(RewardConfig(funcs=["format"] * 3))
+    assert reward.names == ["format", "format#2", "format#3"]
+    total, per = reward(["p"], ["Answer: 1"])
+    assert total == [3.0] and all(per[k] == [1.0] for k in reward.names)
+
+
+def test_load_function_needs_a_module_and_a_function_name():
+    for spec in ("os:", ":path", "os.path"):
+        with pytest.raises(RewardError, match=f"reward '{spec}': expected 'module:function'"):
+            R.load_function(spec)
 
 
 def test_weights_and_per_function_values():
@@ -459,6 +521,31 @@ def test_a_function_that_never_succeeds_stops_the_run(tmp_path):
         reward(["p"], ["x"])
 
 
+def test_a_function_that_succeeded_once_never_stops_the_run(tmp_path):
+    """The stop is for a function that has raised on EVERY call: one that worked once keeps training (its
+    failing batches are skipped), however many failures follow."""
+    _write_module(tmp_path, "sr_once", """
+        calls = {"n": 0}
+        def f(prompts, completions, **kw):
+            calls["n"] += 1
+            if calls["n"] > 1:
+                raise ValueError("broke")
+            return [1.0] * len(completions)
+    """)
+    reward = build_reward(RewardConfig(funcs=["sr_once:f"]))
+    assert reward(["p"], ["x"])[0] == [1.0]
+    for _ in range(R.GIVE_UP_AFTER + 1):
+        assert reward(["p"], ["x"])[0] == [None]
+    assert reward.n_failures["sr_once:f"] == R.GIVE_UP_AFTER + 1
+    reward.check_ever_succeeded()
+
+
+def test_a_reward_never_called_has_not_failed():
+    reward = build_reward(RewardConfig(funcs=["format"]))
+    reward.check_ever_succeeded()  # a run that stopped before its first reward call
+    reward.check_ever_succeeded({"format": (0, 0)})
+
+
 def test_a_short_run_whose_reward_always_raised_ends_with_an_error(tmp_path, capsys, monkeypatch):
     """Fewer calls than GIVE_UP_AFTER: the run used to end with rc 0, having learned nothing."""
     from specroll.cli import main
@@ -490,6 +577,7 @@ def test_a_short_run_whose_reward_always_raised_ends_with_an_error(tmp_path, cap
     ("[1.0]", "returned 1 values for 2 completions"),
     ("None", "must return a list of 2"),
     ("['good', 'bad']", "returned 'good'; expected a float or None"),
+    ("'10'", "must return a list of 2 floats/None, got str"),  # not read as the values 1 and 0
 ])
 def test_bad_return_values_raise(tmp_path, ret, match):
     name = f"sr_badret_{abs(hash(ret))}"
@@ -604,9 +692,11 @@ def test_unit_stripping_is_linear_and_knows_ordinals_and_powers():
     assert strip_unit("10" + " " * 16_000 + "ab!") == "10" + " " * 16_000 + "ab!"
     assert final_answer("#### 10" + " " * 8_000 + "ab!") is not None
     assert time.monotonic() - t0 < 30.0  # a hang guard: the quadratic rule took 4 s here, linear takes ms
-    for s in ("1 tenth", "2 sevenths", "2 squared", "5 factorial", "1 fifth"):
+    for s in ("1 tenth", "2 sevenths", "2 squared", "5 factorial", "1 fifth", "3 Million", "2 Pi"):
         assert strip_unit(s) == s
     assert strip_unit("10 dollars") == "10"
+    assert strip_unit("-5 degrees") == "-5"  # the sign stays
+    assert strip_unit("1,234 dollars per month each") == "1234"  # several words (and longer than 20 characters)
 
 
 def test_a_reward_module_in_the_working_directory_imports_under_the_specroll_script(tmp_path, monkeypatch):
