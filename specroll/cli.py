@@ -347,7 +347,8 @@ def _bench_reuse(s):
     b.add_argument("--lenience", default=None, help="lenient mode's l values (inf = reuse all; default "
                    "1,1.2214,1.6487,2.7183,inf)")
     b.add_argument("--modes", default="lenient,exact", help="compared against off (always run)")
-    b.add_argument("--prompts", type=int, default=16, help="training prompts (the whole epoch; a multiple of --prompts-per-step)")
+    b.add_argument("--prompts", type=int, default=16, help="training prompts (the whole epoch; a multiple of "
+                   "--prompts-per-step)")
     b.add_argument("--prompts-per-step", type=int, default=8)
     b.add_argument("-G", type=int, default=4, help="completions per prompt")
     b.add_argument("--max-new-tokens", type=int, default=48)

@@ -82,8 +82,15 @@ from pathlib import Path
 import torch
 
 from ..config import override_key
-from .common import (check_overrides, list_items, load_bench_config, machine_info, not_whole_epochs, save_figure,
-                     write_json)
+from .common import (
+    check_overrides,
+    list_items,
+    load_bench_config,
+    machine_info,
+    not_whole_epochs,
+    save_figure,
+    write_json,
+)
 
 SPEC_MODES = ("off", "reuse", "draft", "reuse+draft")
 SYSTEMS = ("specroll", "trl", "trl+specroll")

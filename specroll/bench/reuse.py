@@ -24,8 +24,15 @@ import time
 
 import torch
 
-from .common import (check_distinct, list_items, load_bench_config, machine_info, not_whole_epochs, parse_float_list,
-                     write_json)
+from .common import (
+    check_distinct,
+    list_items,
+    load_bench_config,
+    machine_info,
+    not_whole_epochs,
+    parse_float_list,
+    write_json,
+)
 
 ROW_KEYS = ("tokens_generated", "rollout_s", "reward_mean", "reuse_ratio", "skip_ratio")
 LENIENCE = "1,1.2214,1.6487,2.7183,inf"  # --lenience when not given (the lenient mode's l values)

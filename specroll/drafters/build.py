@@ -217,11 +217,9 @@ def build_eagle(cfg, model, prompt_ids=None, eos_ids=(), log=print, tokenizer=No
         if note:
             log(note)
     plan, plan_fn, max_plan = make_plan(cfg, model, log)
-    drafter = OnlineDrafter(head, dc, policy=model, plan=plan, plan_fn=plan_fn, max_plan=max_plan,
-                            seed=cfg.train.seed, sampled=dc.chain, chain_stop=float(dc.chain_stop),
-                            int8_head=dc.int8_head, verify=dc.verify)
-    drafter.tokenizer_fp = tokenizer_fingerprint(tokenizer) if tokenizer is not None else None
-    return drafter
+    return OnlineDrafter(head, dc, policy=model, plan=plan, plan_fn=plan_fn, max_plan=max_plan, seed=cfg.train.seed,
+                         sampled=dc.chain, chain_stop=float(dc.chain_stop), int8_head=dc.int8_head,
+                         verify=dc.verify, tokenizer_fp=tokenizer_fingerprint(tokenizer) if tokenizer else None)
 
 
 def build_spec_drafter(cfg, model, prompt_ids=None, eos_ids=(), log=print, tokenizer=None):

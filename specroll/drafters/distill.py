@@ -51,8 +51,16 @@ from ..device import adamw, check_bf16_switch, use_bf16
 from ..engine.engine import Engine
 from ..engine.sampling import SamplingParams
 from ..models.decoder import Decoder, write_safetensors
-from .eagle import (HEAD_CONFIG, DraftHead, DraftVocab, head_for, head_meta, load_head_as, save_head,
-                    tokenizer_fingerprint)
+from .eagle import (
+    HEAD_CONFIG,
+    DraftHead,
+    DraftVocab,
+    head_for,
+    head_meta,
+    load_head_as,
+    save_head,
+    tokenizer_fingerprint,
+)
 from .reuse import prompt_key
 from .verify import vocab_columns
 

@@ -266,7 +266,7 @@ def load_head(path: str | Path, policy: Decoder | None = None, tokenizer=None) -
             raise FileNotFoundError(f"{f} not found; a draft head dir holds {HEAD_CONFIG} and {HEAD_WEIGHTS} "
                                     "(make one with `specroll draft train`)")
     meta, cfg = _read_head_config(cfg_file)
-    info = meta.get("meta") if isinstance(meta.get("meta"), dict) else {}
+    info = _meta_of(meta)
     made = info.get("model")
     another = (f"this head was trained for another model{f' ({made})' if isinstance(made, str) and made else ''}: "
                "distil one for this model with `specroll draft train --model M`")
@@ -292,8 +292,12 @@ FIT_FIELDS = ("arch", "hidden_size", "vocab_size", "intermediate_size", "num_hea
 
 def head_meta(path: str | Path) -> dict:
     """The ``meta`` object of the head directory ``path``'s config ({} when it holds none); errors as ``load_head``'s."""
-    meta, _ = _read_head_config(Path(path) / HEAD_CONFIG)
-    return meta.get("meta") if isinstance(meta.get("meta"), dict) else {}
+    return _meta_of(_read_head_config(Path(path) / HEAD_CONFIG)[0])
+
+
+def _meta_of(config: dict) -> dict:
+    """A head config's ``meta`` object ({} when it holds none or not an object)."""
+    return config["meta"] if isinstance(config.get("meta"), dict) else {}
 
 
 def load_head_as(label: str, path: str | Path, policy: Decoder | None = None, tokenizer=None) -> DraftHead:

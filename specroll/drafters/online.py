@@ -234,13 +234,13 @@ class OnlineDrafter(EagleDrafter):
     """``EagleDrafter`` + the trainer's hooks; learns online when ``cfg.online`` (see module doc)."""
 
     def __init__(self, head: DraftHead, cfg: DraftConfig | None = None, policy=None, plan: Plan = DEFAULT_PLAN,
-                 plan_fn=None, max_plan: Plan | None = None, seed: int = 0, **kw):
+                 plan_fn=None, max_plan: Plan | None = None, seed: int = 0, tokenizer_fp: str | None = None, **kw):
         self.cfg = cfg if cfg is not None else DraftConfig(head="given")
         self.learner = OnlineLearner(head, self.cfg, seed) if self.cfg.online else None
         on_pairs = self.learner.on_pairs if self.learner is not None else None
         super().__init__(head, plan, plan_fn, max_plan, on_pairs=on_pairs, **kw)
         self.policy = policy
-        self.tokenizer_fp: str | None = None  # the policy tokenizer's fingerprint, recorded by save_final when set
+        self.tokenizer_fp = tokenizer_fp  # the policy tokenizer's (eagle.tokenizer_fingerprint), recorded by save_final
         self._seen = self.totals.clone()
         self._m: dict = {}
 
