@@ -292,6 +292,8 @@ def _scalar(value: Any, tp, key: str) -> Any:
             return value
         if isinstance(value, str) and value.strip().lower() in _TRUE + _FALSE:
             return value.strip().lower() in _TRUE
+        if type(value) is int and value in (0, 1):  # YAML reads `eval_before: 1` as a number; "1" is accepted too
+            return bool(value)
         raise _Mismatch
     if isinstance(value, bool):  # YAML true is no number and no string here
         raise _Mismatch

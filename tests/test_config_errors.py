@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import re
 
 import pytest
 import yaml
@@ -145,8 +146,14 @@ def test_values_on_the_range_boundaries_are_accepted():
 
 def test_override_text_details():
     # switches read as YAML 1.2 booleans or yes/no in any case
-    for text, want in [("Yes", True), ("yes", True), ("NO", False), ("True", True)]:
+    for text, want in [("Yes", True), ("yes", True), ("NO", False), ("True", True), ("1", True), ("0", False),
+                       ('"1"', True), ("'0'", False)]:
         assert load_config(overrides=[f"train.eval_before={text}"]).train.eval_before is want, text
+    for text in ("2", "-1", "1.0", "on"):  # only 0 and 1 stand for a switch, as in "0" / "1"
+        with pytest.raises(ValueError, match=rf"^override 'train.eval_before={text}': train.eval_before must be "
+                                             rf"true or false, got '?{re.escape(text)}'?$"):
+            load_config(overrides=[f"train.eval_before={text}"])
+    assert load_config(overrides=["train.bf16=0"]).train.bf16 is False  # a bool | "auto" switch too
     # the value is everything after the first "=", and YAML's other spellings of null are null
     assert load_config(overrides=["data.system_prompt=a=b"]).data.system_prompt == "a=b"
     assert load_config(overrides=["data.system_prompt=Null"]).data.system_prompt is None
