@@ -49,7 +49,7 @@ def probe(model: str = "smollm2-135m", data: DataConfig | None = None, n_problem
     answers = [examples[r.prompt_index]["answer"] for r in rollouts]
     correct = accuracy_reward(None, texts, answers)
     per_problem = [int(sum(correct[i * n_samples:(i + 1) * n_samples])) for i in range(len(examples))]
-    ks = [k for k in (1, 2, 4, 8, 16, 32, 64) if k <= n_samples]
+    ks = [k for k in (1, 2, 4, 8, 16, 32, 64) if k < n_samples] + [n_samples]  # and pass@G, G = n_samples
     out = {
         "model": str(model), "task": data.task, "level": data.level if data.task == "arithmetic" else None,
         "path": data.path, "n_problems": len(examples), "n_samples": n_samples, "dropped_long_prompts": dropped,
@@ -85,9 +85,23 @@ def main(argv=None) -> int:
     ap.add_argument("--show", type=int, default=0, help="include this many sample completions")
     ap.add_argument("--out", default=None, help="also write the JSON here")
     a = ap.parse_args(argv)
+    for opt in ("n_problems", "n_samples", "max_new_tokens"):
+        if getattr(a, opt) < 1:
+            ap.error(f"--{opt.replace('_', '-')} must be at least 1, got {getattr(a, opt)}")
+    if a.show < 0:
+        ap.error(f"--show must be 0 or more, got {a.show}")
+    if not (a.temperature > 0 and math.isfinite(a.temperature)):
+        ap.error(f"--temperature must be a positive finite number, got {a.temperature}")
     kw = {} if a.system_prompt is None else {"system_prompt": a.system_prompt or None}
-    data = DataConfig(task="file" if a.path else "arithmetic", path=a.path, level=a.level,
-                      answer_format=a.answer_format, n_eval=a.n_problems, seed=a.seed, **kw)
+    try:
+        data = DataConfig(task="file" if a.path else "arithmetic", path=a.path, level=a.level,
+                          answer_format=a.answer_format, n_eval=a.n_problems, seed=a.seed, **kw)
+    except ValueError as e:  # a bad --level or --answer-format: DataConfig names its field
+        msg = str(e)
+        for field, opt in (("data.level", "--level"), ("data.answer_format", "--answer-format"),
+                           ("data.path", "--path"), ("data.n_eval", "--n-problems")):
+            msg = msg.replace(field, opt)
+        ap.error(msg)
     res = probe(a.model, data, a.n_problems, a.n_samples, a.max_new_tokens, a.temperature, a.seed, a.dtype, a.show)
     text = json.dumps(res, indent=2)
     print(text)
