@@ -135,3 +135,118 @@ def test_compile_switch_without_a_compiler_is_one_clear_error(monkeypatch):
     monkeypatch.setenv("PATH", os.defpath)
     if shutil.which("c++") or shutil.which("g++"):
         device.check_compiler("train.compile")  # found: no error
+
+
+def test_fast_bf16_needs_onednn_bf16_and_reads_the_variable_stripped(monkeypatch):
+    """Without oneDNN or without its bf16 support nothing else is asked (AMX or not); the variable may carry
+    the whitespace a shell file leaves around it."""
+    monkeypatch.delenv("SPECROLL_FAST_BF16", raising=False)
+    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: True)
+    monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: True)
+    monkeypatch.setattr(device, "bf16_matmul_speedup", lambda: 9.0)
+    try:
+        for available, bf16_ok in ((True, False), (False, True), (False, False)):
+            monkeypatch.setattr(torch.backends.mkldnn, "is_available", lambda a=available: a)
+            monkeypatch.setattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", lambda b=bf16_ok: b)
+            device.fast_bf16.cache_clear()
+            assert device.fast_bf16() is False, (available, bf16_ok)
+        for env, fast in ((" 1\n", True), ("0 ", False)):
+            monkeypatch.setenv("SPECROLL_FAST_BF16", env)
+            device.fast_bf16.cache_clear()
+            assert device.fast_bf16() is fast, env
+    finally:
+        device.fast_bf16.cache_clear()
+
+
+def test_bf16_probe_decides_only_on_avx512_bf16_without_amx(monkeypatch):
+    """The timed probe decides exactly where ``fast_bf16`` would time it: oneDNN bf16, AVX-512 BF16, no AMX."""
+    def decides(mkldnn, bf16_ok, amx, avx512_bf16):
+        monkeypatch.setattr(torch.backends.mkldnn, "is_available", lambda: mkldnn)
+        monkeypatch.setattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", lambda: bf16_ok)
+        monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: amx)
+        monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: avx512_bf16)
+        return device.bf16_probe_decides()
+
+    assert decides(True, True, False, True) is True
+    assert decides(True, True, True, True) is False  # AMX: the CPU alone decides
+    assert decides(True, True, False, False) is False  # no AVX-512 BF16: fp32, never timed
+    assert decides(False, True, False, True) is False
+    assert decides(True, False, False, True) is False
+
+
+def test_bf16_switches_true_false_and_auto_in_any_case(monkeypatch):
+    for fast in (True, False):
+        monkeypatch.setattr(device, "fast_bf16", lambda fast=fast: fast)
+        assert device.use_bf16(True) is True and device.use_bf16(False) is False  # explicit: the CPU is not asked
+        assert device.use_bf16("AUTO") is fast and device.use_bf16("Auto") is fast
+    for bad in ("yes", "", 1, None):
+        with pytest.raises(ValueError, match=r"train.bf16 must be true, false or auto, got"):
+            device.check_bf16_switch(bad, "train.bf16")
+    for bad in ("", "Float32", "fp32", "bf16"):
+        with pytest.raises(ValueError, match="dtype must be one of"):
+            device.resolve_dtype_name(bad)
+
+
+def test_keep_freed_memory_is_false_off_linux_and_when_mallopt_refuses(monkeypatch):
+    import ctypes
+    import sys
+
+    class Libc:
+        def mallopt(self, param, value):
+            return 0  # glibc's answer to a value it refuses
+
+    try:
+        with monkeypatch.context() as m:
+            m.setattr(sys, "platform", "darwin")
+            device.keep_freed_memory.cache_clear()
+            assert device.keep_freed_memory() is False
+        with monkeypatch.context() as m:
+            m.setattr(sys, "platform", "linux")
+            m.setattr(ctypes, "CDLL", lambda name: Libc())
+            device.keep_freed_memory.cache_clear()
+            assert device.keep_freed_memory() is False
+    finally:
+        device.keep_freed_memory.cache_clear()
+
+
+def test_adamw_step_returns_the_closures_loss_and_falls_back_without_a_fused_kernel(monkeypatch):
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(4, 2)
+    x = torch.randn(3, 4)
+    opt = device.adamw(lin.parameters(), lr=1e-2)
+
+    def closure():
+        opt.zero_grad()
+        loss = (lin(x) ** 2).sum()
+        loss.backward()
+        return loss
+
+    assert torch.is_tensor(opt.step(closure))
+
+    class NoFused(torch.optim.AdamW):
+        def __init__(self, params, fused=None, **kw):
+            list(params)  # torch reads the parameters before it refuses them
+            raise RuntimeError("`fused=True` requires all the params to be floating point Tensors")
+
+    monkeypatch.setattr(device, "_FusedAdamW", NoFused)
+    opt = device.adamw((p for p in lin.parameters()), lr=1e-2)  # a generator: the fallback still gets every parameter
+    assert type(opt) is torch.optim.AdamW and not opt.param_groups[0]["fused"]
+    assert [p for g in opt.param_groups for p in g["params"]] == list(lin.parameters())
+
+
+def test_compile_switch_finds_the_compiler_cxx_names_or_g_plus_plus(monkeypatch, tmp_path):
+    def compiler(name):
+        f = tmp_path / name
+        f.write_text("#!/bin/sh\n")
+        f.chmod(0o755)
+        return f
+
+    monkeypatch.setenv("PATH", str(tmp_path))
+    mine = compiler("my-cxx")
+    monkeypatch.setenv("CXX", str(mine))
+    device.check_compiler("train.compile")  # $CXX alone (no c++, no g++ on PATH)
+    monkeypatch.setenv("CXX", "clang++-none")
+    with pytest.raises(ValueError, match="none found as 'clang\\+\\+-none' or 'g\\+\\+'"):
+        device.check_compiler("train.compile")
+    compiler("g++")
+    device.check_compiler("train.compile")  # $CXX missing, g++ there

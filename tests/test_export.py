@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+from pathlib import Path
 
 import pytest
 import torch
@@ -152,8 +153,6 @@ def test_export_write_errors_name_out_and_the_fix_not_the_temporary(run_dir, tmp
     # a mkdir that fails at the hidden temporary folder (here: a read-only parent that os.access missed)
     monkeypatch.undo()
     monkeypatch.delenv("SPECROLL_DEBUG", raising=False)
-    from pathlib import Path
-
     real_mkdir = Path.mkdir
 
     def denied(self, *a, **k):
@@ -184,3 +183,194 @@ def test_generate_from_a_checkpoint_samples_in_the_runs_rollout_dtype(run_dir, c
     assert main(["generate", "--model", "tiny-llama", *args]) == 0
     out = capsys.readouterr()
     assert "tok/s, bfloat16)" in out.out + out.err, out
+
+
+@pytest.fixture
+def fake_checkpoint(tmp_path, monkeypatch):
+    """``export.checkpoint_policy`` returning tiny-llama itself (no training run needed to test where it writes);
+    the base model directory is a copy the test may change."""
+    import shutil
+
+    from specroll import export
+
+    base = tmp_path / "base"
+    shutil.copytree(hub.resolve("tiny-llama", quiet=True), base)
+    model, tok = hub.load("tiny-llama")
+    monkeypatch.setattr(export, "checkpoint_policy", lambda ck, m=None: (tmp_path / "ck", model, tok, base))
+    return export
+
+
+def chat_template_copy(d):
+    """tiny-llama under another path with another chat template (a plain "Q: ... A:" one): the same weights and
+    vocabulary, but other prompt tokens."""
+    import shutil
+
+    shutil.copytree(hub.resolve("tiny-llama", quiet=True), d)
+    (d / hub.MARKER).unlink()
+    (d / "chat_template.jinja").write_text("{% for m in messages %}Q: {{ m['content'] }}\n{% endfor %}A:")
+    return d
+
+
+def test_export_and_generate_with_model_take_that_base(run_dir, tmp_path, capsys, monkeypatch):
+    """--model names the base model instead of the run's model.name: the export carries its files (here its chat
+    template), `generate --checkpoint RUN --model M` samples as `generate --model EXPORT` does, and its draft
+    head's C_peak is looked up under M."""
+    from specroll.drafters.eagle import head_for, save_head
+    from specroll.engine import profiler
+
+    other = chat_template_copy(tmp_path / "other")
+    out = tmp_path / "hf"
+    assert main(["export", "--checkpoint", str(run_dir), "--out", str(out), "--model", str(other)]) == 0
+    assert (out / "chat_template.jinja").read_text() == (other / "chat_template.jinja").read_text()
+    capsys.readouterr()
+    args = ["--prompt", "What is 2 + 3?", "-n", "2", "--max-new-tokens", "5", "--json", "--dtype", "float32"]
+
+    def rows(*argv):
+        assert main(["generate", *argv, *args]) == 0
+        return [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+
+    with_model = rows("--checkpoint", str(run_dir), "--model", str(other))
+    assert len(with_model) == 2 and with_model == rows("--model", str(out))
+    assert [r["logprob"] for r in with_model] != [r["logprob"] for r in rows("--checkpoint", str(run_dir))]
+    seen = []
+    monkeypatch.setattr(profiler, "get_c_peak", lambda name, *a, **k: seen.append(name) or 100_000)
+    model, _ = hub.load("tiny-llama")
+    save_head(head_for(model), tmp_path / "head")
+    rows("--checkpoint", str(run_dir), "--model", str(other), "--draft", str(tmp_path / "head"))
+    rows("--checkpoint", str(run_dir), "--draft", str(tmp_path / "head"))
+    assert seen == [str(other), "tiny-llama"]
+
+
+def test_checkpoint_policy_loads_in_the_dtype_asked(run_dir):
+    from specroll.export import checkpoint_policy
+
+    ck, policy, _, base = checkpoint_policy(run_dir, dtype=torch.bfloat16)
+    assert ck == ckpt.resolve(run_dir) and base == hub.resolve("tiny-llama", quiet=True)
+    assert {p.dtype for p in policy.parameters()} == {torch.bfloat16}
+    assert {p.dtype for p in checkpoint_policy(run_dir)[1].parameters()} == {torch.float32}
+
+
+def test_export_copies_every_file_of_the_base_that_describes_the_model(fake_checkpoint, tmp_path):
+    """Its config, generation config (EOS, sampling defaults), tokenizer and chat template, byte for byte; a
+    directory of such a name is no file to copy."""
+    base = tmp_path / "base"
+    (base / "vocab.json").mkdir()
+    meta = [n for n in fake_checkpoint.META_FILES if (base / n).is_file()]
+    assert {"config.json", "generation_config.json", "tokenizer.json", "chat_template.jinja"} <= set(meta)
+    out = fake_checkpoint.export_checkpoint("ck", tmp_path / "a" / "b" / "hf")  # missing parents are made
+    assert out == tmp_path / "a" / "b" / "hf"
+    assert sorted(p.name for p in out.iterdir()) == sorted([*meta, "model.safetensors"])
+    for n in meta:
+        assert (out / n).read_bytes() == (base / n).read_bytes(), n
+
+
+def test_export_returns_out_as_given(fake_checkpoint, tmp_path, monkeypatch):
+    """What `export` prints: the path the user typed, relative or not."""
+    monkeypatch.chdir(tmp_path)
+    assert fake_checkpoint.export_checkpoint("ck", "hf") == Path("hf")
+    assert (tmp_path / "hf" / "model.safetensors").is_file()
+
+
+def test_export_refuses_a_blank_out_or_an_existing_file(fake_checkpoint, tmp_path):
+    from specroll.cli import CliError
+
+    with pytest.raises(CliError, match="^--out is empty; give the directory to write"):
+        fake_checkpoint.export_checkpoint("ck", "  ")
+    f = tmp_path / "afile"
+    f.write_text("mine")
+    with pytest.raises(CliError, match=f"^{f} already exists and is not an empty directory; pick another --out"):
+        fake_checkpoint.export_checkpoint("ck", f)
+    assert f.read_text() == "mine"
+
+
+def test_export_replaces_a_stale_temporary_folder_of_its_own_name(fake_checkpoint, tmp_path):
+    """A killed export of an earlier process with the same pid left its temporary folder: it is cleared, not an
+    error, and gone afterwards."""
+    stale = tmp_path / f".hf.tmp-{os.getpid()}"
+    stale.mkdir()
+    (stale / "model.safetensors").write_bytes(b"partial")
+    out = fake_checkpoint.export_checkpoint("ck", tmp_path / "hf")
+    assert not stale.exists() and (out / "model.safetensors").stat().st_size > len(b"partial")
+    hub.validate_hf_dir(out)
+
+
+def test_an_existing_directory_written_into_during_the_export_is_left_as_found(fake_checkpoint, tmp_path,
+                                                                                 monkeypatch):
+    from specroll.cli import CliError
+    from specroll.models import decoder
+
+    out = tmp_path / "empty"
+    out.mkdir()
+    real = decoder.write_safetensors
+
+    def and_another_writer(*a, **k):
+        real(*a, **k)
+        (out / "theirs.txt").write_text("theirs")
+
+    monkeypatch.setattr(decoder, "write_safetensors", and_another_writer)
+    with pytest.raises(CliError, match=f"^{out} is no longer empty \\(something wrote into it during the export\\)"):
+        fake_checkpoint.export_checkpoint("ck", out)
+    assert [p.name for p in out.iterdir()] == ["theirs.txt"]
+
+
+def test_the_weights_move_into_an_existing_directory_last_and_a_failed_move_takes_back_the_others(
+        fake_checkpoint, tmp_path, monkeypatch):
+    """A process killed while moving leaves no model.safetensors (no half export that loads); a move that fails
+    removes the files already moved: nothing is left."""
+    out = tmp_path / "empty"
+    out.mkdir()
+    real, moved = os.replace, []
+    monkeypatch.setattr(os, "replace", lambda src, dst: moved.append(os.path.basename(dst)) or real(src, dst))
+    fake_checkpoint.export_checkpoint("ck", out)
+    assert len(moved) > 2 and moved[-1] == "model.safetensors" and sorted(moved) == sorted(p.name for p in out.iterdir())
+    again = tmp_path / "again"
+    again.mkdir()
+
+    def fails_third(src, dst):
+        if len(moved) == 2:
+            raise OSError(28, "No space left on device", str(dst))
+        moved.append(dst)
+        real(src, dst)
+
+    moved.clear()
+    monkeypatch.setattr(os, "replace", fails_third)
+    with pytest.raises(OSError, match=f"^cannot write --out {again} .*; nothing was written; free space or pick"):
+        fake_checkpoint.export_checkpoint("ck", again)
+    assert len(moved) == 2 and list(again.iterdir()) == []
+
+
+@pytest.mark.parametrize("keep", [False, True], ids=["new", "existing-empty"])
+def test_an_interrupted_export_leaves_nothing(fake_checkpoint, tmp_path, monkeypatch, keep):
+    """Ctrl-C while the weights are written: no temporary folder is left, and no export."""
+    from specroll.models import decoder
+
+    def interrupted(*a, **k):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(decoder, "write_safetensors", interrupted)
+    out = tmp_path / "hf"
+    if keep:
+        out.mkdir()
+    with pytest.raises(KeyboardInterrupt):
+        fake_checkpoint.export_checkpoint("ck", out)
+    assert sorted(p.name for p in tmp_path.iterdir()) == (["base", "hf"] if keep else ["base"])
+    assert not keep or list(out.iterdir()) == []
+
+
+@pytest.mark.parametrize("code, fix", [
+    ("ENOSPC", "free space or pick another --out"),
+    ("EDQUOT", "free space or pick another --out"),
+    ("EACCES", "make its folder writable or pick another --out"),
+    ("EPERM", "make its folder writable or pick another --out"),
+    ("EROFS", "make its folder writable or pick another --out"),
+    ("EIO", "pick another --out"),
+])
+def test_a_write_error_keeps_its_errno_and_says_the_fix_for_it(tmp_path, code, fix):
+    import errno
+
+    from specroll.export import _write_error
+
+    tmp = tmp_path / ".hf.tmp-1"
+    e = _write_error("hf", tmp, OSError(getattr(errno, code), os.strerror(getattr(errno, code)), str(tmp / "x.json")))
+    assert isinstance(e, OSError) and e.errno == getattr(errno, code)
+    assert str(e) == f"cannot write --out hf (x.json: {os.strerror(getattr(errno, code))}); nothing was written; {fix}"
