@@ -443,6 +443,29 @@ def test_bench_list_options_refuse_a_repeated_or_empty_item(tmp_path, capsys, no
     assert out == "" and list(tmp_path.iterdir()) == []
 
 
+
+# --- 6. values out of range, checked before any work ----------------------------------------------------------------
+
+ENGINE = ["bench", "engine", "--model", "tiny-llama"]
+RANGE_ERRORS = [
+    (ENGINE + ["--max-new-tokens", "0"], "--max-new-tokens must be >= 1"),
+    (ENGINE + ["--batch-sizes", "1,0"], "--batch-sizes must be a comma-separated list of positive integers, got '1,0'"),
+    (REUSE + ["--epochs", "1"], "--epochs must be >= 2 (epoch 1 has nothing to reuse), got 1"),
+    (REUSE + ["--temperature", "inf"], "--temperature must be a finite number > 0, got inf"),
+    (REUSE + ["--lenience", "0"], "--lenience must be a comma-separated list of numbers > 0 (inf allowed), got '0'"),
+    (REUSE + ["--modes", "exact", "--lenience", "2,0"], "--lenience must be a comma-separated list of numbers > 0 "
+     "(inf allowed), got '2,0'"),  # the bad value named first, before the mode it does not apply to
+    (SPEC + ["--plan", "chain", "--chain-stop", "1"], "--chain-stop must be a comma-separated list of numbers in "
+     "[0, 1), e.g. 0,0.15, got '1'"),
+]
+
+
+@pytest.mark.parametrize("argv, msg", RANGE_ERRORS, ids=[" ".join(a[1:2] + a[-2:]) for a, _ in RANGE_ERRORS])
+def test_bench_values_out_of_range_are_refused_before_any_work(tmp_path, capsys, no_work, argv, msg):
+    line, out = cli_error(capsys, [*argv, "--out", str(tmp_path / "b.json")])
+    assert line == msg
+    assert out == "" and list(tmp_path.iterdir()) == []
+
 def test_bench_online_names_its_acceptance_conditions_without_internal_references():
     from specroll.bench.online import conditions_line
 

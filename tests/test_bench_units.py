@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import math
+import time
 from types import SimpleNamespace
 
 import pytest
@@ -132,7 +133,8 @@ def test_bench_engine_rows_are_medians_against_the_measured_roofline(monkeypatch
 
     rates = []
     monkeypatch.setattr(be, "measure_read_bandwidth", lambda dtype: 10.0)
-    monkeypatch.setattr(be, "measure_matmul_rate", lambda dtype: rates.append(dtype) or 20.0)  # batch 1 read-bound, 3 compute-bound
+    # batch 1 bound by the read bandwidth, batch 3 by the matmul rate
+    monkeypatch.setattr(be, "measure_matmul_rate", lambda dtype: rates.append(dtype) or 20.0)
     # per repeat: engine, engine_fp32, hf (the order of the systems); medians 0.2, 0.5 and 1.0
     per_repeat = [(0.3, 0.5, 1.0), (0.1, 0.9, 2.0), (0.2, 0.4, 0.8)]
     seq = iter([t for _ in range(2) for rep in per_repeat for t in rep])
@@ -300,7 +302,8 @@ def test_bench_reuse_summary_compares_each_setting_last_epoch_with_off():
 def test_bench_reuse_runs_every_setting_from_the_first_epochs_snapshot(tmp_path, monkeypatch, capsys):
     """Epoch 1 runs once and its row is repeated per setting (``shared``); every setting then starts from the same
     step, policy version and weights, with epoch 1's completions in its store (l = inf reuses them all) and its own
-    l; the rows' CPU seconds are each epoch's own generate calls; the l values run when --lenience is not given are recorded."""
+    l; the rows' CPU seconds are each epoch's own generate calls; the l values run when --lenience is not given
+    are recorded."""
     from specroll.bench import reuse as bench
 
     calls = iter(range(10**6))
@@ -309,15 +312,15 @@ def test_bench_reuse_runs_every_setting_from_the_first_epochs_snapshot(tmp_path,
         c = next(calls)
         return 0.0 if c % 2 == 0 else (c + 1) / 2
 
-    monkeypatch.setattr(bench, "time", SimpleNamespace(perf_counter=__import__("time").perf_counter,
-                                                       process_time=process_time))
+    monkeypatch.setattr(bench, "time", SimpleNamespace(perf_counter=time.perf_counter, process_time=process_time))
     monkeypatch.setattr(bench, "LENIENCE", "1,inf")
     starts = []
     real = bench._run_epochs
 
     def run_epochs(tr, epochs, *a):
         if epochs.start == 2:
-            starts.append((tr.step, tr.engine.policy_version, {k: v.clone() for k, v in tr.model.state_dict().items()}))
+            weights = {k: v.clone() for k, v in tr.model.state_dict().items()}
+            starts.append((tr.step, tr.engine.policy_version, weights))
         return real(tr, epochs, *a)
 
     monkeypatch.setattr(bench, "_run_epochs", run_epochs)
