@@ -59,7 +59,6 @@ def export_checkpoint(checkpoint: str | Path, out: str | Path, model: str | None
     from safetensors.torch import save_file
 
     from .models.decoder import decoder_to_hf_state, write_safetensors
-    from .models.hub import share_mode
 
     if not str(out).strip():  # Path("") would be the current directory: an empty variable, most likely
         raise CliError("--out is empty; give the directory to write (a new one, or an existing empty one)")
@@ -80,10 +79,10 @@ def export_checkpoint(checkpoint: str | Path, out: str | Path, model: str | None
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
         for name in META_FILES:
-            if (base / name).is_file():
-                shutil.copy2(base / name, tmp / name)
+            if (base / name).is_file():  # contents only: a filesystem without modes (vfat) refuses chmod
+                shutil.copyfile(base / name, tmp / name)
+        # the weights get the umask's mode, or keep safetensors' where chmod is refused (write_safetensors)
         write_safetensors(save_file, tmp / "model.safetensors", decoder_to_hf_state(policy), metadata={"format": "pt"})
-        share_mode(tmp / "model.safetensors")
         if not keep:
             os.replace(tmp, target)
         elif any(p != tmp for p in target.iterdir()):

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from specroll.cli import main
@@ -200,6 +201,13 @@ def fake_checkpoint(tmp_path, monkeypatch):
     return export
 
 
+@pytest.fixture
+def umask_022():
+    old = os.umask(0o022)
+    yield 0o644
+    os.umask(old)
+
+
 def chat_template_copy(d):
     """tiny-llama under another path with another chat template (a plain "Q: ... A:" one): the same weights and
     vocabulary, but other prompt tokens."""
@@ -262,6 +270,45 @@ def test_export_copies_every_file_of_the_base_that_describes_the_model(fake_chec
     assert sorted(p.name for p in out.iterdir()) == sorted([*meta, "model.safetensors"])
     for n in meta:
         assert (out / n).read_bytes() == (base / n).read_bytes(), n
+    with safe_open(str(out / "model.safetensors"), "pt") as f:  # as save_pretrained marks it; loaders check it
+        assert f.metadata() == {"format": "pt"}
+
+
+def test_export_onto_a_filesystem_that_refuses_chmod(fake_checkpoint, tmp_path, monkeypatch, umask_022):
+    """vfat and some FUSE mounts refuse chmod: the export failed there ("cannot write --out ... (model.safetensors:
+    Operation not permitted)"), at the weights' share_mode and at copying the tokenizer with its mode, though
+    nothing is wrong with the files written. The meta files get the umask's mode, like the weights."""
+    out = tmp_path / "usb"
+    real = os.chmod
+
+    def refused(path, *a, **k):
+        if str(out) in str(path) or ".usb.tmp" in str(path):
+            raise PermissionError(1, "Operation not permitted", str(path))
+        return real(path, *a, **k)
+
+    os.chmod(tmp_path / "base" / "config.json", 0o600)
+    monkeypatch.setattr(os, "chmod", refused)
+    fake_checkpoint.export_checkpoint("ck", out)
+    monkeypatch.undo()
+    hub.validate_hf_dir(out)
+    assert (out / "config.json").stat().st_mode & 0o777 == umask_022
+
+
+def test_export_into_an_existing_empty_directory_writes_nothing_beside_it(fake_checkpoint, tmp_path, monkeypatch):
+    """Its temporary folder is inside it, so the folder holding it may be read-only (an empty mount point's)."""
+    out = tmp_path / "mnt"
+    out.mkdir()
+    real = Path.mkdir
+
+    def read_only_parent(self, *a, **k):
+        if self.parent == tmp_path:
+            raise PermissionError(13, "Permission denied", str(self))
+        return real(self, *a, **k)
+
+    monkeypatch.setattr(Path, "mkdir", read_only_parent)
+    fake_checkpoint.export_checkpoint("ck", out)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["base", "mnt"]
+    assert "model.safetensors" in {p.name for p in out.iterdir()}
 
 
 def test_export_returns_out_as_given(fake_checkpoint, tmp_path, monkeypatch):
@@ -271,16 +318,17 @@ def test_export_returns_out_as_given(fake_checkpoint, tmp_path, monkeypatch):
     assert (tmp_path / "hf" / "model.safetensors").is_file()
 
 
-def test_export_refuses_a_blank_out_or_an_existing_file(fake_checkpoint, tmp_path):
+def test_export_refuses_a_blank_out_or_an_existing_file(fake_checkpoint, tmp_path, monkeypatch):
     from specroll.cli import CliError
 
+    monkeypatch.chdir(tmp_path)  # where a blank --out would write
     with pytest.raises(CliError, match="^--out is empty; give the directory to write"):
         fake_checkpoint.export_checkpoint("ck", "  ")
     f = tmp_path / "afile"
     f.write_text("mine")
     with pytest.raises(CliError, match=f"^{f} already exists and is not an empty directory; pick another --out"):
         fake_checkpoint.export_checkpoint("ck", f)
-    assert f.read_text() == "mine"
+    assert f.read_text() == "mine" and sorted(p.name for p in tmp_path.iterdir()) == ["afile", "base"]
 
 
 def test_export_replaces_a_stale_temporary_folder_of_its_own_name(fake_checkpoint, tmp_path):

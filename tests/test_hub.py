@@ -10,6 +10,7 @@ import json
 import os
 import shutil
 import subprocess
+from pathlib import Path
 from types import SimpleNamespace
 
 import numpy as np
@@ -491,3 +492,21 @@ def test_smollm2_cache_entry(smollm2):
     assert hub.eos_ids(tok, d) == [tok.convert_tokens_to_ids("<|im_end|>")]
     text = tok.apply_chat_template([{"role": "user", "content": "hi"}], add_generation_prompt=True, tokenize=False)
     assert text.startswith("<|im_start|>system\n") and text.endswith("<|im_start|>assistant\n")
+
+
+def test_a_cache_on_a_filesystem_that_refuses_chmod_still_pulls(tmp_path, monkeypatch):
+    """vfat and some FUSE mounts refuse chmod: the pull failed there ("cannot write the model cache ...
+    Operation not permitted") though nothing is wrong with the files it wrote."""
+    real, refused = os.chmod, []
+
+    def chmod(path, *a, **k):
+        if str(tmp_path) in str(path):
+            refused.append(Path(path).name)
+            raise PermissionError(1, "Operation not permitted", str(path))
+        return real(path, *a, **k)
+
+    monkeypatch.setattr(os, "chmod", chmod)
+    d = hub.resolve("tiny-llama", home=tmp_path, quiet=True)
+    monkeypatch.undo()
+    assert hub.cache_problem(d) is None and "model.safetensors" in refused
+    assert any(name.startswith(".tiny-llama.tmp-") for name in refused)  # the entry's directory, too

@@ -21,6 +21,7 @@ a file's size or mtime changed, which keeps a warm load well under a second.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -287,14 +288,16 @@ def _cached(label: str, target: Path, build, force: bool, quiet: bool) -> Path:
         try:
             target.parent.mkdir(parents=True, exist_ok=True)
             tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
-            tmp.chmod(0o755)
+            with contextlib.suppress(OSError):  # a filesystem without modes (vfat, some FUSE mounts) refuses chmod
+                tmp.chmod(0o755)
         except OSError as e:
             raise HubError(f"cannot write the model cache {target.parent} ({e.strerror or e}); "
                            "set SPECROLL_HOME to a writable directory") from e
         try:
             build(tmp)
             for f in _weight_files(tmp):
-                share_mode(f)
+                with contextlib.suppress(OSError):  # refused chmod: the file is fine, only not shared
+                    share_mode(f)
         except OSError as e:
             shutil.rmtree(tmp, ignore_errors=True)
             raise HubError(f"writing {label} into {target.parent} failed ({_first_line(e)}); "
