@@ -428,7 +428,7 @@ def build_parser() -> argparse.ArgumentParser:
 # options that name files or directories (comma-separated lists in --extra-data): a leading ``~`` of each is
 # expanded, as the shell does only at the start of a word (not after a comma or an ``=``)
 PATH_OPTIONS = ("out", "out_dir", "data", "draft", "init", "data_cache", "extra_data", "config", "resume", "run_dir",
-                "checkpoint")
+                "checkpoint", "json")
 
 
 def expand_paths(args: argparse.Namespace) -> argparse.Namespace:

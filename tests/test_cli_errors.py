@@ -6,6 +6,7 @@ metrics.jsonl names its line, and SPECROLL_DEBUG=0 means off."""
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 from helpers import cli_error
@@ -70,6 +71,29 @@ def test_an_output_whose_folder_cannot_be_created_is_refused(tmp_path, capsys, n
     assert f"--out {f}/head: cannot create its folder, {f} is a file" in line
 
 
+def test_an_output_folder_that_is_not_writable_is_refused(tmp_path, capsys, no_work, monkeypatch):
+    """The folder checked is the output directory itself when it exists (``kind`` "dir"), else its nearest
+    existing ancestor; a file output's folder is its parent. Root writes anywhere: ``os.access`` says no instead."""
+    import os
+
+    from specroll.cli import check_output
+
+    ro = tmp_path / "ro"
+    ro.mkdir()
+    real = os.access
+    monkeypatch.setattr(os, "access", lambda p, mode, *a, **k: (False if str(p) == str(ro) and mode & os.W_OK
+                                                                else real(p, mode, *a, **k)))
+    line = cli_error(capsys, ["profile", "--model", "tiny-llama", "--out-dir", str(ro)])
+    assert line == f"specroll: error: --out-dir {ro}: {ro} is not writable; pick another path"
+    with pytest.raises(CliError, match=re.escape(f"--out {ro}/new/head: {ro} is not writable; pick another path")):
+        check_output(ro / "new" / "head", "--out", "dir")
+    with pytest.raises(CliError, match=re.escape(f"--json {ro}/m.json: {ro} is not writable")):
+        check_output(ro / "m.json", "--json")
+    check_output(tmp_path / "new" / "m.json", "--json")  # a writable ancestor: fine, nothing created
+    check_output(tmp_path, "--out-dir", "dir")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ro"]
+
+
 def test_an_os_error_is_one_line_naming_the_path(tmp_path, capsys, monkeypatch):
     import errno
 
@@ -92,7 +116,7 @@ def test_an_os_error_is_one_line_naming_the_path(tmp_path, capsys, monkeypatch):
 
 
 @pytest.mark.parametrize("value, raises", [("0", False), ("", False), ("off", False), ("False", False),
-                                           ("no", False), ("1", True), ("yes", True)])
+                                           ("no", False), (" 0 ", False), ("  ", False), ("1", True), ("yes", True)])
 def test_specroll_debug_off_values_mean_off(monkeypatch, capsys, value, raises):
     monkeypatch.setenv("SPECROLL_DEBUG", value)
     argv = ["profile", "--model", "tiny-llama", "--batches", "0"]
@@ -239,6 +263,8 @@ OPTION_ERRORS = [
      "--n-verify must be >= 1 (tree nodes per row, root included), got 0"),
     (["bench", "spec", "--draft", "{tmp}/head", "--c-peak", "-1", "--out", "{tmp}/b.json"],  # static plan too
      "--c-peak must be >= 1 (tokens per forward), got -1.0"),
+    (["bench", "spec", "--draft", "{tmp}/head", "--c-peak", "nan", "--out", "{tmp}/b.json"],  # NaN fails too
+     "--c-peak must be >= 1 (tokens per forward), got nan"),
     (["bench", "spec", "--draft", "{tmp}/head", "--top-p", "0", "--out", "{tmp}/b.json"],
      "--top-p must be in (0, 1], got 0.0"),
     (["bench", "reuse", "--prompts", "0", "--out", "{tmp}/b.json"], "--prompts must be >= 1 (training prompts), got 0"),
@@ -329,3 +355,161 @@ def test_text_that_is_not_utf8_is_one_line_naming_where(tmp_path, capsys, no_wor
     (run / "metrics.jsonl").write_bytes((ROW + "\n").encode() + b'{"step": 2, "x": "\xff"}\n')
     assert cli_error(capsys, ["report", str(run)]) == \
         f"specroll: error: {run / 'metrics.jsonl'}:2: not UTF-8 text (byte 0xff); fix or delete the line"
+
+
+# --- the library's messages, OS errors, usage errors ------------------------------------------------
+
+def test_a_library_field_is_renamed_to_its_option_and_only_that_owners():
+    from specroll.cli import as_option_error
+
+    e = ValueError("DistillConfig.bf16 must be 'auto', true or false; DistillConfig.w_feat and DistillConfig.w_ce "
+                   "are fine")
+    err = as_option_error(e, "DistillConfig", {"bf16": "--train-bf16"})
+    assert isinstance(err, CliError)
+    assert str(err) == "--train-bf16 must be 'auto', true or false; --w-feat and --w-ce are fine"
+    # another class whose name merely ends the same, or another owner, is left as it is
+    e = ValueError("MySamplingParams.top_k, SamplingParams.top_k and Plan.k")
+    assert str(as_option_error(e, "SamplingParams")) == "MySamplingParams.top_k, --top-k and Plan.k"
+
+
+def test_an_os_error_with_two_paths_names_both(capsys, monkeypatch):
+    import errno
+
+    from specroll.rl import run
+
+    def raising(e):
+        def report_cli(args):
+            raise e
+        return report_cli
+
+    monkeypatch.setattr(run, "report_cli", raising(OSError(errno.EXDEV, "Invalid cross-device link", "a/x", None,
+                                                           "b/x")))
+    assert cli_error(capsys, ["report", "r"]) == "specroll: error: a/x -> b/x: Invalid cross-device link"
+    monkeypatch.setattr(run, "report_cli", raising(OSError(errno.EIO, "", "a/x")))  # no reason: the error's own text
+    line = cli_error(capsys, ["report", "r"])
+    assert line.startswith("specroll: error: [Errno 5]") and "a/x" in line
+
+
+@pytest.mark.parametrize("argv, missing", [
+    ([], "command"), (["models"], "models_cmd"), (["bench"], "bench_cmd"), (["draft"], "draft_cmd"),
+    (["bench", "spec"], "--draft"), (["draft", "train"], "--out"), (["export", "--out", "hf"], "--checkpoint"),
+    (["export", "--checkpoint", "run"], "--out"),
+], ids=lambda x: x if isinstance(x, str) else " ".join(x) or "none")
+def test_a_missing_command_or_required_option_is_a_usage_error(capsys, argv, missing):
+    with pytest.raises(SystemExit) as e:
+        main(argv)
+    assert e.value.code == 2
+    assert f"error: the following arguments are required: {missing}" in capsys.readouterr().err
+
+
+# the defaults the help texts and the README describe: a changed default changes what every command does
+DEFAULTS = [
+    (["models", "pull"], {"model": "smollm2-135m", "force": False}),
+    (["models", "pull", "--force"], {"force": True}),
+    (["models", "path"], {"model": "smollm2-135m"}),
+    (["generate"], {"n": 1, "max_new_tokens": 128, "temperature": 0.7, "top_p": 1.0, "top_k": 0, "seed": 0,
+                    "dtype": None, "draft": None, "draft_plan": None, "draft_depth": None}),  # dtype: the run's
+    (["eval"], {"temperature": 0.0, "model": None, "checkpoint": None}),  # greedy pass@1
+    (["train"], {"nproc": 1, "out": None, "resume": None}),
+    (["bench", "engine"], {"batch_sizes": "1,8,32", "max_new_tokens": 64, "repeats": 3, "dtype": "float32"}),
+    (["bench", "spec", "--draft", "d"], {"plan": "static", "depth": 5, "n_verify": None, "k": None, "c_peak": None,
+                                         "head_weights": "auto", "verify": None, "repeats": 1, "dtype": "auto"}),
+    (["draft", "train", "--out", "h"], {"prompts": 64, "n": 4, "steps": 300, "batch": 8, "lr": 1e-3, "w_feat": 2.0,
+                                        "w_ce": 0.1, "w_tv": 0.0, "w_block": 0.0, "eval_frac": 0.05, "unroll": 1,
+                                        "unroll_decay": 0.8, "eval_depth": 3, "train_bf16": None}),
+    (["draft", "train", "--out", "h", "--no-train-bf16"], {"train_bf16": False}),
+    (["draft", "train", "--out", "h", "--train-bf16"], {"train_bf16": True}),
+    (["bench", "e2e"], {"systems": "specroll,trl", "warmup": 1, "prompts_per_step": 4, "generations": 8,
+                        "prompts": 4, "epochs": 3, "steps": None, "spec": None, "order": None}),
+    (["bench", "reuse"], {"modes": "lenient,exact", "epochs": 3, "prompts": 16, "prompts_per_step": 8, "G": 4,
+                          "level": 1, "lenience": None, "train_bf16": None}),
+    (["bench", "reuse", "--no-train-bf16"], {"train_bf16": False}),
+    (["bench", "online"], {"design": "paired", "plan": "static", "draft": "random", "draft_lr": "auto", "probe": 16,
+                           "update_steps": 4, "G": 8, "prompts": 0}),
+    (["profile"], {"max_tokens": 512, "batches": "1,4,16", "context": 64, "repeats": 5, "delta": 0.5,
+                   "dtype": "auto"}),
+]
+
+
+@pytest.mark.parametrize("argv, want", DEFAULTS, ids=[" ".join(a) for a, _ in DEFAULTS])
+def test_option_defaults(argv, want):
+    from specroll.cli import build_parser
+
+    args = vars(build_parser().parse_args(argv))
+    assert {k: args[k] for k in want} == want
+
+
+def test_a_leading_tilde_in_every_path_option_means_home(tmp_path, monkeypatch):
+    """`--extra-data a,~/b`, `--out=~/x`: the shell leaves these ``~`` alone; main expands them in the options that
+    name files or directories (each item of a comma list), and nowhere else."""
+    from specroll import export, generate
+    from specroll.drafters import distill
+    from specroll.engine import profiler
+    from specroll.rl import run
+
+    monkeypatch.setenv("HOME", str(tmp_path))
+    seen = []
+    for mod, fn in [(export, "cli"), (generate, "cli"), (distill, "cli"), (profiler, "cli"), (run, "train_cli"),
+                    (run, "eval_cli"), (run, "report_cli")]:
+        monkeypatch.setattr(mod, fn, lambda args: seen.append(vars(args)) or 0)
+    h = tmp_path
+    for argv, want in [
+        (["export", "--checkpoint", "~/run", "--out=~/hf"], {"checkpoint": f"{h}/run", "out": f"{h}/hf"}),
+        (["profile", "--out-dir", "~/prof"], {"out_dir": f"{h}/prof"}),
+        (["draft", "train", "--out", "~/head", "--data", "~/d.jsonl", "--init", "~/old", "--data-cache", "~/c.st",
+          "--extra-data", "/abs/x.st,~/y.st"],
+         {"out": f"{h}/head", "data": f"{h}/d.jsonl", "init": f"{h}/old", "data_cache": f"{h}/c.st",
+          "extra_data": f"/abs/x.st,{h}/y.st"}),
+        (["train", "--config", "~/c.yaml", "--resume", "~/r/step_1", "--out", "~/r", "data.system_prompt=~ hi"],
+         {"config": f"{h}/c.yaml", "resume": f"{h}/r/step_1", "out": f"{h}/r", "overrides": ["data.system_prompt=~ hi"]}),
+        (["report", "~/r", "--out", "~/c.png"], {"run_dir": f"{h}/r", "out": f"{h}/c.png"}),
+        (["eval", "--checkpoint", "~/r", "--json=~/m.json"], {"checkpoint": f"{h}/r", "json": f"{h}/m.json"}),
+        (["generate", "--draft", "~/head", "--checkpoint", "~/r", "--prompt", "~ not a path", "--system", "~x",
+          "--json"], {"draft": f"{h}/head", "checkpoint": f"{h}/r", "prompt": ["~ not a path"], "system": "~x",
+                      "json": True}),
+    ]:
+        assert main(argv) == 0
+        assert {k: seen[-1][k] for k in want} == want, argv
+
+
+# --- eval --checkpoint: the held-out check before eval's own ------------------------------------------
+
+def _fake_checkpoint(d, config: str):
+    d.mkdir(parents=True)
+    (d / "state.json").write_text("{}")
+    (d / "config.yaml").write_text(config)
+    return d
+
+
+def test_eval_checkpoint_says_its_own_option_errors_before_a_bad_override(tmp_path, capsys, no_work):
+    """The held-out check reads the run's config with the overrides; one it cannot read is left to eval itself,
+    which checks its options first."""
+    ck = _fake_checkpoint(tmp_path / "run" / "step_000001", "model:\n  name: tiny-llama\n")
+    line = cli_error(capsys, ["eval", "--checkpoint", str(ck), "--temperature", "-1", "data.no_such_key=1"])
+    assert line == "specroll: error: --temperature must be a finite number >= 0 (0 = greedy), got -1.0"
+    d = tmp_path / "taken"
+    d.mkdir()
+    line = cli_error(capsys, ["eval", "--checkpoint", str(ck), "--json", str(d), "data.no_such_key=1"])
+    assert line == f"specroll: error: --json {d} is a directory; give a file path"
+    assert "data.no_such_key" in cli_error(capsys, ["eval", "--checkpoint", str(ck), "data.no_such_key=1"])
+
+
+def test_eval_checkpoint_splits_the_runs_file_as_the_runs_reward_did(tmp_path, capsys, no_work):
+    """Rows with a list answer are unusable for the accuracy reward (skipped with data.skip_bad_rows) but fine for
+    another: a run trained with accuracy split the file without them, an eval with reward.funcs=[format] splits it
+    with them. The rows the run trained on are the ones its own reward kept."""
+    from specroll.config import DataConfig
+    from specroll.rl.data import load_examples
+
+    f = tmp_path / "d.jsonl"
+    f.write_text("".join(json.dumps({"question": f"q{i}", "answer": [str(i), "x"] if i % 3 == 0 else str(i)}) + "\n"
+                         for i in range(24)))
+    ck = _fake_checkpoint(tmp_path / "run" / "step_000001", "model:\n  name: tiny-llama\ndata:\n  task: file\n"
+                          f"  path: {f}\n  n_eval: 4\n  skip_bad_rows: true\nreward:\n  funcs: [accuracy]\n")
+    run = DataConfig(task="file", path=str(f), n_eval=4, skip_bad_rows=True)
+    questions = lambda split, one: {ex["question"] for ex in load_examples(run, split, one_answer=one)}  # noqa: E731
+    trained = questions("train", True) - questions("eval", True)
+    leaked = sum(q in trained for q in questions("eval", False))
+    assert 0 < leaked < 4
+    line = cli_error(capsys, ["eval", "--checkpoint", str(ck), "reward.funcs=[format]"])
+    assert f", {leaked} of the 4 eval problems are ones the run trained on" in line, line
