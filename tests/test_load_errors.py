@@ -507,15 +507,21 @@ def test_written_weights_get_the_umask_mode_not_safetensors_0600(tmp_path):
 
 
 def test_a_filesystem_that_refuses_chmod_does_not_fail_a_good_write(tmp_path, monkeypatch):
+    import os
+
     from safetensors.torch import load_file, save_file
 
-    from specroll.models import hub
     from specroll.models.decoder import write_safetensors
 
-    def refuse(path):
+    refused = []
+
+    def refuse(path, *a, **k):
+        refused.append(path)
         raise PermissionError(1, "Operation not permitted", str(path))
 
-    monkeypatch.setattr(hub, "share_mode", refuse)
+    monkeypatch.setattr(os, "chmod", refuse)
     f = tmp_path / "w.safetensors"
     write_safetensors(save_file, f, {"x": torch.ones(2)})
+    monkeypatch.undo()
+    assert [str(p) for p in refused] == [str(f)]  # the mode was asked for, and its refusal is no error
     assert torch.equal(load_file(f)["x"], torch.ones(2))

@@ -823,8 +823,7 @@ def write_safetensors(save, path: str | Path, *args, **kw) -> None:
     except SafetensorError as e:
         code = os_error_code(str(e)) or errno.EIO
         raise OSError(code, os.strerror(code), str(path)) from e
-    with contextlib.suppress(OSError):  # a filesystem without modes (vfat, some FUSE mounts) refuses chmod
-        share_mode(Path(path))  # safetensors creates its files 0600; checkpoints and heads get what the umask gives
+    share_mode(Path(path))  # safetensors creates its files 0600; checkpoints and heads get what the umask gives
 
 
 def load_decoder(path: str | Path, dtype: torch.dtype = torch.float32) -> Decoder:

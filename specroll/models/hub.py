@@ -204,8 +204,10 @@ def _umask() -> int:
 
 def share_mode(path: Path) -> None:
     """Give ``path`` the mode a new file gets under the umask (safetensors writes 0600): a shared model is read
-    by others."""
-    os.chmod(path, 0o666 & ~_umask())
+    by others. A filesystem without modes (vfat, some FUSE mounts) refuses chmod; the file is fine, so that is no
+    error."""
+    with contextlib.suppress(OSError):
+        os.chmod(path, 0o666 & ~_umask())
 
 
 def write_marker(d: Path, source: dict) -> None:
@@ -296,8 +298,7 @@ def _cached(label: str, target: Path, build, force: bool, quiet: bool) -> Path:
         try:
             build(tmp)
             for f in _weight_files(tmp):
-                with contextlib.suppress(OSError):  # refused chmod: the file is fine, only not shared
-                    share_mode(f)
+                share_mode(f)
         except OSError as e:
             shutil.rmtree(tmp, ignore_errors=True)
             raise HubError(f"writing {label} into {target.parent} failed ({_first_line(e)}); "
