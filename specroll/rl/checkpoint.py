@@ -152,7 +152,8 @@ def _errno_of(e: BaseException) -> int | None:
 
 
 def _disk_full(path: Path) -> bool:
-    """Whether the filesystem of ``path`` is (nearly) out of space: less than 16 MiB or 5% of it free."""
+    """Whether the filesystem of ``path`` is (nearly) out of space: less free than 16 MiB or 5% of its size,
+    whichever is smaller (a fixed 16 MiB floor would call every small disk full; 5% alone, every large one)."""
     try:
         du = shutil.disk_usage(path)
     except OSError:
