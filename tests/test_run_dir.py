@@ -567,6 +567,8 @@ def test_first_signal_finishes_the_step_checkpoints_it_and_the_run_resumes(tmp_p
     assert steps == [1, 2]
     monkeypatch.undo()
     assert main(["train", "--resume", "latest", "--out", str(out)]) == 0, capsys.readouterr().err
+    said = capsys.readouterr().out
+    assert "resumed from" in said and "now records" not in said, said  # the same settings: no change to report
     steps = [json.loads(line)["step"] for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert steps == [1, 2, 3, 4]
 

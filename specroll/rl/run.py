@@ -114,9 +114,10 @@ def _mkdir(path: Path, how: str, exist_ok: bool = True) -> None:
 def _previous_run(run_dir: Path) -> list[str]:
     """What in ``run_dir`` belongs to an earlier run: config.yaml, metrics.jsonl, step_* checkpoints."""
     found = [name for name in ("config.yaml", "metrics.jsonl") if (run_dir / name).exists()]
-    steps = sorted(p.name for p in run_dir.iterdir() if ckpt.STEP_RE.match(p.name)) if run_dir.is_dir() else []
+    steps = sorted((int(m.group(1)), p.name) for p in run_dir.iterdir() if (m := ckpt.STEP_RE.match(p.name))) \
+        if run_dir.is_dir() else []  # by number: step_1000000 comes after step_999999
     if steps:
-        found.append(f"{len(steps)} checkpoint{'s' * (len(steps) > 1)} up to {steps[-1]}")
+        found.append(f"{len(steps)} checkpoint{'s' * (len(steps) > 1)} up to {steps[-1][1]}")
     return found
 
 
