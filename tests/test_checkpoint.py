@@ -286,6 +286,26 @@ def test_a_file_of_the_wrong_content_is_damaged_and_nothing_is_restored(saved, n
     assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
 
 
+@pytest.mark.parametrize("version, refused", [("2.5.1+cpu", True), ("2.4.0", True), ("2.6.0", False),
+                                             ("2.10.0+cpu", False)])
+def test_a_torch_whose_weights_only_load_is_unsafe_opens_no_pt_file(saved, monkeypatch, version, refused):
+    loads = []
+    real_load = torch.load
+    monkeypatch.setattr(torch, "load", lambda *a, **k: loads.append(a[0]) or real_load(*a, **k))
+    monkeypatch.setattr(torch, "__version__", version)  # a str: "2.10" sorts before "2.6" as text
+    model, opt, sched = _parts(1)
+    before = [p.detach().clone() for p in model.parameters()]
+    if not refused:
+        ckpt.load_training_state(saved, model=model, optimizer=opt, scheduler=sched)
+        assert len(loads) == 3  # optimizer, scheduler, rng
+        return
+    with pytest.raises(ValueError) as e:
+        ckpt.load_training_state(saved, model=model, optimizer=opt, scheduler=sched)
+    assert str(e.value) == (f"{saved / 'optimizer.pt'}: not loaded: torch {version}'s weights_only=True load can run "
+                            "code from the file (CVE-2025-32434); upgrade torch to 2.6 or later to resume")
+    assert loads == [] and all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+
+
 def test_model_weights_missing_or_extra_are_a_mismatch_but_a_tied_head_is_not_needed(saved):
     # copies: safetensors < 0.8 maps the file, which the next line rewrites in place
     weights = {k: v.clone() for k, v in load_file(saved / "model.safetensors").items()}

@@ -29,6 +29,7 @@ from pathlib import Path
 
 import torch
 from safetensors.torch import save_file, save_model
+from torch.torch_version import TorchVersion
 
 from ..models.decoder import (
     OneLineOSError,
@@ -383,6 +384,11 @@ def _read_safetensors(path: Path, name: str) -> dict[str, torch.Tensor]:
         raise _damaged(path, name, str(e)) from e
 
 
+# the first torch whose ``torch.load(weights_only=True)`` is safe on untrusted files: earlier ones can be made to run
+# code (CVE-2025-32434), so they never open a checkpoint's .pt files (pyproject allows torch 2.4 for everything else)
+SAFE_LOAD_TORCH = "2.6"
+
+
 def _torch_load(path: Path, name: str) -> dict:
     """``torch.load(weights_only=True)`` of a tensors-and-numbers dict. torch's own messages are never
     passed on: they advise loading the file with ``weights_only=False``, i.e. unpickling untrusted data."""
@@ -391,6 +397,9 @@ def _torch_load(path: Path, name: str) -> dict:
         raise _damaged(path, name, "missing")
     if not os.access(f, os.R_OK):  # there, maybe intact: never "damaged", never "delete this one"
         raise cannot_read(f)
+    if TorchVersion(torch.__version__) < SAFE_LOAD_TORCH:
+        raise ValueError(f"{f}: not loaded: torch {torch.__version__}'s weights_only=True load can run code from the "
+                         f"file (CVE-2025-32434); upgrade torch to {SAFE_LOAD_TORCH} or later to resume")
     reason = None
     try:
         with warnings.catch_warnings():
