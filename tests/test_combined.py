@@ -76,8 +76,10 @@ def test_exact_reuse_plus_draft_is_lossless(world, pi):
         assert tree_acc > 0.2 * N_ROWS, kind  # the head's trees were accepted after the cut
         if kind != "adversarial":  # and the prefixes were really reused
             assert reused > (0.5 if kind == "likely" else 0.05) * N_ROWS, kind
-        if kind == "random":  # one batch mixes rows cut at 0, 1, 2 and fully reused ones
-            assert {0, 1, 2, 3} <= {o.n_reused for o in outs}
+        if kind == "random":  # one batch mixes rows cut at 0, 1, 2 and fully reused ones (a whole 3-token
+            # random draft is kept by ~2 rows in 6,000: too few to ask for by a fixed seed)
+            assert {0, 1, 2} <= {o.n_reused for o in outs}
+            assert any(x and o.n_reused == len(x) for o, x in zip(outs, drafts))
 
 
 @pytest.mark.parametrize("verify", ["block", "token"])

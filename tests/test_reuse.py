@@ -13,7 +13,7 @@ import struct
 
 import pytest
 import torch
-from helpers import chi2_gof, chi2_pvalue, draft_sets, put_drafts
+from helpers import chi2_gof, chi2_pvalue, draft_sets, extreme_sequence, put_drafts
 from safetensors.torch import load_file, save_file
 
 from specroll.analysis import lenient_bias as lb
@@ -105,6 +105,35 @@ def test_exact_reuse_is_lossless_when_stages_reorder_rows(world, pi, monkeypatch
     assert m["spec/reuse_ratio"] > 0.15
     p = chi2_pvalue(counts, truth[pi], N_ROWS)
     assert p > P_MIN, f"staged exact reuse departs from plain sampling (p = {p:.2e})"
+
+
+@pytest.mark.parametrize("seed", [0, 5])
+def test_exact_reuse_is_lossless_when_the_coin_and_sampling_seeds_are_equal(world, seed):
+    """A drafter and a call seeded alike (``ReuseDrafter()`` and ``SamplingParams()`` both default to seed 0)
+    must still draw apart: when the coins repeated the sampling stream, the uniform that sampled a rejected
+    row's cut token was its own coin (u >= p_new(x)), so the cut token always came from the top of the
+    residual's CDF and whole tokens were never emitted (p = 0 in double precision on the old code)."""
+    model, engine, truth = world
+    drafts = [extreme_sequence(model, PARAMS[0], most=True)[:1]] * N_ROWS  # one coin per row, as many as cut draws
+    d = ReuseDrafter(mode="exact", seed=seed, verify_block=0)
+    put_drafts(d.store, drafts)
+    outs = engine.generate([lb.PROMPT], SamplingParams(max_new_tokens=lb.MAX_NEW, seed=seed), n=N_ROWS, drafter=d)
+    p = chi2_pvalue(lb.empirical(outs), truth[0], N_ROWS)
+    assert p > P_MIN, f"exact reuse with equal coin and sampling seeds departs from plain sampling (p = {p:.2e})"
+
+
+def test_seeded_calls_draw_new_coins_per_sampling_seed():
+    """A seeded call's coins come from its sampling seed (distinct per step and rank in the trainer and the TRL
+    integration), not from one stream every rank starts alike; an unseeded call continues the drafter's stream."""
+    from specroll.drafters.reuse import coin_generator
+
+    draw = lambda g: torch.rand(16, generator=g)  # noqa: E731
+    assert torch.equal(draw(coin_generator(3, 11)), draw(coin_generator(3, 11)))  # reproducible
+    assert not torch.equal(draw(coin_generator(3, 11)), draw(coin_generator(3, 12)))  # another step or rank
+    assert not torch.equal(draw(coin_generator(3, 11)), draw(coin_generator(4, 11)))  # another reuse.seed
+    for s in (0, 11):  # never the sampling stream of the same seed
+        assert not torch.equal(draw(coin_generator(s, s)), draw(SamplingParams(seed=s).generator()))
+    assert not torch.equal(draw(coin_generator(None)), draw(coin_generator(None)))  # OS entropy
 
 
 def test_wrong_rules_are_detected(world, monkeypatch):
@@ -575,10 +604,13 @@ def test_trainer_checkpoint_keeps_the_store(tmp_path):
     eng = Engine(model, eos_ids=[3])
     d = ReuseDrafter(mode="exact", seed=4)
     d.after_rollout(eng.generate(PROMPTS, SamplingParams(max_new_tokens=6, seed=0), n=2), step=1)
+    eng.generate(PROMPTS, SamplingParams(max_new_tokens=6, seed=None), n=2, drafter=d)  # advances d's own stream
     path = ckpt.save_checkpoint(tmp_path, 1, model=model, optimizer=opt, scheduler=sched, state={},
                                 config_yaml="", rng=ckpt.rng_state(), drafter=d)
-    e = ReuseDrafter(mode="exact", seed=123)
+    e = ReuseDrafter(mode="exact", seed=4)  # what a resume builds from the run's config
+    assert not torch.equal(e.gen.get_state(), d.gen.get_state())
     ckpt.load_training_state(path, model=model, optimizer=opt, scheduler=sched, drafter=e)
+    assert torch.equal(e.gen.get_state(), d.gen.get_state())  # unseeded calls continue the same stream
     assert len(e.store) == len(d.store) == 6
     for p in PROMPTS:
         for i in range(2):
@@ -608,8 +640,9 @@ def test_config_section_reaches_the_store_and_the_coins():
 
     cfg = load_config(overrides=["reuse.mode=exact", "reuse.store_mb=0.5", "reuse.seed=7", "reuse.verify_block=4"])
     d = build_drafter(cfg.reuse)
-    assert d.store.max_bytes == 1 << 19 and d.verify_block == 4
-    assert torch.equal(torch.rand(8, generator=d.gen), torch.rand(8, generator=torch.Generator().manual_seed(7)))
+    assert d.store.max_bytes == 1 << 19 and d.verify_block == 4 and d.seed == 7
+    assert torch.equal(torch.rand(8, generator=d.gen), torch.rand(8, generator=reuse.coin_generator(7)))
+    assert not torch.equal(torch.rand(8, generator=d.gen), torch.rand(8, generator=reuse.coin_generator(8)))
     with pytest.raises(ValueError, match="reuse.store_mb must be > 0"):  # a 0-byte store would reuse nothing
         load_config(overrides=["reuse.mode=exact", "reuse.store_mb=0"])
 

@@ -354,7 +354,8 @@ def test_the_seed_argument_and_args_seed_make_rollouts_reproducible(trainer, mon
     assert draw(seed=11) == draw(seed=11) != default
     monkeypatch.setattr(trainer.args, "seed", 4)
     assert draw() != default
-    assert specroll_rollout_func(reuse="exact", seed=7).drafter.gen.initial_seed() == 7  # and the reuse coins
+    assert specroll_rollout_func(reuse="exact", seed=7).drafter.seed == 7  # and the reuse coins (mixed with each
+    # call's sampling seed, which differs per process: ``reuse.coin_generator``)
 
 
 def test_weights_loaded_with_new_storage_are_picked_up_without_sync(tmp_path):

@@ -29,9 +29,11 @@ Departures from SPEC-RL (arXiv 2509.23232):
   and only rows that accepted all of them go on to the next, twice as long, stage. A row rejected at
   token 3 of a 200-token draft does not pay a 200-token forward (SPEC-RL scores the whole draft);
   in exact mode, where acceptance decays quickly, this is most of the verification cost.
-- Fresh randomness: the acceptance coins come from the drafter's own ``torch.Generator``, seeded once
-  at construction and never reseeded (SPEC-RL reseeds 1234 on every call). Its state is saved with
-  the store, so a resumed run continues the same stream.
+- Fresh randomness: the acceptance coins come from a ``torch.Generator`` of their own (SPEC-RL reseeds
+  1234 on every call), never the sampling stream. A call with a sampling seed seeds it from a hash of
+  the drafter's seed and that one (``coin_generator``), so every step and rank draws new coins and a
+  resumed run draws the same ones; an unseeded call continues the drafter's stream, whose state is
+  saved with the store.
 - Reused tokens carry policy log-probs (T = 1) and sampling log-probs of the *current* policy, read
   from the verification pass, so the trainer needs no extra "old logprob" forward; the sampling
   log-probs are what the store keeps as p_old for the next epoch.
@@ -72,7 +74,7 @@ class ReuseConfig:
     mode: str = "off"  # off | lenient | exact
     lenience: float = LENIENCE_DEFAULT  # lenient mode's l (inf = reuse everything); e^0.5 by default
     store_mb: float = 256.0  # rollout store bound (LRU eviction beyond it)
-    seed: int = 0  # seed of the acceptance coins (seeded once, never reseeded)
+    seed: int = 0  # of the acceptance coins; with a seeded call, mixed with its sampling seed (``coin_generator``)
     verify_block: int = 16  # draft tokens verified in the first stage (doubling); 0 = all at once
 
     def __post_init__(self):
@@ -86,6 +88,21 @@ class ReuseConfig:
             raise ValueError(f"reuse.verify_block must be >= 0 (0 = whole draft at once), got {self.verify_block!r}")
         if not self.store_mb > 0:
             raise ValueError(f"reuse.store_mb must be > 0, got {self.store_mb!r}")
+
+
+def coin_generator(seed: int | None, sampling_seed: int | None = None) -> torch.Generator:
+    """The acceptance coins' stream: from OS entropy when ``seed`` is None, else seeded by a hash of
+    ``seed`` and the call's ``sampling_seed`` under a name of their own. So the coins never repeat the
+    sampling draws, even when both seeds are equal (a coin equal to the uniform that then samples the
+    row's cut token would tie the token to its rejection and break exact mode); a seeded call's coins
+    are a function of its sampling seed, which the trainer and the TRL integration make distinct per
+    step and rank, so ranks draw apart and a resume replays them without restoring any state."""
+    g = torch.Generator()
+    if seed is None:
+        g.seed()
+        return g
+    h = hashlib.blake2b(f"specroll-reuse-coins:{int(seed)}:{sampling_seed}".encode(), digest_size=8).digest()
+    return g.manual_seed(int.from_bytes(h, "little") & ((1 << 63) - 1))
 
 
 def build_drafter(cfg: ReuseConfig) -> ReuseDrafter | None:
@@ -342,11 +359,10 @@ class ReuseDrafter:
         if not isinstance(verify_block, int) or verify_block < 0:
             raise ValueError(f"reuse.verify_block must be an int >= 0 (0 = whole draft at once), got {verify_block!r}")
         self.mode, self.lenience, self.verify_block = mode, lenience, verify_block
-        self.gen = torch.Generator()
-        if seed is None:
-            self.gen.seed()
-        else:
-            self.gen.manual_seed(int(seed))
+        self.seed = None if seed is None else int(seed)
+        # the coins of a call whose sampling is unseeded (a seeded call's come from ``coin_generator``)
+        self.gen = coin_generator(self.seed)
+        self._coins = self.gen
         self._pending: _Pending | None = None
         self._engine = None
         self._m = self._zero_metrics()
@@ -365,6 +381,7 @@ class ReuseDrafter:
         if self.mode == "off":
             return
         t = time.perf_counter()
+        self._coins = self.gen if st.params.seed is None else coin_generator(self.seed, st.params.seed)
         stop = torch.tensor(sorted(set(engine.eos_ids) | set(st.params.stop_ids)), dtype=torch.long)
         rows = self._gather(prompts, n, st.params, stop)
         self._order_rows(st, rows["lens"])  # rows with drafts first, longest first
@@ -485,9 +502,9 @@ class ReuseDrafter:
         H = torch.cat([st.hidden[s:e, None].to(h.dtype), h], 1)  # H[:, k] predicts draft token start + k
         lp_new, plp = self._score(engine, H[:, :T], x, L, st.params)
         if self.mode == "exact":
-            acc = exact_accept(lp_new, self.gen)
+            acc = exact_accept(lp_new, self._coins)
         else:
-            acc = lenient_accept(lp_new, rows["lp_old"][s:e, start : start + T], self.lenience, self.gen)
+            acc = lenient_accept(lp_new, rows["lp_old"][s:e, start : start + T], self.lenience, self._coins)
         n = cut_index(acc, L)
         sub.advance(n)
         self._emit_prefix(st, st.row_ids[s:e], x, plp, lp_new, n, start)
@@ -568,9 +585,14 @@ class ReuseDrafter:
 
     # -- checkpoints ------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, torch.Tensor]:
-        return {**self.store.state_dict(), "reuse.rng": self.gen.get_state()}
+        last_cut = float("nan") if self._last_cut is None else self._last_cut  # sizes the next call's first stage
+        return {**self.store.state_dict(), "reuse.rng": self.gen.get_state(),
+                "reuse.last_cut": torch.tensor([last_cut], dtype=torch.float64)}
 
     def load_state_dict(self, sd: dict[str, torch.Tensor]) -> None:
         self.store.load_state_dict(sd)
         if "reuse.rng" in sd:
             self.gen.set_state(sd["reuse.rng"].to(torch.uint8))
+        if "reuse.last_cut" in sd:
+            v = float(sd["reuse.last_cut"].reshape(-1)[0])
+            self._last_cut = None if math.isnan(v) else v
