@@ -10,6 +10,7 @@ from specroll.rl.losses import (
     aggregate,
     clipped_surrogate,
     group_advantages,
+    group_stats,
     kl_k3,
     policy_loss,
     token_weights,
@@ -44,6 +45,35 @@ def test_group_advantages_missing_rewards_and_constant_group():
     adv = group_advantages(r, 3, "group", eps=0.0)
     s = math.sqrt(0.5)  # [1, 0]: mean .5, unbiased std sqrt(.5)
     torch.testing.assert_close(adv, torch.tensor([0.5 / s, 0.0, -0.5 / s, 0.0, 0.0, 0.0]))
+
+
+@pytest.mark.parametrize("scale", ["group", "batch", "none"])
+def test_groups_of_equal_rewards_get_exactly_zero_advantage(scale):
+    """Equal rewards that are not exact in binary (0.3, 0.1, 1/3, a weighted sum's 1.1): a plain float32 mean of
+    the group is off by ~1e-8, and dividing by std + 1e-4 made that same-sign advantages of up to ~3e-4, so the
+    trainer forwarded rows ``zero_variance_groups`` calls signal-free and took an AdamW step on rounding error."""
+    for v in (0.3, 0.1, 1 / 3, 1.1, -0.7, 123.456):
+        for G in (2, 3, 8, 16):
+            r = torch.full((2 * G,), v)
+            r[G:] = torch.linspace(0, 1, G)  # and a normal group beside it
+            r[G - 1] = NAN if G > 2 else v  # a missing reward does not break it
+            adv = group_advantages(r, G, scale)
+            assert zero_variance_groups(r, G).tolist() == [True, False]
+            assert adv[:G].eq(0).all(), (v, G, adv[:G])
+            assert adv[G:].ne(0).sum() >= G - 1  # the other group still learns
+
+
+def test_group_stats_mean_is_the_plain_mean_otherwise():
+    g = torch.Generator().manual_seed(0)
+    r = torch.rand(64, generator=g) * 10 - 3
+    r[::7] = NAN
+    mean, std, n = group_stats(r, 8)
+    x = r.double().view(-1, 8)
+    for i in range(8):
+        v = x[i][~torch.isnan(x[i])]
+        assert int(n[i]) == v.numel()
+        assert abs(float(mean[i]) - float(v.mean())) < 1e-5 and abs(float(std[i]) - float(v.std())) < 1e-5
+    assert group_stats(torch.full((4,), NAN), 2)[0].tolist() == [0.0, 0.0]  # no valid reward: mean 0
 
 
 def test_adv_eps_is_added_to_the_std_at_the_trainers_default():

@@ -162,6 +162,19 @@ def test_mu_and_mini_batches_take_more_optimizer_steps(groups, mu, mini_batches)
     assert tr.engine.policy_version == m["actor/n_optimizer_steps"]
 
 
+@pytest.mark.parametrize("value", [0.3, 1.1])
+def test_a_step_whose_groups_all_score_alike_takes_no_optimizer_step(value):
+    """Equal rewards not exact in binary (a weighted sum's 0.3 or 1.1) carry no signal: no row is forwarded and
+    the weights do not move (the float32 group mean once left ~3e-4 advantages, and AdamW took a full-lr step)."""
+    ps = prompts()
+    tr = Trainer(make_cfg("train.steps=2", "rollout.G=8", "train.lr=1e-3"), tiny_model(0), ps, ps,
+                 lambda prompts, completions, **cols: [value] * len(completions), decode, eos_ids=[0])
+    before = [p.detach().clone() for p in tr.params]
+    m = tr.train_step()
+    assert m["actor/n_optimizer_steps"] == 0 and m["actor/rows_forwarded"] == 0
+    assert all(torch.equal(p, b) for p, b in zip(tr.params, before))
+
+
 def test_reward_gets_the_columns_of_every_row():
     from specroll.rl.trainer import call_reward
 

@@ -56,13 +56,18 @@ class LossConfig:
 def group_stats(rewards: torch.Tensor, G: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Per-group mean, unbiased std and valid count of ``rewards`` (N,) with NaN = missing.
 
-    Returns three (N // G,) tensors. A group with < 2 valid samples has std 0.
+    Returns three (N // G,) tensors. A group with < 2 valid samples has std 0. The mean is taken about the
+    group's smallest reward, so a group of equal rewards has that reward as its mean exactly, and advantages
+    exactly 0 (a plain float32 sum/n of eight 0.3s is off by ~1e-8, which a std + eps of 1e-4 turns into
+    same-sign advantages of ~3e-4: rows trained on, and an AdamW step, with no signal in them).
     """
     r = rewards.view(-1, G)
     valid = ~torch.isnan(r)
     n = valid.sum(1)
-    x = torch.where(valid, r, torch.zeros_like(r))
-    mean = x.sum(1) / n.clamp(min=1)
+    lo = torch.where(valid, r, torch.full_like(r, torch.inf)).amin(1)
+    lo = torch.where(n > 0, lo, torch.zeros_like(lo))
+    x = torch.where(valid, r - lo[:, None], torch.zeros_like(r))
+    mean = lo + x.sum(1) / n.clamp(min=1)
     sq = torch.where(valid, (r - mean[:, None]) ** 2, torch.zeros_like(r)).sum(1)
     std = torch.where(n > 1, (sq / (n - 1).clamp(min=1)).sqrt(), torch.zeros_like(mean))
     return mean, std, n
