@@ -175,6 +175,38 @@ def test_a_step_whose_groups_all_score_alike_takes_no_optimizer_step(value):
     assert all(torch.equal(p, b) for p, b in zip(tr.params, before))
 
 
+@pytest.mark.parametrize("bf16", [True, False])
+def test_recomputed_old_logprobs_make_the_first_pass_ratio_one(bf16, monkeypatch):
+    """With ``train.mu`` > 1 the old log-probs are recomputed before the update; the first optimizer step's
+    ratios must then be 1, in bf16 autocast too: the recompute once took the no-grad path, whose linears
+    ignore autocast, and was off the loss forward's log-probs by bf16 noise."""
+    from specroll.rl import trainer as trainer_mod
+
+    seen = []
+    real = trainer_mod.policy_loss
+
+    def spy(logp, old, *a, **k):
+        seen.append(float((logp.detach() - old).abs().max()))
+        return real(logp, old, *a, **k)
+
+    monkeypatch.setattr(trainer_mod, "policy_loss", spy)
+    cfg = make_cfg("train.steps=1", "train.mu=2", f"train.bf16={str(bf16).lower()}", "rollout.G=8",
+                   "train.micro_batch_size=5", "rollout.max_new_tokens=12")
+    ps = prompts()
+    tr = Trainer(cfg, tiny_model(0), ps, ps, distinct, decode, eos_ids=[0])
+    ro = tr.engine.generate(ps.ids[:4], SamplingParams(temperature=1.0, max_new_tokens=12, seed=3), n=8)
+    b, every = Batch.from_rollouts(ro), torch.arange(len(ro))
+    with tr._autocast(), torch.no_grad():  # the no-grad path, for scale
+        nograd = tr._forward(tr.model, b, every)[0].float()
+    gap = float((nograd - tr._logprobs_nograd(tr.model, b, every)).abs().max())
+    assert gap > 1e-3 if bf16 else gap < 1e-4  # under bf16 the no-grad path is off; the test can tell
+    m = tr.update(ro, every.float())
+    n_first = -(-len(ro) // 5)  # micro-batches of the first optimizer step
+    assert m["actor/n_optimizer_steps"] == 2 and len(seen) == 2 * n_first
+    assert max(seen[:n_first]) < 1e-6, seen  # the first step's ratios are 1
+    assert max(seen[n_first:]) > 1e-4  # and the second step's are not: the weights moved
+
+
 def test_reward_gets_the_columns_of_every_row():
     from specroll.rl.trainer import call_reward
 
