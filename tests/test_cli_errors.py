@@ -215,6 +215,49 @@ def test_a_broken_chat_template_names_its_file(tmp_path, capsys):
         chat_prompts(hub.load(d)[1], 2)
 
 
+ALTERNATE = ("{% for m in messages %}{% if (m['role'] == 'user') != (loop.index0 % 2 == 0) %}"
+             "{{ raise_exception('Conversation roles must alternate') }}{% endif %}{{ m['content'] }}{% endfor %}")
+
+
+@pytest.mark.parametrize("cmd", ["train", "eval", "draft"])
+def test_a_chat_template_that_refuses_a_row_names_the_row_and_the_fix(tmp_path, capsys, one_thread, cmd):
+    """A template that raises for some messages (a system message, roles that do not alternate) is one line
+    naming the data file's line (or the built-in task), the template file and the fix, in every command that
+    builds prompts; it was a TemplateError traceback there (``generate`` already said it in one line)."""
+    import shutil
+
+    from specroll.models import hub
+
+    d = tmp_path / "model"
+    shutil.copytree(hub.resolve("tiny-llama", quiet=True), d)
+    (d / hub.MARKER).unlink()
+    (d / "chat_template.jinja").write_text(ALTERNATE)
+    rows = [{"question": [{"role": "user", "content": f"What is {i}+1?"}], "answer": str(i + 1)} for i in range(6)]
+    rows[3]["question"] = [{"role": "user", "content": "hi"}, {"role": "user", "content": "What is 3+1?"}]
+    data = tmp_path / "chat.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    tpl = f"{d / 'chat_template.jinja'}: the model's chat template refused these messages (TemplateError: " \
+          "Conversation roles must alternate); fix the template"
+    if cmd == "draft":  # its default system prompt comes first: the first row is refused
+        line = cli_error(capsys, ["draft", "train", "--model", str(d), "--data", str(data), "--steps", "1",
+                                  "--out", str(tmp_path / "head")])
+        assert line.startswith(f"specroll: error: {data}:") and tpl + " or the row; `specroll draft train` " in line
+        return
+    over = [f"model.name={d}", f"data.path={data}", f"data.eval_path={data}", "data.system_prompt=null",
+            "data.n_eval=0", "data.n_train=0"]
+    argv = (["train", "--out", str(tmp_path / "run"), *over] if cmd == "train" else
+            ["eval", "--model", str(d), *over])
+    line = cli_error(capsys, argv)
+    assert line == (f'specroll: error: {data}:4: question [{{"role": "user", "content": "hi"}}, {{"role": "user", '
+                    f'"content": "What is 3+1?"}}]: {tpl} or the row')
+    # the built-in task, with the default system prompt: no row to fix, the system prompt to drop
+    argv = (["train", "--out", str(tmp_path / "run2"), f"model.name={d}"] if cmd == "train" else
+            ["eval", "--model", str(d)])
+    line = cli_error(capsys, argv)
+    assert line.startswith("specroll: error: the built-in task: question ")
+    assert line.endswith(f"{tpl}; a template that takes no system message needs data.system_prompt=null")
+
+
 def test_a_damaged_metrics_line_is_named_and_a_partial_last_line_skipped(tmp_path, capsys):
     from specroll.rl.metrics import read_metrics
 

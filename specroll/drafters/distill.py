@@ -722,7 +722,9 @@ def _advice():
                   column=f"`specroll draft train` reads the column 'question', else the first of {alts}: "
                          "rename one to 'question'",
                   too_long="longer than {n} tokens, the prompt limit of `specroll draft train`; use shorter "
-                           "questions in --data")
+                           "questions in --data",
+                  no_system="`specroll draft train` puts its system prompt first, which a template that takes no "
+                            "system message refuses")
 
 
 def _examples(args) -> tuple[list[dict], object]:

@@ -150,7 +150,9 @@ def chat_text(tokenizer, messages: list[dict], advice: str = "") -> str:
         f = next((d / n for n in ("chat_template.jinja", "chat_template.json", "tokenizer_config.json")
                   if (d / n).is_file()), None)
         line = f", line {e.lineno}" if getattr(e, "lineno", None) else ""
-        raise HubError(f"{f or 'the tokenizer'}: the model's chat template is broken ({type(e).__name__}: {e}{line}); "
+        what = ("is broken" if isinstance(e, jinja2.TemplateSyntaxError) or not messages
+                else "refused these messages")  # e.g. raise_exception('Conversation roles must alternate ...')
+        raise HubError(f"{f or 'the tokenizer'}: the model's chat template {what} ({type(e).__name__}: {e}{line}); "
                        f"fix the template{advice}") from e
 
 

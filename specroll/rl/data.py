@@ -52,6 +52,7 @@ class Advice:
     where: str = "check data.path / data.eval_path"
     column: str = "set data.{role}_field to one of them"
     too_long: str = "longer than data.max_prompt_tokens={n}; raise it or shorten data.system_prompt"
+    no_system: str = "a template that takes no system message needs data.system_prompt=null"
 
 
 TRAIN_ADVICE = Advice()
@@ -539,7 +540,7 @@ def _holdout(examples: list[dict], cfg: DataConfig, path) -> tuple[list[dict], l
 
 class Examples(list):
     """A list of examples that knows where it came from, for ``build_prompts``' messages: ``split`` ("eval"
-    or None), ``held_out`` (rows held out of ``data.path``), ``source`` (the file, or None)."""
+    or None), ``held_out`` (rows held out of ``data.path``), ``source`` (the file, or None: the built-in task)."""
 
     def __init__(self, items, split: str | None = None, held_out: bool = False, source: str | None = None):
         super().__init__(items)
@@ -579,7 +580,7 @@ def load_examples(cfg: DataConfig, split: str, answers: bool = True, advice: Adv
         return arithmetic(split, cfg.n_train, cfg.level, cfg.seed)
     train, ev = _file_splits(cfg, answers, advice, one_answer)
     if split == "train":
-        return train
+        return Examples(train, source=cfg.path)
     seen = {_question_key(ex["question"]) for ex in train}
     shared = sum(_question_key(ex["question"]) in seen for ex in ev)
     if shared:  # the split is by row, not by question (kept so: runs resume on the split they started with)
@@ -638,24 +639,49 @@ def one_answer_needed(reward_funcs) -> bool:
 # ------------------------------------------------------------------------------------------------
 
 
+def _messages(question: str | list[dict], system_prompt: str | None) -> list[dict]:
+    if isinstance(question, list):
+        chat = [{"role": m["role"], "content": m["content"]} for m in question]
+        has_system = any(m["role"] == "system" for m in chat)
+        return ([{"role": "system", "content": system_prompt}] if system_prompt and not has_system else []) + chat
+    return ([{"role": "system", "content": system_prompt}] if system_prompt else []) + [
+        {"role": "user", "content": question}]
+
+
 def prompt_text(question: str | list[dict], tokenizer, system_prompt: str | None) -> str:
     """The chat-formatted prompt string (generation prompt appended).
 
     ``question`` is a string (the user message, after ``system_prompt`` as the system message) or a
     chat: a list of ``{"role", "content"}`` messages ending with the user's, templated as given, with
     ``system_prompt`` put first only if no message is a system message. Tokenizers without a chat
-    template get the contents joined by blank lines plus a newline ("system\\n\\nquestion\\n")."""
-    if isinstance(question, list):
-        chat = [{"role": m["role"], "content": m["content"]} for m in question]
-        has_system = any(m["role"] == "system" for m in chat)
-        messages = ([{"role": "system", "content": system_prompt}] if system_prompt and not has_system else [])
-        messages += chat
-    else:
-        messages = ([{"role": "system", "content": system_prompt}] if system_prompt else [])
-        messages.append({"role": "user", "content": question})
+    template get the contents joined by blank lines plus a newline ("system\\n\\nquestion\\n"). A template
+    that does not parse, or refuses the messages, is a ``HubError`` (``hub.chat_text``)."""
+    messages = _messages(question, system_prompt)
     if getattr(tokenizer, "chat_template", None):
-        return tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        from ..models.hub import chat_text
+
+        return chat_text(tokenizer, messages)
     return "\n\n".join(m["content"] for m in messages) + "\n"
+
+
+def _line_of(examples, question, cfg: DataConfig) -> str:
+    """Where ``question`` sits in the file ``examples`` came from ("FILE:LINE", "FILE", or "" for the built-in
+    task), for a message about that row; found by reading the file again (an error path only)."""
+    src = getattr(examples, "source", None)
+    if not src:
+        return ""
+    try:
+        rows = read_rows(src, skip_bad_rows=True)
+        qf = _pick_field(cfg.question_field, "question", QUESTION_ALIASES, set().union(*(r.keys() for _, r in rows)),
+                         src, "question", TRAIN_ADVICE)
+        want = _question_key(question)
+        for ln, row in rows:
+            q = row.get(qf)
+            if isinstance(q, (str, list)) and _question_key(q.strip() if isinstance(q, str) else q) == want:
+                return f"{src}:{ln}"
+    except Exception:  # noqa: BLE001 - only a message's detail depends on it
+        pass
+    return str(src)
 
 
 def build_prompts(examples: list[dict], tokenizer, cfg: DataConfig, advice: Advice = TRAIN_ADVICE
@@ -666,9 +692,24 @@ def build_prompts(examples: list[dict], tokenizer, cfg: DataConfig, advice: Advi
         why = (f"data.n_eval={cfg.n_eval} selects no eval problems; set data.n_eval >= 1 (e.g. data.n_eval=64)"
                if cfg.n_eval == 0 else "the example list is empty")
         raise DataError(f"no prompts to build: {why}")
+    import jinja2
+
+    from ..models.hub import HubError
+
     ids_out, kept = [], []
     for ex in examples:
-        text = prompt_text(ex["question"], tokenizer, cfg.system_prompt)
+        try:
+            text = prompt_text(ex["question"], tokenizer, cfg.system_prompt)
+        except HubError as e:
+            if isinstance(e.__cause__, jinja2.TemplateSyntaxError):
+                raise  # the template itself: no row to name
+            where = _line_of(examples, ex["question"], cfg)  # the template refused this row's messages
+            fix = " or the row" if where else ""
+            if _messages(ex["question"], cfg.system_prompt)[0]["role"] == "system":
+                fix += f"; {advice.no_system}"
+            q = json.dumps(ex["question"], ensure_ascii=False)
+            raise DataError(f"{where or 'the built-in task'}: question {q[:80] + ('...' if len(q) > 80 else '')}: "
+                            f"{e}{fix}") from e
         ids = list(tokenizer(text, add_special_tokens=False).input_ids)
         if len(ids) <= cfg.max_prompt_tokens:
             ids_out.append(ids)
