@@ -52,6 +52,41 @@ def as_option_error(e: ValueError, owner: str, options: dict[str, str] | None = 
     return CliError(re.sub(rf"\b{re.escape(owner)}\.(\w+)", option, str(e)))
 
 
+class _Parser(argparse.ArgumentParser):
+    """An ``ArgumentParser`` whose commands take their ``key=value`` overrides anywhere among their options.
+
+    A ``nargs="*"`` positional stops collecting at the first option, so in ``train a=1 --out x b=2`` argparse
+    leaves ``b=2`` over; a command with an ``overrides`` positional adds such left-over words to it, in order.
+    Whatever a command (a subparser) still leaves over is an unknown option, refused with that command's usage
+    (not the top-level one) and the nearest option it has."""
+
+    top = False  # the ``specroll`` parser itself: leaves what its commands did not parse to ``parse_args``
+
+    def parse_known_args(self, args=None, namespace=None):
+        namespace, extras = super().parse_known_args(args, namespace)
+        if self.top or not extras:
+            return namespace, extras
+        if any(a.dest == "overrides" and not a.option_strings for a in self._actions):
+            cut = extras.index("--") if "--" in extras else len(extras)  # after a "--" every word is an override
+            late = [x for x in extras[:cut] if not x.startswith("-")] + extras[cut + 1:]
+            extras = [x for x in extras[:cut] if x.startswith("-")]
+            namespace.overrides = [*(getattr(namespace, "overrides", None) or []), *late]
+        if extras:
+            self.error(f"unrecognized arguments: {' '.join(extras)}{self._nearest(extras)}")
+        return namespace, extras
+
+    def _nearest(self, extras: list[str]) -> str:
+        """" (did you mean --out?)" for the first unknown option close to one of this command's, else ""."""
+        import difflib
+
+        known = [o for a in self._actions for o in a.option_strings if o.startswith("--")]
+        for x in extras:
+            close = difflib.get_close_matches(x.split("=", 1)[0], known, n=1, cutoff=0.75)
+            if x.startswith("-") and close:
+                return f" (did you mean {close[0]}?)"
+        return ""
+
+
 def _run(target: str):
     def call(args):
         if getattr(args, "dtype", None) == "auto":  # commands see the concrete dtype of this CPU
@@ -233,8 +268,8 @@ def _train_common(p):
 def _train(sub):
     p = sub.add_parser("train", help="GRPO training (default: SmolLM2-135M on the built-in arithmetic task)")
     _train_common(p)
-    p.add_argument("--out", default=None, help="run directory (default: train.out_dir or runs/<timestamp>[-N]); a fresh run needs a new or "
-                   "empty one")
+    p.add_argument("--out", default=None, help="run directory (default: train.out_dir or runs/<timestamp>[-N]); a fresh run needs a new "
+                   "directory or one without a run in it")
     p.add_argument("--resume", default=None, help="checkpoint dir, run dir, or 'latest' (in --out or train.out_dir)")
     p.add_argument("--nproc", type=int, default=1,
                    help="data-parallel processes on this machine (torch.distributed, gloo); each rank rolls out and "
@@ -417,8 +452,9 @@ COMMANDS = [_models, _generate, _bench, _draft, _train, _eval, _export, _report,
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="specroll", description="Speculative rollouts for GRPO / RLVR training.",
-                                     epilog="Errors are one line; SPECROLL_DEBUG=1 shows their traceback.")
+    parser = _Parser(prog="specroll", description="Speculative rollouts for GRPO / RLVR training.",
+                     epilog="Errors are one line; SPECROLL_DEBUG=1 shows their traceback.")
+    parser.top = True
     sub = parser.add_subparsers(dest="command", required=True)
     for add in COMMANDS:
         add(sub)

@@ -74,17 +74,60 @@ def test_unknown_alias_lists_the_aliases():
 
 def test_nonexistent_path_errors_clearly(tmp_path):
     missing = tmp_path / "no" / "such-model"
-    with pytest.raises(hub.HubError, match="unknown model .*no/such-model.*tiny-llama"):
+    with pytest.raises(hub.HubError) as e:
         hub.resolve(str(missing))
+    assert str(e.value) == (f"no directory or file {missing}; pass an HF model directory or a .gguf file (or an "
+                            f"alias: {', '.join(hub.ALIASES)})")
 
 
-@pytest.mark.parametrize("name", ["./no/such-model", "./such-model", "../such-model"])
-def test_relative_missing_path_is_not_taken_for_a_hub_id(name, monkeypatch):
+@pytest.mark.parametrize("name", ["./no/such-model", "./such-model", "../such-model", "~/such-model", "such-model.gguf",
+                                  "org/such-model.gguf", "a/b/such-model"])
+def test_a_missing_path_is_named_with_its_absolute_path_and_not_taken_for_a_hub_id(name, tmp_path, monkeypatch):
+    """A name whose form is a path's (./ ../ ~ /, a .gguf suffix, more than org/name) is not looked up on the Hub."""
+    def no_hub(*a, **k):
+        raise AssertionError("looked up on the Hub")
+
+    monkeypatch.setattr(hub, "_snapshot", no_hub)
+    (tmp_path / "cwd").mkdir()
+    monkeypatch.chdir(tmp_path / "cwd")
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    full = os.path.abspath(os.path.expanduser(name))
+    with pytest.raises(hub.HubError) as e:
+        hub.resolve(name)
+    assert str(e.value).startswith(f"no directory or file {name} ({full}); pass an HF model directory or a .gguf "
+                                   "file"), str(e.value)
+
+
+def test_a_typo_in_a_local_path_of_hub_id_form_is_reported_as_a_missing_path(tmp_path, monkeypatch):
+    """models/smolm where ./models is a directory: the missing path first (and the close name beside it), the Hub
+    reading second; a Hub id of that form that the Hub has is still downloaded."""
+    import huggingface_hub
     import huggingface_hub.constants
 
-    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)  # never a download, even if taken for one
-    with pytest.raises(hub.HubError, match=f"unknown model '{name}'"):
-        hub.resolve(name)
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "models" / "smollm").mkdir(parents=True)
+    with pytest.raises(hub.HubError) as e:
+        hub.resolve("models/smolm")
+    msg = str(e.value)
+    assert msg.startswith(f"no directory or file models/smolm ({tmp_path / 'models' / 'smolm'}; "
+                          f"{tmp_path / 'models' / 'smollm'} exists); as a Hub id it could not be downloaded ("), msg
+    assert "\n" not in msg
+    got = hub.resolve("tiny-llama", quiet=True)
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", lambda repo_id, **k: str(got))
+    assert hub.resolve("models/smolm") == got
+
+
+def test_a_training_run_or_checkpoint_as_the_model_points_at_checkpoint(tmp_path):
+    run = tmp_path / "run"
+    (run / "step_000001").mkdir(parents=True)
+    (run / "config.yaml").write_text("model:\n  name: tiny-llama\n")
+    (run / "step_000001" / "state.json").write_text("{}")
+    with pytest.raises(hub.HubError, match=f"{run} is a training run directory .*; pass it as --checkpoint {run} "):
+        hub.resolve(str(run))
+    with pytest.raises(hub.HubError, match=f"step_000001 is a training checkpoint, not a model directory; pass it as "
+                                           f"--checkpoint {run / 'step_000001'} "):
+        hub.resolve(str(run / "step_000001"))
 
 
 def test_an_existing_file_that_is_not_a_gguf_is_refused(tmp_path):

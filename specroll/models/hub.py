@@ -11,7 +11,9 @@ a model gets into it:
 - ``tiny-llama`` / ``tiny-qwen2`` / ``tiny-qwen3``: seeded random models built in code (tests, demos).
 - a local HF directory (Llama, Qwen2/2.5, Qwen3; safetensors only): used in place;
 - a ``.gguf`` file: converted once, keyed by the file's sha256;
-- ``org/name``: ``huggingface_hub.snapshot_download`` when the Hub is reachable.
+- ``org/name``: ``huggingface_hub.snapshot_download`` when the Hub is reachable. A missing name in a path's form
+  (./ ../ / ~, a .gguf suffix, a/b/c) is reported as a missing path, never looked up; ``org/name`` whose ``org``
+  is a local directory is looked up, and reported as a missing path first when the Hub does not have it.
 
 A cache entry is complete iff its marker ``specroll.json`` exists and every weight file matches the
 size and sha256 recorded there. Entries are built in a temporary directory beside the target and
@@ -99,9 +101,45 @@ def resolve(name_or_path: str | Path = DEFAULT_MODEL, *, force: bool = False, ho
         return _resolve_gguf(path.resolve(), models_dir(home), force, quiet)
     if path.exists():
         raise HubError(f"{path} is neither an HF model directory nor a .gguf file; known aliases: {_known()}")
-    if re.fullmatch(r"[\w.\-]+/[\w.\-]+", name) and not name.startswith((".", "/")):
-        return _snapshot(name)
+    local = _looks_local(name)
+    hub_id = re.fullmatch(r"[\w.\-]+/[\w.\-]+", name) and not name.startswith((".", "/")) and local != "path"
+    if hub_id:  # org/name whose org is a local directory: a path with a typo, unless the Hub has it
+        return _snapshot(name, _missing(name, path) if local else None)
+    if local:
+        raise HubError(f"{_missing(name, path)}; pass an HF model directory or a .gguf file (or an alias: {_known()})")
     raise HubError(f"unknown model {name!r}: not a known alias ({_known()}), an existing path, or a Hub id org/name")
+
+
+def _looks_local(name: str) -> str:
+    """How surely ``name`` (no existing file or directory) was meant as a local path: "path" when its form says so
+    (it starts with ./ ../ / or ~, ends in .gguf, or has a form no Hub id has, as a/b/c), "dir" when it has the form
+    of a Hub id org/name but its first component is a directory here (as in models/typo), else ""."""
+    if name.startswith(("./", "../", "/", "~")) or name in (".", "..") or name.lower().endswith(".gguf"):
+        return "path"
+    if "/" not in name:
+        return ""
+    if not re.fullmatch(r"[\w.\-]+/[\w.\-]+", name):  # a/b/c, a//b: no Hub id has that form
+        return "path"
+    return "dir" if Path(name.split("/")[0]).is_dir() else ""
+
+
+def _missing(name: str, path: Path) -> str:
+    """"no directory or file models/typo (/abs/models/typo)", with the entry of the deepest existing folder on
+    the way whose name is close to the missing one, if any: "(/abs/models/typo; /abs/models/typ0 exists)"."""
+    import difflib
+
+    full = Path(os.path.abspath(path))
+    at = full
+    while not at.parent.exists() and at != at.parent:
+        at = at.parent
+    try:
+        names = [p.name for p in at.parent.iterdir()] if at.parent.is_dir() else []
+    except OSError:
+        names = []
+    close = difflib.get_close_matches(at.name, names, n=1, cutoff=0.75)
+    where = [str(full)] if str(full) != name else []
+    where += [f"{at.parent / close[0]} exists"] if close else []
+    return f"no directory or file {name}" + (f" ({'; '.join(where)})" if where else "")
 
 
 def load(name_or_path: str | Path = DEFAULT_MODEL, dtype=None, **resolve_kw):
@@ -159,6 +197,14 @@ def chat_text(tokenizer, messages: list[dict], advice: str = "") -> str:
 def validate_hf_dir(path: Path) -> Path:
     """Check that ``path`` is an HF directory the decoder supports; return it."""
     cfg = path / "config.json"
+    if not cfg.is_file() and (path / "state.json").is_file():  # rl/checkpoint.py's layout
+        raise HubError(f"{path} is a training checkpoint, not a model directory; pass it as --checkpoint {path} "
+                       f"(generate, eval), or make a model directory of it: specroll export --checkpoint {path} "
+                       "--out DIR")
+    if not cfg.is_file() and ((path / "config.yaml").is_file() or any(path.glob("step_[0-9]*"))):
+        raise HubError(f"{path} is a training run directory (config.yaml, step_* checkpoints), not a model directory; "
+                       f"pass it as --checkpoint {path} (generate, eval: its latest checkpoint), or make a model "
+                       f"directory of it: specroll export --checkpoint {path} --out DIR")
     if not cfg.is_file():
         raise HubError(f"{path} has no config.json; pass an HF model directory, a .gguf file, or an alias ({_known()})")
     try:
@@ -456,12 +502,16 @@ def _read_marker_source(d: Path) -> dict:
         return {}
 
 
-def _snapshot(repo_id: str) -> Path:
+def _snapshot(repo_id: str, missing: str | None = None) -> Path:
+    """``repo_id`` downloaded from the Hub. ``missing``: the name is also a local path with a typo ("no directory
+    or file ..."), which a failed download reports first."""
     try:
         from huggingface_hub import snapshot_download
 
         d = snapshot_download(repo_id, allow_patterns=["*.json", "*.safetensors", "*.jinja", "*.txt", "*.model"])
     except Exception as e:  # noqa: BLE001 - network / auth / 404 all become one line
+        if missing:
+            raise HubError(f"{missing}; as a Hub id it could not be downloaded ({_first_line(e)})") from e
         raise HubError(f"could not download {repo_id!r} from the Hugging Face Hub ({_first_line(e)}); check network "
                        f"access to huggingface.co, or pass a local path or an alias ({_known()})") from e
     return validate_hf_dir(Path(d))
