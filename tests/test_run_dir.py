@@ -7,9 +7,11 @@ import shutil
 from pathlib import Path
 
 import pytest
+import yaml
 from helpers import full_disk_torch_save
 
 from specroll.cli import main
+from specroll.config import load_config
 from specroll.rl import checkpoint as ckpt
 from specroll.rl import run
 
@@ -73,8 +75,8 @@ def test_fresh_run_refuses_earlier_run_before_loading_the_model(tmp_path, capsys
     if marker.startswith("step_"):
         (out / marker).mkdir()
         (out / marker / "state.json").write_text('{"step": 4}')
-    else:
-        (out / marker).write_text("from an earlier run\n")
+    else:  # a run's config.yaml is a whole config (one of the user's own is no run: test_run_units)
+        (out / marker).write_text(yaml.safe_dump(load_config().to_dict()) if marker == "config.yaml" else "{}\n")
     before = snapshot(out)
     where = ["--out", str(out)] if flag == "--out" else [f"train.out_dir={out}"]
     assert main(["train", *where, *TINY]) == 2

@@ -15,11 +15,14 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
+import yaml
 from helpers import cli_error
 
 from specroll.cli import CliError, main
 from specroll.config import load_config
 from specroll.rl import run
+
+WHOLE = yaml.safe_dump(load_config().to_dict(), sort_keys=False)  # a run's config.yaml
 
 
 def _checkpoint(d: Path, step: int, config: str | None = None) -> Path:
@@ -74,7 +77,7 @@ def test_a_run_directory_claimed_by_another_run_after_the_check_is_refused(tmp_p
     def racing(d):
         calls.append(d)
         if len(calls) == 1:  # the check finds nothing; then the other run writes its config.yaml
-            (d / "config.yaml").write_text("the other run\n")
+            (d / "config.yaml").write_text(WHOLE)  # the other run's
             return []
         return real(d)
 
@@ -82,10 +85,45 @@ def test_a_run_directory_claimed_by_another_run_after_the_check_is_refused(tmp_p
     with pytest.raises(CliError) as e:
         run._claim_run_dir(str(out), "--out", "this run\n")
     assert f"{out} already holds a run's files (config.yaml) but no checkpoint" in str(e.value)
-    assert (out / "config.yaml").read_text() == "the other run\n"
+    assert (out / "config.yaml").read_text() == WHOLE
     lock = run.RunLock(out)
     assert lock.fd is not None
     lock.release()
+
+
+def test_a_config_yaml_of_the_users_own_is_not_taken_for_a_run_or_written_over(tmp_path, no_work):
+    """``specroll train --config config.yaml --out .`` in a folder holding that config: its config.yaml was taken for
+    a run stopped before its first checkpoint, and the suggested ``--resume latest`` replaced it (comments and
+    all) with a run's full dump."""
+    out = tmp_path / "proj"
+    out.mkdir()
+    mine = "# my notes\nmodel:\n  name: tiny-llama   # small\ntrain:\n  steps: 2\n"
+    (out / "config.yaml").write_text(mine)
+    assert run._previous_run(out) == []
+    with pytest.raises(CliError) as e:
+        run._claim_run_dir(str(out), "--out", "train: {}\n")
+    assert str(e.value) == (f"{out / 'config.yaml'} is not a run's (it is not a whole config; one of yours, for "
+                            "--config?), and a run writes its own config.yaml there: pick another --out")
+    assert run._not_started("latest", str(out)) is None  # so --resume latest finds nothing to restart
+    assert (out / "config.yaml").read_text() == mine
+    # a run's own config.yaml (every section) still is one: its run restarts from step 0
+    (out / "config.yaml").write_text(WHOLE)
+    assert run._previous_run(out) == ["config.yaml"]
+    assert run._not_started("latest", str(out)) == out / "step_000000"
+
+
+def test_a_taken_run_directory_suggests_deleting_it_only_when_it_holds_nothing_else(tmp_path):
+    out = tmp_path / "run"
+    (out / "step_000002").mkdir(parents=True)
+    (out / "step_000002" / "state.json").write_text("{}")
+    (out / "metrics.jsonl").write_text("")
+    (out / "curves.png").write_text("")
+    (out / "superseded-restart").mkdir()
+    msg = run._taken(out, run._previous_run(out))
+    assert msg.endswith(f"or start afresh in another --out (or delete {out})")
+    (out / "notes.txt").write_text("mine")
+    msg = run._taken(out, run._previous_run(out))
+    assert msg.endswith("or start afresh in another --out") and "delete" not in msg
 
 
 def test_a_claimed_run_directory_holds_the_config_and_the_lock(tmp_path):
@@ -106,7 +144,9 @@ def test_a_run_without_a_checkpoint_restarts_at_step_0_only_when_it_has_none(tmp
     d.mkdir()
     assert run._not_started("latest", None) is None
     assert run._not_started("latest", str(d)) is None  # no config.yaml: not a run
-    (d / "config.yaml").write_text("train:\n  steps: 2\n")
+    (d / "config.yaml").write_text("train:\n  steps: 2\n")  # not a run's: a config of the user's own
+    assert run._not_started("latest", str(d)) is None
+    (d / "config.yaml").write_text(WHOLE)
     assert run._not_started("latest", str(d)) == d / "step_000000"
     assert run._not_started(str(d), None) == d / "step_000000"  # --resume DIR, no --out
     assert run._not_started(str(d), str(tmp_path / "elsewhere")) == d / "step_000000"  # --resume DIR --out NEW

@@ -111,26 +111,54 @@ def _mkdir(path: Path, how: str, exist_ok: bool = True) -> None:
         raise CliError(f"cannot create the run directory {path}: {e.strerror}; pick another {how}") from None
 
 
+_CORE = ("model", "rollout", "train", "loss", "data")  # sections every run's config.yaml has held
+
+
+def _is_run_config(path: Path) -> bool:
+    """Whether ``path`` is a config.yaml a run wrote: the whole config, section by section. One of the user's own
+    (a ``--config`` file kept in the directory) names a few keys; a run must not take it for its own and
+    write over it."""
+    try:
+        raw = yaml.safe_load(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, yaml.YAMLError):
+        return False
+    return isinstance(raw, dict) and all(isinstance(raw.get(k), dict) for k in _CORE)
+
+
+def _restartable(d: Path) -> bool:
+    """Whether ``d`` holds a run that can train again from step 0 under its config.yaml: one a run wrote, or any
+    beside the run's metrics.jsonl."""
+    return (d / "config.yaml").is_file() and ((d / "metrics.jsonl").is_file() or _is_run_config(d / "config.yaml"))
+
+
 def _previous_run(run_dir: Path) -> list[str]:
-    """What in ``run_dir`` belongs to an earlier run: config.yaml, metrics.jsonl, step_* checkpoints."""
+    """What in ``run_dir`` belongs to an earlier run: its config.yaml, metrics.jsonl, step_* checkpoints."""
     found = [name for name in ("config.yaml", "metrics.jsonl") if (run_dir / name).exists()]
     steps = sorted((int(m.group(1)), p.name) for p in run_dir.iterdir() if (m := ckpt.STEP_RE.match(p.name))) \
         if run_dir.is_dir() else []  # by number: step_1000000 comes after step_999999
+    if found == ["config.yaml"] and not steps and not _is_run_config(run_dir / "config.yaml"):
+        found = []  # the user's own config.yaml, alone, is no run (``_claim_run_dir`` refuses to write over it)
     if steps:
         found.append(f"{len(steps)} checkpoint{'s' * (len(steps) > 1)} up to {steps[-1][1]}")
     return found
 
 
+_RUN_ENTRIES = ("config.yaml", "metrics.jsonl", "step_*", "superseded-*", "draft_head", "tb", "*.png", ".tmp-step_*",
+                ".del-step_*", ".old-step_*", ".metrics.jsonl.*.tmp")  # what runs, resumes and reports write
+
+
 def _taken(run_dir: Path, found: list[str]) -> str:
+    others = [p.name for p in run_dir.iterdir() if not any(p.match(g) for g in _RUN_ENTRIES)]
+    delete = f" (or delete {run_dir})" if not others else ""  # never a hint to delete files of the user's
     if ckpt.list_checkpoints(run_dir):
         return (f"{run_dir} already holds a run ({', '.join(found)}): continue it with "
-                f"--resume latest --out {run_dir}, or start afresh in another --out (or delete {run_dir})")
-    if (run_dir / "config.yaml").is_file():
+                f"--resume latest --out {run_dir}, or start afresh in another --out{delete}")
+    if _restartable(run_dir):
         return (f"{run_dir} already holds a run's files ({', '.join(found)}) but no checkpoint: train that run "
                 f"again from step 0 under its config.yaml with --resume latest --out {run_dir}, or start afresh in "
-                f"another --out (or delete {run_dir})")
+                f"another --out{delete}")
     return (f"{run_dir} already holds a run's files ({', '.join(found)}) but no checkpoint to resume: "
-            f"pick another --out (or delete {run_dir})")
+            f"pick another --out{delete}")
 
 
 class RunLock:
@@ -175,7 +203,7 @@ def _not_started(resume: str, out: str | None) -> Path | None:
     if str(resume) == "latest" and out is None:
         return None
     base = Path(out if str(resume) == "latest" else resume)
-    if (base / "config.yaml").is_file() and not ckpt.list_checkpoints(base):
+    if _restartable(base) and not ckpt.list_checkpoints(base):
         return base / "step_000000"
     return None
 
@@ -204,6 +232,12 @@ def _claim_run_dir(out: str | None, how: str, config_yaml: str) -> tuple[Path, P
         if found:
             lock.release()
             raise CliError(_taken(run_dir, found))
+        if (run_dir / "config.yaml").exists():
+            lock.release()
+            if _is_run_config(run_dir / "config.yaml"):  # another run's, since the check (where flock is unavailable)
+                raise CliError(_taken(run_dir, ["config.yaml"]))
+            raise CliError(f"{run_dir / 'config.yaml'} is not a run's (it is not a whole config; one of yours, for "
+                           f"--config?), and a run writes its own config.yaml there: pick another --out")
     else:
         stamp = Path("runs") / time.strftime("%Y%m%d-%H%M%S")
         for i in itertools.count(1):
@@ -220,13 +254,13 @@ def _claim_run_dir(out: str | None, how: str, config_yaml: str) -> tuple[Path, P
             f.write(config_yaml)
     except FileExistsError:  # another run claimed it since the check above (where flock is unavailable)
         lock.release()
-        raise CliError(_taken(run_dir, _previous_run(run_dir))) from None
+        raise CliError(_taken(run_dir, _previous_run(run_dir) or ["config.yaml"])) from None
     return run_dir, created, lock
 
 
 def _release_run_dir(run_dir: Path, created: Path | None) -> None:
     """Undo ``_claim_run_dir`` after a failure that left nothing else (no metrics, no checkpoint)."""
-    if _previous_run(run_dir) != ["config.yaml"]:
+    if _previous_run(run_dir) not in ([], ["config.yaml"]):  # [] : the config.yaml it wrote was not a whole one
         return
     (run_dir / "config.yaml").unlink(missing_ok=True)
     _remove_if_empty(run_dir, created)
