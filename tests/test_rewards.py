@@ -573,6 +573,107 @@ def test_a_short_run_whose_reward_always_raised_ends_with_an_error(tmp_path, cap
         never.check_ever_succeeded({"sr_never2:f": (4, 4)})
 
 
+@pytest.mark.parametrize("value", ["float('nan')", "None"])
+def test_a_function_that_only_returns_none_stops_the_run(tmp_path, value):
+    """None/NaN for every sample of every call trains nothing, like a function that always raises: the run used
+    to go on with reward nan and no optimizer step, and exit 0."""
+    name = f"sr_allnone_{'nan' if 'nan' in value else 'none'}"
+    _write_module(tmp_path, name, f"def f(prompts, completions, **kw):\n    return [{value}] * len(completions)\n")
+    reward = build_reward(RewardConfig(funcs=[f"{name}:f", "format"]))
+    for _ in range(R.GIVE_UP_AFTER - 1):
+        total, per = reward(["p", "p"], ["Answer: 1", "x"])
+        assert total == [None, None] and per["format"] == [1.0, 0.0]
+    with pytest.raises(RewardError, match=rf"^reward '{name}:f' returned None/NaN for every sample on every one of "
+                                          rf"its {R.GIVE_UP_AFTER - 1} call\(s\), so every sample was excluded and "
+                                          r"nothing was learned; fix the function \(.*\)$"):
+        reward.check_ever_succeeded()  # what a run that ends here reports
+    with pytest.raises(RewardError, match=rf"^reward '{name}:f' returned None/NaN for every sample on each of its "
+                                          rf"first {R.GIVE_UP_AFTER} calls, .*fix the function"):
+        reward(["p", "p"], ["Answer: 1", "x"])
+    assert reward.n_failures[f"{name}:f"] == 0 and reward.n_empty[f"{name}:f"] == R.GIVE_UP_AFTER
+    # data parallel: the counts (calls, failures, empty) of every process decide
+    reward.check_ever_succeeded({f"{name}:f": (16, 0, 15)})  # another process's rows got a value
+    with pytest.raises(RewardError, match="every sample on every one of its 16 call"):
+        reward.check_ever_succeeded({f"{name}:f": (16, 0, 16)})
+
+
+def test_none_for_some_samples_or_some_calls_never_stops_the_run(tmp_path):
+    """Only a function that gave no value on EVERY call stops: None for some samples (e.g. rows without an
+    answer) is a value for the others, and a batch of only such rows after a call with a value is no stop."""
+    _write_module(tmp_path, "sr_somenone", """
+        calls = {"n": 0}
+        def some(prompts, completions, answer=None, **kw):
+            return [None if a is None else 1.0 for a in answer]
+        def later(prompts, completions, **kw):
+            calls["n"] += 1
+            return [1.0 if calls["n"] == 1 else None] * len(completions)
+    """)
+    reward = build_reward(RewardConfig(funcs=["sr_somenone:some", "sr_somenone:later"]))
+    for _ in range(R.GIVE_UP_AFTER + 2):
+        reward(["p", "p"], ["a", "b"], answer=[None, "1"])
+    assert reward(["p"], ["a"], answer=[None]) == ([None], {"sr_somenone:some": [None], "sr_somenone:later": [None]})
+    assert reward.n_empty == {"sr_somenone:some": 1, "sr_somenone:later": R.GIVE_UP_AFTER + 2}
+    reward.check_ever_succeeded()
+
+
+def test_calls_that_raised_or_returned_only_none_stop_the_run_together(tmp_path):
+    _write_module(tmp_path, "sr_mixed", """
+        calls = {"n": 0}
+        def f(prompts, completions, **kw):
+            calls["n"] += 1
+            if calls["n"] % 2:
+                raise ValueError("no grader here")
+            return [None] * len(completions)
+    """)
+    reward = build_reward(RewardConfig(funcs=["sr_mixed:f"]))
+    for _ in range(3):
+        reward(["p"], ["x"])
+    with pytest.raises(RewardError, match=r"'sr_mixed:f' raised or returned only None/NaN on every one of its 3 "
+                                          r"call\(s\) \(last: ValueError: no grader here\), so every sample"):
+        reward.check_ever_succeeded()
+    for _ in range(R.GIVE_UP_AFTER - 4):
+        reward(["p"], ["x"])
+    with pytest.raises(RewardError, match=rf"'sr_mixed:f' raised or returned only None/NaN on each of its first "
+                                          rf"{R.GIVE_UP_AFTER} calls \(last: ValueError: no grader here\)"):
+        reward(["p"], ["x"])
+
+
+@pytest.mark.parametrize("steps, said", [
+    (10, f"on each of its first {R.GIVE_UP_AFTER} calls"),  # stopped at its 8th call
+    (2, "on every one of its 3 call(s)"),  # two steps and the final eval: the end of the run says it
+])
+def test_a_run_whose_reward_only_returned_nan_ends_with_an_error(tmp_path, capsys, monkeypatch, steps, said):
+    """The reviewer's repro: every step showed reward nan and no optimizer step, and the run exited 0."""
+    from specroll.cli import main
+
+    monkeypatch.delenv("SPECROLL_DEBUG", raising=False)
+    _write_module(tmp_path, "sr_nanrun", """
+        def nan(prompts, completions, **kw):
+            return [float('nan')] * len(completions)
+    """)
+    tiny = ["model.name=tiny-llama", "rollout.max_new_tokens=4", "data.n_train=8", "data.n_eval=2",
+            "train.prompts_per_step=2", "rollout.G=2", "model.rollout_dtype=float32", "train.eval_before=false"]
+    out = tmp_path / f"run{steps}"
+    assert main(["train", "--out", str(out), f"train.steps={steps}", "reward.funcs=sr_nanrun:nan", *tiny]) == 2
+    err = [ln for ln in capsys.readouterr().err.splitlines() if ln.startswith("specroll: error:")]
+    assert len(err) == 1 and f"reward 'sr_nanrun:nan' returned None/NaN for every sample {said}, so every " \
+        "sample was excluded and nothing was learned; fix the function" in err[0], err
+
+
+def test_sys_exit_in_a_reward_is_an_error_not_the_end_of_the_process(tmp_path):
+    """``sys.exit(3)`` in a reward ended the run with exit code 3 and no word of why."""
+    _write_module(tmp_path, "sr_exits", """
+        import sys
+        def f(prompts, completions, **kw):
+            sys.exit(3)
+    """)
+    reward = build_reward(RewardConfig(funcs=["format", "sr_exits:f"]))
+    with pytest.raises(RewardError, match=r"^reward 'sr_exits:f' called sys.exit\(3\); a reward must return its "
+                                          r"values \(None excludes a sample\), not end the process: fix the "
+                                          r"function$"):
+        reward(["p"], ["x"])
+
+
 @pytest.mark.parametrize("ret, match", [
     ("[1.0]", "returned 1 values for 2 completions"),
     ("None", "must return a list of 2"),

@@ -3,6 +3,7 @@
 import json
 import math
 import os
+import sys
 from pathlib import Path
 
 import pytest
@@ -13,6 +14,7 @@ from specroll.config import PRESETS, load_config, parse_override
 from specroll.engine.sampling import SamplingParams
 from specroll.models.decoder import Decoder, DecoderConfig
 from specroll.rl import checkpoint as ckpt
+from specroll.rl.distributed import Dist
 from specroll.rl.trainer import Batch, PromptSet, Trainer, completion_logprobs
 
 TARGET = 7
@@ -219,6 +221,90 @@ def test_reward_gets_the_columns_of_every_row():
     cols = [{"question": "q1", "answer": "1"}, {"question": "q2", "answer": "2", "hint": "carry"}]
     call_reward(reward, ["a", "b"], ["x", "y"], cols)
     assert seen == {"answer": ["1", "2"], "hint": [None, "carry"]}
+
+
+def nothing(prompts, completions, **cols):
+    """A plain reward (no ``rewards.Reward``) that never scores a sample."""
+    return [None] * len(completions)
+
+
+def test_a_plain_reward_that_only_returns_none_stops_the_run():
+    """The trainer also takes a plain TRL-style function: one that returns None/NaN for every sample of every
+    call trained nothing (reward nan, no optimizer step) and fit() returned as if it had trained."""
+    from specroll.rl.rewards import GIVE_UP_AFTER, RewardError
+
+    ps = prompts()
+    tr = Trainer(make_cfg("train.steps=2"), tiny_model(0), ps, ps, nothing, decode, eos_ids=[0])
+    with pytest.raises(RewardError, match=r"^reward 'nothing' returned None/NaN for every sample on every one of its "
+                                          r"3 call\(s\), so every sample was excluded and nothing was learned"):
+        tr.fit()  # two steps and the final eval
+    tr = Trainer(make_cfg("train.steps=20"), tiny_model(0), ps, None, nothing, decode, eos_ids=[0])
+    with pytest.raises(RewardError, match=f"'nothing' returned None/NaN for every sample on each of its first "
+                                          f"{GIVE_UP_AFTER} calls"):
+        tr.fit()
+    assert tr.step == GIVE_UP_AFTER - 1  # stopped in the step of its 8th call
+
+    calls = []
+
+    def sometimes(prompts, completions, **cols):  # None for whole batches, but not every one
+        calls.append(1)
+        return target_fraction(prompts, completions) if len(calls) == 1 else nothing(prompts, completions)
+
+    tr = Trainer(make_cfg(f"train.steps={GIVE_UP_AFTER + 1}"), tiny_model(0), ps, None, sometimes, decode, eos_ids=[0])
+    tr.fit()
+    assert len(calls) == GIVE_UP_AFTER + 1
+
+
+class _OtherRank(Dist):
+    """One process of a data-parallel run as ``_check_reward`` sees it: ``sum_`` adds another rank's counts."""
+
+    def __init__(self, other: list[float]):
+        super().__init__()
+        self.other = torch.tensor(other, dtype=torch.float64)
+
+    def sum_(self, t):
+        return t.add_(self.other)
+
+
+def test_the_end_of_run_check_sums_the_empty_calls_of_every_process(tmp_path):
+    """Data parallel: a function that gave no value on this rank's rows but did on another's has learned
+    something; one that gave none anywhere has not, and every rank says so with the summed count."""
+    from specroll.rl.rewards import RewardConfig, RewardError, build_reward
+
+    (tmp_path / "tr_allnone.py").write_text("def f(prompts, completions, **kw):\n    return [None] * len(completions)\n")
+    sys.path.insert(0, str(tmp_path))
+    try:
+        reward = build_reward(RewardConfig(funcs=["tr_allnone:f"]))
+        reward(["p"], ["x"])
+        reward(["p"], ["x"])
+        tr = Trainer(make_cfg(), tiny_model(0), prompts(), None, reward, decode, eos_ids=[0])
+        tr.dist = _OtherRank([2.0, 0.0, 1.0])  # (calls, failures, empty) of the other rank
+        tr._check_reward()
+        tr.dist = _OtherRank([2.0, 0.0, 2.0])
+        with pytest.raises(RewardError, match=r"'tr_allnone:f' returned None/NaN for every sample on every one of "
+                                              r"its 4 call\(s\)"):
+            tr._check_reward()
+        # a plain function: the trainer's own counts, summed the same way
+        tr = Trainer(make_cfg(), tiny_model(0), prompts(), None, nothing, decode, eos_ids=[0])
+        tr._call_reward(["p"], ["x"], [{}])
+        tr.dist = _OtherRank([3.0, 2.0])  # (calls, empty)
+        tr._check_reward()
+        tr.dist = _OtherRank([3.0, 3.0])
+        with pytest.raises(RewardError, match=r"'nothing' returned None/NaN for every sample on every one of its 4"):
+            tr._check_reward()
+    finally:
+        sys.path.remove(str(tmp_path))
+
+
+def test_sys_exit_in_a_plain_reward_is_an_error():
+    from specroll.rl.rewards import RewardError
+    from specroll.rl.trainer import call_reward
+
+    def quits(prompts, completions, **cols):
+        raise SystemExit(3)
+
+    with pytest.raises(RewardError, match=r"^reward 'quits' called sys.exit\(3\); a reward must return its values"):
+        call_reward(quits, ["a"], ["x"], [{}])
 
 
 def test_an_infinite_reward_stops_the_step_before_the_update():

@@ -668,7 +668,28 @@ def load_function(spec: str) -> Callable:
     return fn
 
 
-GIVE_UP_AFTER = 8  # a function that has raised on this many calls and never returned stops the run
+GIVE_UP_AFTER = 8  # a function that gave no value (raised, or only None/NaN) on each of its first 8 calls stops the run
+
+
+def check_gave_values(name: str, calls: int, failures: int, empty: int, last_error: str | None = None, *,
+                      giving_up: bool = False) -> None:
+    """A one-line ``RewardError`` if reward function ``name`` gave no value on any of its ``calls`` calls: each
+    of them (``empty`` == ``calls``) either raised (``failures`` of them; ``last_error`` the last) or returned
+    None/NaN for every sample, so every sample was excluded and nothing was learned. ``giving_up``: said of a
+    run still in progress (its first ``calls`` calls) rather than of a finished one (every one of them)."""
+    if not calls or empty < calls:
+        return
+    span = f"each of its first {calls} calls" if giving_up else f"every one of its {calls} call(s)"
+    last = f" (last: {last_error})" if last_error else ""
+    if failures >= calls:
+        what, fix = f"raised on {span}{last}", "fix the function"
+    elif failures == 0:
+        what = f"returned None/NaN for every sample on {span}"
+        fix = "fix the function (None or NaN leaves out one sample: return a float for each sample it can score)"
+    else:
+        what = f"raised or returned only None/NaN on {span}{last}"
+        fix = "fix the function (None or NaN leaves out one sample: return a float for each sample it can score)"
+    raise RewardError(f"reward {name!r} {what}, so every sample was excluded and nothing was learned; {fix}")
 
 
 def _signature_error(e: TypeError, f, kwargs: dict) -> bool:
@@ -692,8 +713,11 @@ class Reward:
     function's list. A sample's total is None when any function returned None (or NaN) for it (or
     raised): the trainer excludes that sample (it carries no advantage and no loss). A function that
     raises yields None for the whole batch and logs ONE warning per function for the run; its failures
-    are counted in ``n_failures[name]``, and one that has raised on each of its first ``GIVE_UP_AFTER``
-    calls stops the run with a ``RewardError`` (it would only ever exclude every sample). A wrong-length, non-numeric or infinite return, a ``TypeError``
+    are counted in ``n_failures[name]``. A call that gives no value (it raised, or returned None/NaN for every
+    sample) is counted in ``n_empty[name]``, and a function whose first ``GIVE_UP_AFTER`` calls all gave none
+    stops the run with a ``RewardError`` (it would only ever exclude every sample); None for SOME samples of a
+    call is a value for the others and never stops it. A ``SystemExit`` (``sys.exit`` in the function) is a
+    ``RewardError``: a reward must not end the process. A wrong-length, non-numeric or infinite return, a ``TypeError``
     on the function's first call (a signature without ``**kwargs`` refusing the dataset's columns), or a
     ``RewardError`` raised by the function (e.g. the built-in accuracy reward missing its ``answer``
     column), propagates as a ``RewardError``.
@@ -705,19 +729,18 @@ class Reward:
         self.checker = checker  # the math-verify worker of the built-in accuracy reward, if any
         self.n_failures = {k: 0 for k in funcs}
         self.n_calls = {k: 0 for k in funcs}
+        self.n_empty = {k: 0 for k in funcs}  # calls that gave no value: raised, or None/NaN for every sample
         self.last_error: dict[str, str] = {}
 
-    def check_ever_succeeded(self, counts: dict[str, tuple[int, int]] | None = None) -> None:
-        """At the end of a run: a ``RewardError`` if a function raised on every one of its calls. A run shorter
-        than ``GIVE_UP_AFTER`` calls never reached that stop, and ended as if it had trained. ``counts``:
-        {name: (calls, failures)} summed over the processes of data parallel (default: this process's)."""
+    def check_ever_succeeded(self, counts: dict[str, tuple[int, ...]] | None = None) -> None:
+        """At the end of a run: a ``RewardError`` if a function gave no value on every one of its calls (it raised,
+        or returned None/NaN for every sample). A run shorter than ``GIVE_UP_AFTER`` calls never reached that
+        stop, and ended as if it had trained. ``counts``: {name: (calls, failures, empty)} summed over the
+        processes of data parallel (default: this process's); a pair (calls, failures) counts only raises."""
         for name in self.funcs:
-            calls, fails = (counts or {}).get(name, (self.n_calls[name], self.n_failures[name]))
-            if calls and fails == calls:
-                last = self.last_error.get(name)
-                raise RewardError(f"reward {name!r} raised on every one of its {calls} call(s)"
-                                  f"{f' (last: {last})' if last else ''}, so every sample was excluded and nothing "
-                                  "was learned; fix the function")
+            c = (counts or {}).get(name, (self.n_calls[name], self.n_failures[name], self.n_empty[name]))
+            calls, fails, empty = (*c, c[1]) if len(c) == 2 else c
+            check_gave_values(name, calls, fails, empty, self.last_error.get(name))
 
     @property
     def names(self) -> list[str]:
@@ -743,6 +766,9 @@ class Reward:
             vals = f(prompts=prompts, completions=completions, **columns)
         except RewardError:
             raise  # a contract problem (e.g. a missing column): retrying cannot fix it
+        except SystemExit as e:  # sys.exit() in the function: it would end the run with no word of why
+            raise RewardError(f"reward {name!r} called sys.exit({e.code!r}); a reward must return its values "
+                              "(None excludes a sample), not end the process: fix the function") from None
         except Exception as e:  # noqa: BLE001 - user code: skip the batch, keep training
             if isinstance(e, TypeError) and self.n_calls[name] == 1 and _signature_error(
                     e, f, dict(prompts=prompts, completions=completions, **columns)):  # every call would fail
@@ -754,12 +780,20 @@ class Reward:
                                "succeeds (warned once)", name, type(e).__name__, e)
             self.n_failures[name] += 1
             self.last_error[name] = f"{type(e).__name__}: {e}"
-            if self.n_failures[name] == self.n_calls[name] == GIVE_UP_AFTER:
-                raise RewardError(f"reward {name!r} raised on each of its first {GIVE_UP_AFTER} calls (last: "
-                                  f"{self.last_error[name]}), so every sample was excluded and nothing was "
-                                  "learned; fix the function") from e
+            self._count_empty(name)
             return [None] * n
-        return _check_values(name, vals, n)
+        out = _check_values(name, vals, n)
+        if all(v is None for v in out):  # None/NaN for every sample: as good as a raise for training
+            self._count_empty(name)
+        return out
+
+    def _count_empty(self, name: str) -> None:
+        """Count a call of ``name`` that gave no value; its ``GIVE_UP_AFTER``-th call that still gave none, like
+        every one before it, stops the run."""
+        self.n_empty[name] += 1
+        if self.n_calls[name] == GIVE_UP_AFTER:
+            check_gave_values(name, GIVE_UP_AFTER, self.n_failures[name], self.n_empty[name],
+                              self.last_error.get(name), giving_up=True)
 
 
 def _check_values(name: str, vals, n: int) -> list[float | None]:

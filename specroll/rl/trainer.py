@@ -46,7 +46,7 @@ from .distributed import Dist
 from .logprobs import token_logprobs
 from .losses import group_advantages, policy_loss, token_weights, zero_variance_groups
 from .metrics import MetricsWriter, json_value, step_line
-from .rewards import RewardError
+from .rewards import GIVE_UP_AFTER, RewardError, check_gave_values
 
 
 @dataclass
@@ -69,11 +69,16 @@ def call_reward(reward: Callable, prompts: list[str], completions: list[str], co
 
     ``reward`` may be an ``rl.rewards.Reward`` (returns ``(totals, per_func)``) or a plain TRL-style
     function returning one value per completion. Every column of any row is passed (None in the rows
-    without it). An infinite total is a ``RewardError`` (NaN, like None, excludes the sample).
+    without it). An infinite total is a ``RewardError`` (NaN, like None, excludes the sample), and so is a
+    ``sys.exit`` in the reward (a reward must not end the run).
     """
     keys = dict.fromkeys(k for c in columns for k in c)  # in first-seen order
     cols = {k: [c.get(k) for c in columns] for k in keys}
-    out = reward(prompts, completions, **cols)
+    try:
+        out = reward(prompts, completions, **cols)
+    except SystemExit as e:
+        raise RewardError(f"reward {reward_name(reward)!r} called sys.exit({e.code!r}); a reward must return its "
+                          "values (None excludes a sample), not end the process: fix the function") from None
     per: dict = {}
     if isinstance(out, tuple) and len(out) == 2 and isinstance(out[1], dict):
         out, per = out
@@ -83,8 +88,7 @@ def call_reward(reward: Callable, prompts: list[str], completions: list[str], co
     totals = torch.tensor(values)
     if torch.isinf(totals).any():  # also a float beyond float32's range
         bad = values[int(torch.isinf(totals).nonzero()[0, 0])]
-        name = getattr(reward, "__name__", None) or ",".join(getattr(reward, "names", ())) or repr(reward)
-        raise RewardError(f"reward {name!r} returned {bad} for a completion; a reward must be finite "
+        raise RewardError(f"reward {reward_name(reward)!r} returned {bad} for a completion; a reward must be finite "
                           "(None or NaN excludes a sample)")
     means = {}
     for name, vals in per.items():
@@ -92,6 +96,11 @@ def call_reward(reward: Callable, prompts: list[str], completions: list[str], co
         if good:
             means[name] = sum(good) / len(good)
     return totals, means
+
+
+def reward_name(reward: Callable) -> str:
+    """How errors name ``reward``: a function's name, a ``Reward``'s function names, else its repr."""
+    return getattr(reward, "__name__", None) or ",".join(getattr(reward, "names", ())) or repr(reward)
 
 
 @dataclass
@@ -327,6 +336,9 @@ class Trainer:
         self.rollout_hooks: list[Callable] = []
         self._perms: dict[int, torch.Tensor] = {}
         self._data_base = (0, 0)  # (step, prompts drawn before it): data_position
+        # a plain reward function's calls, and those that gave no value (all None/NaN): _call_reward; a ``Reward``
+        # counts its own functions'
+        self._plain_calls = self._plain_empty = 0
         self.writer = MetricsWriter(self.run_dir, tc.tensorboard) if self.run_dir is not None and dist.main else None
 
     # -- data ---------------------------------------------------------------------------------
@@ -389,7 +401,19 @@ class Trainer:
         G = self.cfg.rollout.G
         texts = [self.decode(r.completion_ids.tolist()) for r in rollouts]
         rep = lambda xs: [x for x in xs for _ in range(G)]  # noqa: E731
-        return call_reward(self.reward, rep(prompts.texts), texts, rep(prompts.columns))
+        return self._call_reward(rep(prompts.texts), texts, rep(prompts.columns))
+
+    def _call_reward(self, prompts: list[str], completions: list[str], columns: list[dict]):
+        """``call_reward`` with this trainer's reward. A plain function (not a ``rewards.Reward``, which counts
+        its own) is counted here: one whose first ``GIVE_UP_AFTER`` calls all gave None/NaN for every sample
+        stops the run with a ``RewardError`` (it would only ever exclude every sample)."""
+        totals, per = call_reward(self.reward, prompts, completions, columns)
+        if not hasattr(self.reward, "check_ever_succeeded"):
+            self._plain_calls += 1
+            self._plain_empty += bool(torch.isnan(totals).all())
+            if self._plain_calls == GIVE_UP_AFTER:
+                check_gave_values(reward_name(self.reward), GIVE_UP_AFTER, 0, self._plain_empty, giving_up=True)
+        return totals, per
 
     def _share_drafts(self, rollouts: list[Rollout]) -> None:
         """Data parallel with rollout reuse: every rank's store also keeps the other ranks' completions,
@@ -617,7 +641,7 @@ class Trainer:
             return {}
         rows = sorted(x for part in done for x in part)
         texts = [text for _, text, _ in rows]
-        rewards, per = call_reward(self.reward, self.eval_set.texts, texts, self.eval_set.columns)
+        rewards, per = self._call_reward(self.eval_set.texts, texts, self.eval_set.columns)
         valid = rewards[~torch.isnan(rewards)]
         acc = per.get("accuracy", float(valid.mean()) if valid.numel() else float("nan"))
         return {"eval/accuracy": acc, "eval/reward_mean": float(valid.mean()) if valid.numel() else float("nan"),
@@ -731,12 +755,15 @@ class Trainer:
         return self.metrics
 
     def _check_reward(self) -> None:
-        """A ``RewardError`` if a reward function raised on every one of its calls, counted over every process
-        (each scores its own rows): a short run never reaches ``rewards.GIVE_UP_AFTER``."""
+        """A ``RewardError`` if a reward function gave no value on every one of its calls (it raised, or returned
+        None/NaN for every sample), counted over every process (each scores its own rows): a short run never
+        reaches ``rewards.GIVE_UP_AFTER``."""
         r = self.reward
-        if not hasattr(r, "check_ever_succeeded"):
+        if not hasattr(r, "check_ever_succeeded"):  # a plain function: _call_reward's counts
+            n = self.dist.sum_(torch.tensor([float(self._plain_calls), float(self._plain_empty)], dtype=torch.float64))
+            check_gave_values(reward_name(r), int(n[0]), 0, int(n[1]))
             return
         names = list(r.n_calls)
-        n = self.dist.sum_(torch.tensor([float(c[k]) for k in names for c in (r.n_calls, r.n_failures)],
-                                        dtype=torch.float64))
-        r.check_ever_succeeded({k: (int(n[2 * i]), int(n[2 * i + 1])) for i, k in enumerate(names)})
+        counts = (r.n_calls, r.n_failures, r.n_empty)
+        n = self.dist.sum_(torch.tensor([float(c[k]) for k in names for c in counts], dtype=torch.float64))
+        r.check_ever_succeeded({k: tuple(int(x) for x in n[3 * i:3 * i + 3]) for i, k in enumerate(names)})
