@@ -439,6 +439,36 @@ def test_build_prompts_filters_long(tok):
         build_prompts(exs, tok, DataConfig(max_prompt_tokens=2))
 
 
+def test_a_huge_question_is_dropped_before_it_is_tokenized(tok, monkeypatch):
+    """A 50 MB question was templated and tokenized in full (10 GB, 2 minutes, no Ctrl-C) to be dropped for
+    exceeding max_prompt_tokens; one that surely exceeds it (more characters than the longest token spells,
+    times the limit) is now dropped first. Nothing a tokenizer could fit in the limit is dropped that way."""
+    from specroll.rl import data
+
+    seen = []
+    real = type(tok).__call__
+
+    def spy(self, text, *a, **k):
+        seen.append(len(text))
+        return real(self, text, *a, **k)
+
+    monkeypatch.setattr(type(tok), "__call__", spy)
+    big = "1+" * 500_000
+    exs = [{"question": "hi", "answer": "1"}, {"question": big, "answer": "2"},
+           {"question": [{"role": "user", "content": big}], "answer": "3"}]
+    ids, kept, dropped = build_prompts(exs, tok, DataConfig(max_prompt_tokens=64, system_prompt=None))
+    assert kept == exs[:1] and dropped == 2 and max(seen) < 1000
+    # the bound is safe: texts of the longest entries, as long as allowed, tokenize within the limit or not at all
+    monkeypatch.undo()
+    L = data._longest_token(tok)
+    longest = sorted(set(tok.get_vocab()) - set(tok.all_special_tokens), key=len)[-5:]
+    for entry in longest:
+        piece = tok.convert_tokens_to_string([entry])
+        n = -(-L * 64 // max(1, len(piece)))  # just over the bound in characters
+        text = (piece * n)[: L * 64 + 1]
+        assert len(tok(text, add_special_tokens=False).input_ids) > 64, entry
+
+
 def test_build_prompts_without_chat_template(tok):
     import copy
 

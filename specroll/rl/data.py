@@ -684,6 +684,16 @@ def _line_of(examples, question, cfg: DataConfig) -> str:
     return str(src)
 
 
+def _longest_token(tokenizer) -> int:
+    """An upper bound on the characters one token of ``tokenizer`` stands for: its longest vocabulary entry
+    (byte-level entries spell each byte as one character, so a text of c characters, at least c bytes, takes at
+    least c / this many tokens)."""
+    try:
+        return max(1, max(map(len, tokenizer.get_vocab())))
+    except (AttributeError, NotImplementedError, TypeError, ValueError):
+        return 1 << 30  # unknown: never drop a row untokenized
+
+
 def build_prompts(examples: list[dict], tokenizer, cfg: DataConfig, advice: Advice = TRAIN_ADVICE
                   ) -> tuple[list[list[int]], list[dict], int]:
     """Token ids of each example's prompt. Returns (kept prompt ids, kept examples, number dropped for
@@ -697,7 +707,11 @@ def build_prompts(examples: list[dict], tokenizer, cfg: DataConfig, advice: Advi
     from ..models.hub import HubError
 
     ids_out, kept = [], []
+    too_many_chars = _longest_token(tokenizer) * cfg.max_prompt_tokens
     for ex in examples:
+        q = ex["question"]
+        if (len(q) if isinstance(q, str) else sum(len(str(m["content"])) for m in q)) > too_many_chars:
+            continue  # surely over max_prompt_tokens: dropped untokenized (a 50 MB row took 10 GB and 2 min)
         try:
             text = prompt_text(ex["question"], tokenizer, cfg.system_prompt)
         except HubError as e:
