@@ -126,6 +126,19 @@ def test_a_taken_run_directory_suggests_deleting_it_only_when_it_holds_nothing_e
     assert msg.endswith("or start afresh in another --out") and "delete" not in msg
 
 
+def test_a_checkpoint_without_its_config_yaml_says_how_to_restore_it(tmp_path, capsys, no_work):
+    d = tmp_path / "run"
+    ck = _checkpoint(d, 4)
+    want = f"specroll: error: {ck / 'config.yaml'} does not exist (a checkpoint keeps its run's config beside its weights): "
+    assert cli_error(capsys, ["eval", "--checkpoint", str(ck)]) == want + \
+        "put the config it was trained under there as config.yaml"
+    (d / "config.yaml").write_text(WHOLE)
+    assert cli_error(capsys, ["eval", "--checkpoint", str(ck)]) == want + \
+        f"copy the run's {d / 'config.yaml'} into {ck} if the checkpoint was trained under it"
+    assert cli_error(capsys, ["train", "--resume", str(ck), "--out", str(tmp_path / "elsewhere")]) == want + \
+        f"copy the run's {d / 'config.yaml'} into {ck} if the checkpoint was trained under it, or pass --config FILE"
+
+
 def test_a_claimed_run_directory_holds_the_config_and_the_lock(tmp_path):
     out = tmp_path / "a" / "run"
     run_dir, created, lock = run._claim_run_dir(str(out), "--out", "train: {}\n")

@@ -474,8 +474,22 @@ def _run_config(args, given: Config | None = None) -> tuple[Config, Path | None,
             raise
     base = args.config
     if base is None and args.preset is None:
-        base = str((ck.parent if _from_start(ck) else ck) / "config.yaml")
+        base = str(ck.parent / "config.yaml") if _from_start(ck) else _checkpoint_config(ck, "or pass --config FILE")
     return given, ck, load_config(base, args.preset, args.overrides)
+
+
+def _checkpoint_config(ck: Path, other: str = "") -> str:
+    """The config.yaml a checkpoint keeps beside its weights; a one-line ``CliError`` with the fix when it is gone."""
+    from ..cli import CliError
+
+    path = ck / "config.yaml"
+    if not path.is_file():
+        run = ck.parent / "config.yaml"
+        copy = f"copy the run's {run} into {ck} if the checkpoint was trained under it" if run.is_file() else \
+            "put the config it was trained under there as config.yaml"
+        raise CliError(f"{path} does not exist (a checkpoint keeps its run's config beside its weights): {copy}"
+                       f"{', ' + other if other else ''}")
+    return str(path)
 
 
 def _train_ranks(args, d) -> int:
@@ -663,7 +677,7 @@ def eval_cli(args) -> int:
     base = None
     if args.checkpoint:
         ck = ckpt.resolve(args.checkpoint)
-        base = str(ck / "config.yaml")
+        base = _checkpoint_config(ck)
     cfg = load_config(base, None, list(args.overrides) + ([f"model.name={args.model}"] if args.model else []))
     examples = load_examples(cfg.data, "eval", one_answer=one_answer_needed(cfg.reward.funcs))  # before the model
     if cfg.data.eval_fraction is not None and any(override_key(o) == "data.n_eval" for o in args.overrides):
