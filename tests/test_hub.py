@@ -187,6 +187,23 @@ def test_load_casts_to_the_dtype_asked_for_and_a_broken_tokenizer_is_one_line(tm
     assert msg.endswith("); the directory needs tokenizer.json or tokenizer_config.json")
 
 
+def test_a_tokenizer_that_asks_to_run_code_is_refused_in_one_line_and_its_code_never_runs(tmp_path):
+    d = tmp_path / "m"
+    shutil.copytree(hub.resolve("tiny-llama", quiet=True), d)
+    (d / "tokenizer.json").unlink()
+    ran = tmp_path / "ran"
+    (d / "evil.py").write_text(f"open({str(ran)!r}, 'w').close()\nclass Tok:\n    pass\n")
+    tc = json.loads((d / "tokenizer_config.json").read_text())
+    tc.update(tokenizer_class="Tok", auto_map={"AutoTokenizer": ["evil.Tok", None]})
+    (d / "tokenizer_config.json").write_text(json.dumps(tc))
+    with pytest.raises(hub.HubError) as e:
+        hub.load(str(d))
+    assert str(e.value) == (f"{d}: its tokenizer asks to run code from the directory (auto_map in "
+                            "tokenizer_config.json), which specroll never runs; give the directory a tokenizer "
+                            "transformers loads without it (tokenizer.json and a tokenizer_config.json without auto_map)")
+    assert not ran.exists()
+
+
 # --- cache integrity ------------------------------------------------------------------------------
 
 def _corrupt(d, how: str) -> None:

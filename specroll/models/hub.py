@@ -154,6 +154,11 @@ def load(name_or_path: str | Path = DEFAULT_MODEL, dtype=None, **resolve_kw):
     try:
         tok = AutoTokenizer.from_pretrained(str(d), trust_remote_code=False)
     except Exception as e:  # noqa: BLE001 - any tokenizer failure becomes one line
+        if "custom code" in str(e):  # transformers' refusal under trust_remote_code=False
+            raise HubError(f"{d}: its tokenizer asks to run code from the directory (auto_map in "
+                           "tokenizer_config.json), which specroll never runs; give the directory a tokenizer "
+                           "transformers loads without it (tokenizer.json and a tokenizer_config.json without "
+                           "auto_map)") from e
         raise HubError(f"{d}: cannot load the tokenizer ({_first_line(e)}); the directory needs tokenizer.json "
                        "or tokenizer_config.json") from e
     return model, tok
