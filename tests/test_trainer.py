@@ -209,6 +209,21 @@ def test_recomputed_old_logprobs_make_the_first_pass_ratio_one(bf16, monkeypatch
     assert max(seen[n_first:]) > 1e-4  # and the second step's are not: the weights moved
 
 
+def test_per_function_reward_means_weigh_every_ranks_values():
+    """``reward/<func>`` over data parallel is the mean of every rank's values, not the mean of the ranks' means
+    (which weighed a rank whose function gave None for most rows like one that scored every row)."""
+    tr = make_trainer(make_cfg("rollout.G=4"))
+
+    def part(acc):
+        r = torch.tensor([float("nan") if v is None else v for v in acc])
+        return {"rewards": r, "lens": torch.ones(4), "truncated": 0, "reused": 0, "drafted": 0, "accepted": 0,
+                "per_func": {"accuracy": acc, "never": [None] * 4}}
+
+    m = tr._rollout_metrics([part([1.0, None, None, None]), part([0.0, 0.0, 0.0, 0.0])])
+    assert m["reward/accuracy"] == pytest.approx(0.2)  # 1 of 5 values (the ranks' means averaged: 0.5)
+    assert "reward/never" not in m  # a function that gave no value has no mean
+
+
 def test_reward_gets_the_columns_of_every_row():
     from specroll.rl.trainer import call_reward
 

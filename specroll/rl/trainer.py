@@ -65,7 +65,8 @@ class PromptSet:
 
 
 def call_reward(reward: Callable, prompts: list[str], completions: list[str], columns: list[dict]):
-    """Run a reward on a batch. Returns (totals as a float tensor with NaN = None, per-function means).
+    """Run a reward on a batch. Returns (totals as a float tensor with NaN = None, each function's values with
+    None where it gave none, for a ``rewards.Reward``; {} for a plain function).
 
     ``reward`` may be an ``rl.rewards.Reward`` (returns ``(totals, per_func)``) or a plain TRL-style
     function returning one value per completion. Every column of any row is passed (None in the rows
@@ -90,12 +91,13 @@ def call_reward(reward: Callable, prompts: list[str], completions: list[str], co
         bad = values[int(torch.isinf(totals).nonzero()[0, 0])]
         raise RewardError(f"reward {reward_name(reward)!r} returned {bad} for a completion; a reward must be finite "
                           "(None or NaN excludes a sample)")
-    means = {}
-    for name, vals in per.items():
-        good = [float(v) for v in vals if v is not None]
-        if good:
-            means[name] = sum(good) / len(good)
-    return totals, means
+    return totals, {name: [None if v is None else float(v) for v in vals] for name, vals in per.items()}
+
+
+def mean_of(values: list) -> float | None:
+    """The mean of the values that are not None (None when there are none)."""
+    good = [v for v in values if v is not None]
+    return sum(good) / len(good) if good else None
 
 
 def reward_name(reward: Callable) -> str:
@@ -439,15 +441,15 @@ class Trainer:
 
     def _rollout_metrics(self, parts: list[dict]) -> dict:
         """Step metrics over every rank's ``_rollout_summary`` (rank order: groups stay contiguous).
-        Per-function reward means are averaged over the ranks that report them."""
+        Per-function reward means are over every rank's values (a rank with more None values weighs less)."""
         G = self.cfg.rollout.G
         rewards = torch.cat([p["rewards"] for p in parts])
         lens = torch.cat([p["lens"] for p in parts])
         valid = rewards[~torch.isnan(rewards)]
-        per_func: dict[str, list[float]] = {}
+        per_func: dict[str, list[float | None]] = {}
         for p in parts:
             for k, v in p["per_func"].items():
-                per_func.setdefault(k, []).append(v)
+                per_func.setdefault(k, []).extend(v)
         m = {
             "reward/mean": float(valid.mean()) if valid.numel() else float("nan"),
             "reward/std": float(valid.std()) if valid.numel() > 1 else 0.0,
@@ -457,7 +459,7 @@ class Trainer:
             "rollout/completion_len_mean": float(lens.mean()),
             "rollout/truncated_frac": sum(p["truncated"] for p in parts) / len(lens),
         }
-        m.update({f"reward/{k}": sum(v) / len(v) for k, v in per_func.items()})
+        m.update({f"reward/{k}": mean_of(v) for k, v in per_func.items() if mean_of(v) is not None})
         drafted = sum(p["drafted"] for p in parts)
         if self.drafter is not None:
             m["spec/reuse_ratio"] = sum(p["reused"] for p in parts) / max(1, int(lens.sum()))
@@ -643,7 +645,9 @@ class Trainer:
         texts = [text for _, text, _ in rows]
         rewards, per = self._call_reward(self.eval_set.texts, texts, self.eval_set.columns)
         valid = rewards[~torch.isnan(rewards)]
-        acc = per.get("accuracy", float(valid.mean()) if valid.numel() else float("nan"))
+        acc = mean_of(per.get("accuracy", []))
+        if acc is None:
+            acc = float(valid.mean()) if valid.numel() else float("nan")
         return {"eval/accuracy": acc, "eval/reward_mean": float(valid.mean()) if valid.numel() else float("nan"),
                 "eval/completion_len": sum(n for _, _, n in rows) / len(rows),
                 "eval/n": len(rows), "timing/eval": time.perf_counter() - t}
