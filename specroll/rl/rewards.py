@@ -671,6 +671,12 @@ def load_function(spec: str) -> Callable:
 GIVE_UP_AFTER = 8  # a function that gave no value (raised, or only None/NaN) on each of its first 8 calls stops the run
 
 
+def exit_error(name: str, e: SystemExit) -> RewardError:
+    """What a ``sys.exit`` in reward ``name`` becomes: it would end the run with no word of why."""
+    return RewardError(f"reward {name!r} called sys.exit({e.code!r}); a reward must return its values (None "
+                       "excludes a sample), not end the process: fix the function")
+
+
 def check_gave_values(name: str, calls: int, failures: int, empty: int, last_error: str | None = None, *,
                       giving_up: bool = False) -> None:
     """A one-line ``RewardError`` if reward function ``name`` gave no value on any of its ``calls`` calls: each
@@ -767,8 +773,7 @@ class Reward:
         except RewardError:
             raise  # a contract problem (e.g. a missing column): retrying cannot fix it
         except SystemExit as e:  # sys.exit() in the function: it would end the run with no word of why
-            raise RewardError(f"reward {name!r} called sys.exit({e.code!r}); a reward must return its values "
-                              "(None excludes a sample), not end the process: fix the function") from None
+            raise exit_error(name, e) from None
         except Exception as e:  # noqa: BLE001 - user code: skip the batch, keep training
             if isinstance(e, TypeError) and self.n_calls[name] == 1 and _signature_error(
                     e, f, dict(prompts=prompts, completions=completions, **columns)):  # every call would fail

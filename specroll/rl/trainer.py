@@ -46,7 +46,7 @@ from .distributed import Dist
 from .logprobs import token_logprobs
 from .losses import group_advantages, policy_loss, token_weights, zero_variance_groups
 from .metrics import MetricsWriter, json_value, step_line
-from .rewards import GIVE_UP_AFTER, RewardError, check_gave_values
+from .rewards import GIVE_UP_AFTER, RewardError, check_gave_values, exit_error
 
 
 @dataclass
@@ -78,8 +78,7 @@ def call_reward(reward: Callable, prompts: list[str], completions: list[str], co
     try:
         out = reward(prompts, completions, **cols)
     except SystemExit as e:
-        raise RewardError(f"reward {reward_name(reward)!r} called sys.exit({e.code!r}); a reward must return its "
-                          "values (None excludes a sample), not end the process: fix the function") from None
+        raise exit_error(reward_name(reward), e) from None
     per: dict = {}
     if isinstance(out, tuple) and len(out) == 2 and isinstance(out[1], dict):
         out, per = out
