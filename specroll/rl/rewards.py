@@ -689,11 +689,9 @@ def check_gave_values(name: str, calls: int, failures: int, empty: int, last_err
     last = f" (last: {last_error})" if last_error else ""
     if failures >= calls:
         what, fix = f"raised on {span}{last}", "fix the function"
-    elif failures == 0:
-        what = f"returned None/NaN for every sample on {span}"
-        fix = "fix the function (None or NaN leaves out one sample: return a float for each sample it can score)"
     else:
-        what = f"raised or returned only None/NaN on {span}{last}"
+        what = (f"returned None/NaN for every sample on {span}" if failures == 0 else
+                f"raised or returned only None/NaN on {span}{last}")
         fix = "fix the function (None or NaN leaves out one sample: return a float for each sample it can score)"
     raise RewardError(f"reward {name!r} {what}, so every sample was excluded and nothing was learned; {fix}")
 
