@@ -301,20 +301,26 @@ def _eval(sub):
     p.set_defaults(func=_eval_cli)
 
 
+EVAL_DATA_FIX = "restore it as it was to score the run's held-out rows, or score a file of your own with data.eval_path=FILE"
+
+
 def _eval_cli(args):
     """`specroll eval`, after refusing overrides that would put a checkpoint's training rows into its eval split."""
     if args.checkpoint:
         from .config import load_config
         from .rl import checkpoint as ckpt
-        from .rl.data import check_held_out, one_answer_needed
+        from .rl.data import check_data_files, check_held_out, one_answer_needed
 
         try:
-            config = str(ckpt.resolve(args.checkpoint) / "config.yaml")
+            ck = ckpt.resolve(args.checkpoint)
+            config = str(ck / "config.yaml")
             run = load_config(config, None, [])
             cfg = load_config(config, None, list(args.overrides))
         except (ValueError, OSError):
             pass  # eval_cli says what is wrong, after its own option checks
         else:
+            for note in check_data_files(ckpt.state_entry(ck, "data_files"), run.data, cfg.data, EVAL_DATA_FIX):
+                print(f"specroll: warning: {note}", file=sys.stderr)
             check_held_out(run.data, cfg.data, one_answer_needed(run.reward.funcs), one_answer_needed(cfg.reward.funcs))
     return _run("specroll.rl.run:eval_cli")(args)
 

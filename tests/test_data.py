@@ -601,6 +601,55 @@ def test_built_in_task_eval_split_never_holds_training_problems():
         assert trained.isdisjoint(_questions(load_examples(DataConfig(n_eval=200, seed=seed), "eval")))
 
 
+def test_check_data_files_refuses_a_held_out_file_that_changed_since_the_run_split_it(tmp_path):
+    """check_held_out compares the run's config with the new one against the file as it is now: a line deleted (or
+    appended, or edited in place) reshuffles the split, so the eval split took rows the run trained on, silently.
+    Against the fingerprints the run recorded when it started, that is refused in one line naming the file and the
+    fix; other changed files the command reads are a note; a run without fingerprints is not checked."""
+    from dataclasses import replace
+
+    from specroll.rl.data import check_data_files, check_held_out, data_fingerprints
+
+    p = _jsonl(tmp_path / "d.jsonl", _rows(40))
+    run = DataConfig(task="file", path=str(p), n_eval=8, n_train=0, seed=0)
+    rec = data_fingerprints(run)
+    assert set(rec) == {"path"} and rec["path"]["size"] == p.stat().st_size and len(rec["path"]["blake2b"]) == 32
+    assert check_data_files(rec, run, run, "FIX") == []  # unchanged
+    trained = set(_questions(load_examples(run, "train")))
+    lines = p.read_text().splitlines(keepends=True)
+    edits = {"deleted": "".join(lines[:3] + lines[4:]), "appended": "".join(lines) + json.dumps(_rows(41)[40]) + "\n",
+             "same size": "".join(lines).replace("What is 5 + 1?", "What is 5 + 2?")}
+    for what, text in edits.items():
+        p.write_text(text)
+        if what != "same size":  # the old check passed: the config is the run's, the file is what moved the rows
+            check_held_out(run, run)
+            assert any(q in trained for q in _questions(load_examples(run, "eval"))), what
+        with pytest.raises(DataError) as err:
+            check_data_files(rec, run, run, "restore it or start a new run", training=True)
+        msg = str(err.value)
+        assert "\n" not in msg and msg.startswith(f"{p} has changed since the run split it") and \
+            msg.endswith("rows the run trained on; restore it or start a new run"), msg
+        assert ("same size, other content" in msg) if what == "same size" else (f"{rec['path']['size']} bytes then" in msg)
+        # nothing recorded (a checkpoint from before fingerprints), or the eval split from a file of the user's: fine
+        assert check_data_files(None, run, run, "FIX") == []
+        assert check_data_files(rec, run, replace(run, eval_path=str(p)), "FIX") == []
+    # a run that evaluated on an eval_path file: a change to it, or (on resume) to its training file, is a note
+    e = _jsonl(tmp_path / "e.jsonl", _rows(3))
+    both = replace(run, eval_path=str(e))
+    rec = data_fingerprints(both)
+    assert set(rec) == {"path", "eval_path"}
+    _jsonl(e, _rows(4))
+    p.write_text("".join(lines))
+    for training in (False, True):
+        notes = check_data_files(rec, both, both, "FIX", training)
+        assert len(notes) == 1 + training and all("\n" not in n for n in notes), notes
+        assert notes[-1].startswith(f"{e} (data.eval_path) has changed since the run started") and \
+            "not comparable with the run's earlier ones" in notes[-1]
+    assert notes[0].startswith(f"{p} (data.path) has changed since the run started") and notes[0].endswith(
+        "training goes on with its rows as they are now")
+    assert data_fingerprints(DataConfig()) == {}  # the built-in task reads no file
+
+
 def test_duplicate_questions_in_both_splits_are_warned_and_do_not_fail_the_check(tmp_path, caplog):
     from specroll.rl.data import check_held_out
 

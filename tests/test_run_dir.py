@@ -762,6 +762,86 @@ def test_a_resume_that_would_put_trained_rows_into_the_eval_split_is_refused(tmp
     assert main(["train", "--resume", "latest", "--out", str(out), "train.steps=2"]) == 0, capsys.readouterr().err
 
 
+def test_eval_and_resume_refuse_a_data_file_changed_since_the_run_split_it(tmp_path, capsys, monkeypatch):
+    """A line deleted from the run's file, then `eval --checkpoint RUN`, scored held-out rows that included a
+    question the run trained on; `--resume` after rows were appended trained on former eval rows: both silently
+    (the held-out check compared the configs against the file as it is now). The run records its file's size and
+    hash in each checkpoint's state.json; a changed file is refused before the model loads, in one line naming
+    the file and the fix. A checkpoint from before the fingerprints is not checked."""
+    from specroll.rl.data import load_examples
+
+    out = _file_run(tmp_path, capsys, monkeypatch, "data.n_train=0")
+    f, ck = tmp_path / "gsm.jsonl", out / "step_000001"
+    original = f.read_bytes()
+    assert json.loads((ck / "state.json").read_text())["data_files"]["path"]["size"] == len(original)
+    data = load_config(str(out / "config.yaml")).data
+    trained = {e["question"] for e in load_examples(data, "train")}
+    lines = original.splitlines(keepends=True)
+    f.write_bytes(b"".join(lines[:3] + lines[4:]))  # sed -i 4d
+    assert any(e["question"] in trained for e in load_examples(data, "eval"))  # what the eval would have scored
+    before = snapshot(out)
+    monkeypatch.setattr(run, "load_policy", lambda *a, **k: pytest.fail("the model loaded before the refusal"))
+    monkeypatch.setattr(run, "build_trainer", lambda *a, **k: pytest.fail("the model loaded before the refusal"))
+    assert main(["eval", "--checkpoint", str(out)]) == 2
+    err = one_line_error(capsys)
+    assert err.startswith(f"specroll: error: {f} has changed since the run split it into training and held-out eval "
+                          f"rows ({len(original)} bytes then, ") and err.endswith("data.eval_path=FILE"), err
+    f.write_bytes(original + _gsm_rows(13, "row").splitlines(keepends=True)[-1].encode())  # a row appended
+    for extra in ([], ["--nproc", "2"]):
+        assert main(["train", "--resume", "latest", "--out", str(out), *extra, "train.steps=2"]) == 2
+        err = one_line_error(capsys)
+        assert err.startswith(f"specroll: error: {f} has changed since the run split it") and \
+            err.endswith("restore it as it was to resume the run, or start a new run on it (another --out)"), err
+    assert snapshot(out) == before
+    monkeypatch.undo()
+    monkeypatch.delenv("SPECROLL_DEBUG", raising=False)
+    e = tmp_path / "other.jsonl"
+    e.write_text(_gsm_rows(3, "other"))
+    assert main(["eval", "--checkpoint", str(out), f"data.eval_path={e}"]) == 0, capsys.readouterr().err
+    state = json.loads((ck / "state.json").read_text())  # a checkpoint written before fingerprints: no check
+    (ck / "state.json").write_text(json.dumps({k: v for k, v in state.items() if k != "data_files"}))
+    assert main(["eval", "--checkpoint", str(out)]) == 0, capsys.readouterr().err
+    (ck / "state.json").write_text(json.dumps(state))
+    f.write_bytes(original)  # the file as the run split it: the resume goes on, and its checkpoint records it
+    assert main(["train", "--resume", "latest", "--out", str(out), "train.steps=2"]) == 0, capsys.readouterr().err
+    assert json.loads((out / "step_000002" / "state.json").read_text())["data_files"] == state["data_files"]
+
+
+def test_a_resume_from_an_earlier_step_sets_the_online_draft_head_aside_too(tmp_path, capsys, monkeypatch):
+    """`--resume RUN/step_000001` of a draft.online run moved the later checkpoints and metrics rows into
+    superseded-after-step_000001/, but the run's draft_head/ (saved at its end, step 2) stayed, for the resumed
+    run's end to write over."""
+    monkeypatch.delenv("SPECROLL_DEBUG", raising=False)
+    out = tmp_path / "run"
+    assert main(["train", "--out", str(out), "train.steps=2", "train.save_every=1", "draft.head=random",
+                 "draft.online=true", *TINY]) == 0, capsys.readouterr().err
+    head = snapshot(out / "draft_head")
+    assert json.loads((out / "draft_head" / "draft_head.json").read_text())["meta"]["steps"] == 2
+    capsys.readouterr()
+    assert main(["train", "--resume", str(out / "step_000001")]) == 0, capsys.readouterr().err
+    aside = out / "superseded-after-step_000001"
+    said = " ".join(capsys.readouterr().out.split())
+    assert (f"1 metrics row(s) past step 1 and the online draft head saved at step 2 (draft_head/) to {aside}"
+            in said), said
+    assert snapshot(aside / "draft_head") == head and (out / "draft_head" / "draft_head.json").is_file()
+    assert [p.name for p in ckpt.list_checkpoints(aside)] == ["step_000002"]
+
+
+def test_set_aside_later_keeps_a_draft_head_of_the_resumed_branch(tmp_path):
+    """draft_head/ is set aside only when it was saved past the resume step, or its step cannot be read."""
+    out = tmp_path / "run"
+    fake_run(out, [1, 2], [1, 2])
+    (out / "draft_head").mkdir()
+    (out / "draft_head" / "draft_head.json").write_text(json.dumps({"meta": {"steps": 2}}))
+    ckpt.set_aside_later(out, 2)  # resuming the step it was saved at: the same branch
+    assert (out / "draft_head" / "draft_head.json").is_file() and not list(out.glob("superseded-*"))
+    (out / "draft_head" / "draft_head.json").write_text("{not json")
+    said = ckpt.set_aside_later(out, 2)  # nothing else to set aside, but a head of unknown step is not written over
+    assert said == f"moved the online draft head draft_head/ (saved at an unknown step) to {out / 'superseded-after-step_000002'}"
+    assert not (out / "draft_head").exists()
+    assert (out / "superseded-after-step_000002" / "draft_head" / "draft_head.json").read_text() == "{not json"
+
+
 def error_line(err: str) -> str:
     """The one "specroll: error:" line of ``err`` (other stderr: progress bars of a first model download)."""
     lines = [x for x in err.splitlines() if x.startswith("specroll: error: ")]

@@ -258,8 +258,9 @@ def set_aside_later(run_dir: str | Path, step: int) -> str | None:
     replace those checkpoints, and ``--resume latest`` cannot pick up the abandoned branch. A partial last
     metrics line (the run stopped while writing it) is dropped so the next row starts on a line of its own.
     ``step`` -1: a run started again from its beginning (no checkpoint), which sets everything aside, into
-    ``superseded-restart[-k]/``. Returns a one-line account for the console, or None when there was nothing
-    to do."""
+    ``superseded-restart[-k]/``. The head a ``draft.online`` run saved at its end (``draft_head/``) goes with them
+    when it was learned past ``step`` (or its step is unknown): the resumed run's end would write over it.
+    Returns a one-line account for the console, or None when there was nothing to do."""
     from .metrics import split_after
 
     run_dir = Path(run_dir)
@@ -268,8 +269,16 @@ def set_aside_later(run_dir: str | Path, step: int) -> str | None:
     later = [p for n, p in _step_dirs(run_dir) if n > step]
     metrics = run_dir / "metrics.jsonl"
     kept, moved, partial = split_after(metrics, step) if metrics.is_file() else (b"", b"", b"")
+    head, head_step = run_dir / "draft_head", None
+    if head.is_dir():
+        try:
+            head_step = json.loads((head / "draft_head.json").read_text())["meta"]["steps"]
+        except (OSError, ValueError, KeyError, TypeError):
+            pass
+        head_step = head_step if isinstance(head_step, int) and not isinstance(head_step, bool) else None
+    head_later = head.is_dir() and (head_step is None or head_step > step)
     said = []
-    if later or moved:
+    if later or moved or head_later:
         base = run_dir / (f"superseded-after-step_{step:06d}" if step >= 0 else "superseded-restart")
         dest, k = base, 1
         while dest.exists():
@@ -282,13 +291,18 @@ def set_aside_later(run_dir: str | Path, step: int) -> str | None:
             (dest / "metrics.jsonl").write_bytes(moved)
         for p in later:
             os.replace(p, dest / p.name)
+        if head_later:
+            os.replace(head, dest / head.name)
         _fsync_dir(dest)
         rows = moved.count(b"\n")
         names = [p.name + ("" if (dest / p.name / "state.json").is_file() else " (incomplete: no state.json)")
                  for p in later]
         what = [f"{len(later)} later checkpoint(s) ({', '.join(names)})"] if later else []
         what += [f"{rows} metrics row(s) past step {step}"] if rows else []
-        said.append(f"moved {' and '.join(what)} to {dest}")
+        what += [f"the online draft head saved at step {head_step} (draft_head/)" if head_step is not None else
+                 "the online draft head draft_head/ (saved at an unknown step)"] if head_later else []
+        listed = f"{', '.join(what[:-1])} and {what[-1]}" if len(what) > 1 else "".join(what)
+        said.append(f"moved {listed} to {dest}")
     if moved or partial or (metrics.is_file() and metrics.stat().st_size != len(kept)):  # also: a newline added
         tmp = metrics.with_name(f".metrics.jsonl.{os.getpid()}.tmp")
         with open(tmp, "wb") as f:
@@ -301,6 +315,16 @@ def set_aside_later(run_dir: str | Path, step: int) -> str | None:
             said.append(f"dropped a partial last line of {metrics} ({len(partial)} bytes: the run stopped while "
                         "writing it)")
     return "; ".join(said) if said else None
+
+
+def state_entry(ck: str | Path, key: str):
+    """``key`` of checkpoint ``ck``'s state.json, or None when it has none or the file is missing or unreadable
+    (a check that needs it then has nothing to check; loading the checkpoint says what is wrong with it)."""
+    try:
+        state = json.loads((Path(ck) / "state.json").read_text())
+    except (OSError, ValueError):
+        return None
+    return state.get(key) if isinstance(state, dict) else None
 
 
 def restore_row(run_dir: str | Path, ck: str | Path, step: int) -> bool:

@@ -23,6 +23,7 @@ the fix.
 from __future__ import annotations
 
 import csv
+import hashlib
 import io
 import json
 import logging
@@ -627,6 +628,72 @@ def check_held_out(run: DataConfig, cfg: DataConfig, run_one_answer: bool = Fals
         f"file's eval split is the first data.n_eval rows of a data.seed shuffle, training takes the rest); to "
         f"score held-out problems keep the run's data keys{subset} or set data.eval_path=FILE"
     )
+
+
+def file_fingerprint(path: str | Path) -> dict:
+    """``{"file", "size", "blake2b"}`` of the file at ``path``, its whole content hashed (no cache by size and
+    mtime: an edit within one mtime tick keeps both; the hash costs far less than parsing the rows)."""
+    h, size = hashlib.blake2b(digest_size=16), 0
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 20):
+            h.update(chunk)
+            size += len(chunk)
+    return {"file": str(path), "size": size, "blake2b": h.hexdigest()}
+
+
+def data_fingerprints(cfg: DataConfig) -> dict:
+    """The fingerprints (``file_fingerprint``) of the files ``cfg`` reads, by data key ("path", "eval_path"): what
+    a run records when it starts (its checkpoints' state.json, ``data_files``) for ``check_data_files``. A file
+    that cannot be read is left out: loading it says what is wrong."""
+    out = {}
+    for key in ("path", "eval_path"):
+        f = getattr(cfg, key)
+        if f and (key == "eval_path" or cfg.task == "file"):
+            try:
+                out[key] = file_fingerprint(f)
+            except OSError:
+                pass
+    return out
+
+
+def check_data_files(recorded, run: DataConfig, cfg: DataConfig, fix: str, training: bool = False) -> list[str]:
+    """Compare the data files a run read when it started (``recorded``: its ``data_fingerprints``) with those
+    files now, for a resume (``training``) or an eval of its checkpoint under the data config ``cfg``
+    (``run``: the run's). The file the run held its eval rows out of, changed while ``cfg`` still takes its
+    eval split from that file: refused (``DataError``, one line ending in ``fix``): a changed file splits
+    differently (a seeded shuffle of its rows), so the eval split would hold rows the run trained on (and a
+    resume would train on rows it held out). Another changed file ``cfg`` reads (an ``eval_path`` file; a
+    resume's training file when the run evaluated on ``eval_path``): a one-line note in the list returned.
+    ``recorded`` None (a checkpoint from before fingerprints): nothing to check."""
+    if not isinstance(recorded, dict):
+        return []
+    notes = []
+    for key in ("path", "eval_path"):
+        rec, was, now = recorded.get(key), getattr(run, key), getattr(cfg, key)
+        if not isinstance(rec, dict) or not was or not now:
+            continue
+        f = was if Path(was).exists() else now  # a run's file since moved (and named anew), as check_held_out reads it
+        held_out = key == "path" and run.task == cfg.task == "file" and not run.eval_path and not cfg.eval_path
+        if not held_out and (f != now or (key == "path" and not training)):
+            continue  # a file of the user's choosing, or one this command does not read
+        try:
+            fp = file_fingerprint(f)
+        except OSError:
+            continue  # gone or unreadable: loading it says so
+        if (fp["size"], fp["blake2b"]) == (rec.get("size"), rec.get("blake2b")):
+            continue
+        sizes = f"{rec.get('size')} bytes then, {fp['size']} now" if fp["size"] != rec.get("size") else \
+            f"same size, other content: blake2b {fp['blake2b'][:12]}, was {str(rec.get('blake2b'))[:12]}"
+        if held_out:
+            raise DataError(f"{f} has changed since the run split it into training and held-out eval rows ({sizes}): "
+                            f"its eval split would now hold rows the run trained on; {fix}")
+        if key == "path":
+            notes.append(f"{f} (data.path) has changed since the run started ({sizes}): training goes on with its "
+                         "rows as they are now")
+        else:
+            notes.append(f"{f} (data.eval_path) has changed since the run started ({sizes}): eval scores on it are "
+                         "not comparable with the run's earlier ones")
+    return notes
 
 
 def one_answer_needed(reward_funcs) -> bool:

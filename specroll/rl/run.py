@@ -308,17 +308,24 @@ def _check_splittable(cfg: Config, nproc: int) -> None:
         raise CliError(str(e)) from None
 
 
-def _check_resume_split(ck: Path, cfg: Config) -> None:
+RESUME_DATA_FIX = "restore it as it was to resume the run, or start a new run on it (another --out)"
+
+
+def _check_resume_split(ck: Path, cfg: Config) -> list[str]:
     """A resume whose data keys would put rows the run trained on into its eval split (e.g. another
-    ``data.seed`` or a larger ``data.n_eval`` on a file task) is refused before the model loads
-    (``data.check_held_out``); a checkpoint without its config.yaml is not checked."""
-    from .data import check_held_out, one_answer_needed
+    ``data.seed`` or a larger ``data.n_eval`` on a file task), or whose data file has changed since the run split
+    it (``data.check_data_files``, against the fingerprints its state.json records), is refused before the model
+    loads (``data.check_held_out``); a checkpoint without its config.yaml is not checked. Returns one-line notes
+    on other data files that changed."""
+    from .data import check_data_files, check_held_out, one_answer_needed
 
     saved = ck / "config.yaml"
     if not saved.is_file():
-        return
+        return []
     run = load_config(str(saved), None, [])
+    notes = check_data_files(ckpt.state_entry(ck, "data_files"), run.data, cfg.data, RESUME_DATA_FIX, training=True)
     check_held_out(run.data, cfg.data, one_answer_needed(run.reward.funcs), one_answer_needed(cfg.reward.funcs))
+    return notes
 
 
 def _keep_precision(ck: Path) -> str | None:
@@ -356,7 +363,8 @@ def _launch(args, nproc: int) -> int:
     _, ck, cfg = _run_config(args)
     _check_splittable(cfg, nproc)  # one error line here rather than one per process
     if ck is not None:
-        _check_resume_split(ck, cfg)
+        for note in _check_resume_split(ck, cfg):
+            print(f"specroll: warning: {note}", file=sys.stderr)
         kept = _keep_precision(ck)  # before the probe below, which hands its decision to the workers
         if kept:
             print(f"specroll: {kept}", file=sys.stderr)
@@ -517,10 +525,13 @@ def _train_in(args, d, held: list) -> int:
     created = None  # the outermost directory this command creates for the run, if any
     if resume:
         _, ck, cfg = _run_config(args, given)
-        _check_resume_split(ck, cfg)
+        notes = _check_resume_split(ck, cfg)
         kept = _keep_precision(ck)
-        if kept and d.main:
-            console.print(kept)
+        if os.environ.get("SPECROLL_LAUNCHER_PID"):
+            notes = []  # `--nproc N`: the launcher has printed them
+        for line in [*(f"resume: warning: {n}" for n in notes), kept] if d.main else []:
+            if line:
+                console.print(line)
         run_dir = Path(out) if out else ck.parent
         if d.main:
             created = _first_missing(run_dir)
@@ -549,7 +560,11 @@ def _train_in(args, d, held: list) -> int:
             return 2  # rank 0 reports why
         run_dir = Path(shared)
     try:
+        from .data import data_fingerprints
+
+        files = data_fingerprints(cfg.data) if d.main else None  # the data as the run (or this resume) starts on it
         trainer = build_trainer(cfg, run_dir, console, dist=d)
+        trainer.data_files = files
         if resume and _from_start(ck):
             step = -1  # set_aside_later moves every metrics row, the step-0 eval's too: the run starts again
             console.print(f"{ck.parent} has no checkpoint (the run stopped before its first; train.save_every=N "

@@ -340,6 +340,9 @@ class Trainer:
         # a plain reward function's calls, and those that gave no value (all None/NaN): _call_reward; a ``Reward``
         # counts its own functions'
         self._plain_calls = self._plain_empty = 0
+        # the data files' fingerprints when the run started (data.data_fingerprints; run.py sets them), kept in
+        # every checkpoint's state.json: a resume or an eval of it checks the files against them
+        self.data_files: dict | None = None
         self.writer = MetricsWriter(self.run_dir, tc.tensorboard) if self.run_dir is not None and dist.main else None
 
     # -- data ---------------------------------------------------------------------------------
@@ -667,6 +670,8 @@ class Trainer:
                  "policy_version": self.engine.policy_version}
         if fast_bf16.cache_info().currsize:  # this process decided the `auto` precisions by it: a resume keeps it
             state["fast_bf16"] = fast_bf16()
+        if self.data_files:
+            state["data_files"] = self.data_files
         if row is not None:
             state["metrics_row"] = {"step": self.step, **{k: json_value(v) for k, v in row.items()}}
         try:
