@@ -105,6 +105,36 @@ def test_select_is_ancestor_closed_and_ordered():
     assert torch.equal(t.depth[:, 1:], t.depth.gather(1, t.parents)[:, 1:] + 1)
 
 
+@pytest.mark.parametrize("extreme", [-3e4, float("-inf")])
+def test_select_stays_ancestor_closed_for_a_diverged_heads_scores(extreme):
+    """Draft log-probs of a diverged head (-3e4, or -inf): a child scored parent + log q - SCORE_EPS tied its parent
+    once |score| passed ~2e4 (float32's spacing there exceeds SCORE_EPS) or at -inf, and top-k could keep the child
+    without its parent, which ``_select`` then hung under the root at the wrong depth."""
+    from specroll.drafters.eagle import child_scores
+
+    gen = torch.Generator().manual_seed(1)
+    B, K, L = 4, 3, 6
+    toks, scores, pars, deps = [], [], [], []
+    front, front_idx, c = torch.zeros(B, 1), torch.full((B, 1), -1), 0
+    for d in range(1, L + 1):
+        n_par = front.shape[1]
+        lp = torch.where(torch.rand(B, n_par, K, generator=gen) < 0.2, 0.0, extreme)  # q = 1 children and the rest
+        s = child_scores(front[:, :, None], lp).flatten(1)
+        assert bool((s.view(B, n_par, K) < front[:, :, None]).all())  # strictly below the parent, always
+        toks.append(torch.randint(50, (B, n_par * K), generator=gen))
+        scores.append(s)
+        pars.append(front_idx[:, :, None].expand(B, n_par, K).flatten(1))
+        deps.append(torch.full((B, n_par * K), d))
+        top = s.topk(K, dim=-1)
+        front, front_idx = top.values, c + top.indices
+        c += n_par * K
+    t = EagleDrafter._select(torch.zeros(B, dtype=torch.long), torch.cat(toks, 1), torch.cat(scores, 1),
+                             torch.cat(pars, 1), torch.cat(deps, 1), 16)
+    idx = torch.arange(16)
+    assert bool((t.parents[:, 1:] < idx[1:]).all())
+    assert torch.equal(t.depth[:, 1:], t.depth.gather(1, t.parents)[:, 1:] + 1)
+
+
 def test_chain_is_k1_tree():
     par = torch.tensor([[0, 0, 1, 2]])
     t = DraftTree.build(torch.tensor([[1, 2, 3, 4]]), par, torch.tensor([[0, 1, 2, 3]]))

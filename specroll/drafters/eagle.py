@@ -79,6 +79,14 @@ HEAD_CONFIG = "draft_head.json"
 FORMAT = "specroll-eagle-head/1"
 DEFAULT_PLAN = Plan(16, 4, 5)  # static plan when none is given: 16 nodes, top-4, depth 5
 SCORE_EPS = 1e-3  # per-depth tie-breaker: a child always ranks strictly below its parent
+LOGQ_FLOOR = -50.0  # a tree candidate's draft log-prob ranks as at least this: scores stay within depth x 50 of 0,
+# where float32 still resolves SCORE_EPS (a diverged head's -1e4 log-probs, or -inf, made a child tie its parent,
+# and top-k could keep the child without it)
+
+
+def child_scores(parent: torch.Tensor, logq: torch.Tensor) -> torch.Tensor:
+    """Tree candidates' scores (summed draft log-probs along the path), each strictly below its parent's."""
+    return parent + logq.clamp(min=LOGQ_FLOOR) - SCORE_EPS
 BF16_HEAD_ROWS = 8  # EagleDrafter(bf16_head=None): bf16 head weights up to this many live rows
 
 
@@ -680,7 +688,7 @@ class EagleDrafter:
         B, D = f_root.shape
         K, L = min(plan.k, ids.numel()), plan.depth
         s, ix = self.draft_logp(f_root).topk(K, dim=-1)  # (B, K)
-        c_tok, c_score = [ids[ix]], [s - SCORE_EPS]
+        c_tok, c_score = [ids[ix]], [child_scores(torch.zeros(()), s)]
         c_par, c_dep = [torch.full((B, K), -1)], [torch.ones(B, K, dtype=torch.long)]
         f_par, f_tok, f_score, f_cand = f_root[:, None].expand(B, K, D), ids[ix], c_score[0], torch.arange(K).expand(B, K)
         W, n_cand = max(L - 1, 1) * K, K
@@ -694,7 +702,7 @@ class EagleDrafter:
             pos = (root_pos + d)[:, None].expand(B, K)
             f = self.head(f_par, self.policy.embed(f_tok), pos, self.dc, mask, slots)  # (B, K, D)
             cs, cix = self.draft_logp(f).topk(K, dim=-1)  # (B, K, K)
-            score = (f_score[:, :, None] + cs - SCORE_EPS).flatten(1)  # (B, K*K)
+            score = child_scores(f_score[:, :, None], cs).flatten(1)  # (B, K*K)
             tok = ids[cix].flatten(1)
             c_tok.append(tok)
             c_score.append(score)
