@@ -218,6 +218,25 @@ def test_sync_picks_up_weights_changed_outside_an_optimizer_step(trainer):
     assert max_logprob_error(trainer.model, rf(batch, trainer)) < 1e-4
 
 
+def test_weights_loaded_in_place_or_a_new_training_state_resync_without_a_step(trainer, monkeypatch):
+    """Two ways the weights change while ``global_step`` stays put: an in-place load (transformers'
+    ``load_best_model_at_end``, then ``evaluate()``) and a second ``train()``, whose new state restarts at the step
+    the function last synced at. The decoder kept its fused q/k/v and gate/up copies from before (3-6 nats off)."""
+    import copy
+
+    rf = specroll_rollout_func(dtype="float32")
+    batch = repeat(CHAT[:2], 2)
+    rf(batch, trainer)
+    best = {k: v * 1.5 for k, v in trainer.model.state_dict().items()}
+    trainer.model.load_state_dict(best)  # in place (param.copy_): version counters move, global_step does not
+    assert max_logprob_error(trainer.model, rf(batch, trainer)) < 1e-4
+    with torch.no_grad():
+        for p in trainer.model.parameters():
+            p.data.mul_(0.8)  # through .data: no version bump
+    monkeypatch.setattr(trainer, "state", copy.deepcopy(trainer.state))  # a new train(): a new state, same step
+    assert max_logprob_error(trainer.model, rf(batch, trainer)) < 1e-4
+
+
 # --- errors ------------------------------------------------------------------------------------------
 
 def one_line_error(rf, prompts, tr, match):

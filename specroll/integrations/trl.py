@@ -46,10 +46,12 @@ How this module does it:
 - On the first call it builds a specroll ``Decoder`` over the trainer's model (Llama / Qwen2 / Qwen3). Every
   decoder tensor that is one HF tensor (embeddings, norms, o_proj, down_proj, lm_head) *is* that tensor's
   storage, so it is always current; the fused q/k/v and gate/up projections are the decoder's own copies.
-  Whenever ``trainer.state.global_step`` differs from the last call's, those are rewritten in place and the
-  decoder's packed weight copies are dropped (``Decoder.drop_packed``): TRL's default optimizer, torch's fused
-  AdamW, updates parameters without bumping their version counters, which the packed copies are keyed on.
-  ``SpecrollRollout.sync(trainer)`` forces the same after weights changed some other way.
+  Whenever ``trainer.state.global_step`` differs from the last call's, the trainer has a new state (a second
+  ``train()``), or a parameter's version counter moved (an in-place load such as ``load_best_model_at_end``),
+  those are rewritten in place and the decoder's packed weight copies are dropped (``Decoder.drop_packed``):
+  TRL's default optimizer, torch's fused AdamW, updates parameters without bumping their version counters,
+  which the packed copies are keyed on. ``SpecrollRollout.sync(trainer)`` forces the same after weights
+  changed in a way none of these shows (writes through ``.data``).
 - Prompts are tokenized as TRL does (``_tokenize_prompts``, lines 1684-1759): conversational prompts with
   ``processing_class.apply_chat_template(..., add_generation_prompt=True, **args.chat_template_kwargs)``,
   plain text with ``processing_class(text=...)``. Nothing is loaded from the Hub, so ``trust_remote_code``
@@ -107,6 +109,20 @@ def specroll_rollout_func(*, dtype: str = "auto", reuse: str | None = None, leni
     return SpecrollRollout(dtype=dtype, reuse=reuse, lenience=lenience, store_mb=store_mb, seed=seed)
 
 
+class _Same:
+    """Equal to another ``_Same`` only when both hold the very same object (kept alive, so its id is never reused)."""
+
+    __slots__ = ("obj",)
+
+    def __init__(self, obj):
+        self.obj = obj
+
+    def __eq__(self, other) -> bool:
+        return isinstance(other, _Same) and other.obj is self.obj
+
+    __hash__ = None
+
+
 class SpecrollRollout:
     """The callable ``specroll_rollout_func`` returns: ``rollout_func(prompts, trainer) -> dict``.
 
@@ -138,7 +154,7 @@ class SpecrollRollout:
         self._aliases: list[tuple[torch.Tensor, str]] = []  # (decoder tensor, the HF parameter whose storage it is)
         self._fused: list[tuple[torch.Tensor, list[str]]] = []  # (decoder tensor, the HF parameters it concatenates)
         self._named: dict[str, torch.Tensor] = {}  # the HF model's parameters by name, as of the last call
-        self._synced_step: int | None = None
+        self._synced: tuple | None = None  # ``_sync_key`` as of the last refresh
         self._calls = 0
 
     # -- the TRL entry point ------------------------------------------------------------------
@@ -151,9 +167,9 @@ class SpecrollRollout:
         check_prompts(prompts)
         self._ensure_model(trainer)
         step = int(trainer.state.global_step)
-        if self._synced_step != step:
+        if self._synced != self._sync_key(trainer):
             self._refresh()
-            self._synced_step = step
+            self._synced = self._sync_key(trainer)
         spans = group_spans(prompts, G)
         ids = tokenize(trainer, [prompts[s] for s, _ in spans])
         try:
@@ -191,11 +207,20 @@ class SpecrollRollout:
 
     # -- weights ------------------------------------------------------------------------------
     def sync(self, trainer) -> None:
-        """Rebuild the decoder's view of ``trainer``'s weights now (after changing them outside an optimizer
-        step, e.g. loading a state dict). Calls sync by themselves whenever ``global_step`` moved."""
+        """Rebuild the decoder's view of ``trainer``'s weights now, after writing them in a way ``_sync_key`` does
+        not see (through ``.data``). Calls sync by themselves after an optimizer step, a new ``train()`` or an
+        in-place load."""
         self._ensure_model(trainer)
         self._refresh()
-        self._synced_step = int(trainer.state.global_step)
+        self._synced = self._sync_key(trainer)
+
+    def _sync_key(self, trainer) -> tuple:
+        """What must be as it was for the decoder's weights to be current: the trainer's state object and its
+        ``global_step`` (a new ``train()`` starts a new state at step 0) and the sum of the HF parameters'
+        version counters (an in-place load, e.g. ``load_best_model_at_end``, bumps them; torch's fused AdamW
+        does not, and moves ``global_step`` instead). The state is compared by identity, and kept."""
+        st = trainer.state
+        return (_Same(st), int(st.global_step), sum(p._version for p in self._named.values()))
 
     def _ensure_model(self, trainer) -> None:
         """Build the decoder and engine on first use, or again when the trainer's model or the storage of one of
@@ -212,7 +237,7 @@ class SpecrollRollout:
             dtype = torch_dtype(resolve_dtype_name(self.dtype))
             eos = list(getattr(trainer, "eos_token_ids", None) or eos_ids_of(trainer, hf))
             self.engine = Engine(self.decoder, eos, dtype=dtype)
-            self._synced_step = None
+            self._synced = None
         self._named = named
 
     @torch.no_grad()
