@@ -23,7 +23,8 @@ and only rank 0 writes them and the checkpoints.
 Departures: rows whose advantage is exactly 0 (zero-variance groups, ``None`` rewards) are not
 forwarded when beta = 0 -- their loss and gradient are exactly zero -- so ``actor/entropy`` and
 ``actor/clip_ratio`` describe the rows that were trained on. Rollout randomness is a pure function
-of (seed, step), and the data order of (seed, epoch), so a resumed run replays exactly.
+of (seed, step), and the data order of (seed, epoch), so a resumed run replays exactly (all but an online
+draft head's data under data parallel: only rank 0 writes checkpoints, so every rank's buffer restarts empty).
 """
 
 from __future__ import annotations
