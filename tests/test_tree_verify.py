@@ -76,51 +76,19 @@ def test_ancestor_mask_and_paths():
     assert p[4].tolist() == [0, 1, 4] and p[2].tolist() == [0, 2, -1] and p[0].tolist() == [0, -1, -1]
 
 
-def test_select_is_ancestor_closed_and_ordered():
-    gen = torch.Generator().manual_seed(0)
-    B, K, L = 5, 3, 4
-    # candidates of a random tree grown like EagleDrafter._grow: scores decrease along every path
-    toks, scores, pars, deps = [], [], [], []
-    front = torch.zeros(B, K)
-    front_idx = torch.full((B, K), -1)
-    c = 0
-    for d in range(1, L + 1):
-        n_par = 1 if d == 1 else K
-        lp = -torch.rand(B, n_par, K, generator=gen) * 3
-        base = (torch.zeros(B, 1) if d == 1 else front)[:, :, None]
-        s = (base + lp - 1e-3).flatten(1)
-        par = (torch.full((B, 1), -1) if d == 1 else front_idx)[:, :, None].expand(B, n_par, K).flatten(1)
-        toks.append(torch.randint(50, (B, n_par * K), generator=gen))
-        scores.append(s)
-        pars.append(par)
-        deps.append(torch.full((B, n_par * K), d))
-        top = s.topk(K, dim=-1)
-        front, front_idx = top.values, c + top.indices
-        c += n_par * K
-    t = EagleDrafter._select(torch.zeros(B, dtype=torch.long), torch.cat(toks, 1), torch.cat(scores, 1),
-                             torch.cat(pars, 1), torch.cat(deps, 1), 12)
-    assert t.tokens.shape == (B, 12)
-    idx = torch.arange(12)
-    assert bool((t.parents[:, 1:] < idx[1:]).all())  # parents precede children
-    assert torch.equal(t.depth[:, 1:], t.depth.gather(1, t.parents)[:, 1:] + 1)
-
-
-@pytest.mark.parametrize("extreme", [-3e4, float("-inf")])
-def test_select_stays_ancestor_closed_for_a_diverged_heads_scores(extreme):
-    """Draft log-probs of a diverged head (-3e4, or -inf): a child scored parent + log q - SCORE_EPS tied its parent
-    once |score| passed ~2e4 (float32's spacing there exceeds SCORE_EPS) or at -inf, and top-k could keep the child
-    without its parent, which ``_select`` then hung under the root at the wrong depth."""
+def selected_tree(B: int, K: int, L: int, n_verify: int, logq, gen):
+    """Candidates of a tree grown like ``EagleDrafter._grow`` (``logq(n_parents)``: each frontier node's K children's
+    draft log-probs, (B, n_parents, K); scores by ``child_scores``), then ``_select``'s tree of ``n_verify`` nodes.
+    Checks on the way that every child scores strictly below its parent."""
     from specroll.drafters.eagle import child_scores
 
-    gen = torch.Generator().manual_seed(1)
-    B, K, L = 4, 3, 6
     toks, scores, pars, deps = [], [], [], []
     front, front_idx, c = torch.zeros(B, 1), torch.full((B, 1), -1), 0
     for d in range(1, L + 1):
         n_par = front.shape[1]
-        lp = torch.where(torch.rand(B, n_par, K, generator=gen) < 0.2, 0.0, extreme)  # q = 1 children and the rest
-        s = child_scores(front[:, :, None], lp).flatten(1)
-        assert bool((s.view(B, n_par, K) < front[:, :, None]).all())  # strictly below the parent, always
+        s = child_scores(front[:, :, None], logq(n_par))
+        assert bool((s < front[:, :, None]).all())  # strictly below the parent, always
+        s = s.flatten(1)
         toks.append(torch.randint(50, (B, n_par * K), generator=gen))
         scores.append(s)
         pars.append(front_idx[:, :, None].expand(B, n_par, K).flatten(1))
@@ -129,10 +97,26 @@ def test_select_stays_ancestor_closed_for_a_diverged_heads_scores(extreme):
         front, front_idx = top.values, c + top.indices
         c += n_par * K
     t = EagleDrafter._select(torch.zeros(B, dtype=torch.long), torch.cat(toks, 1), torch.cat(scores, 1),
-                             torch.cat(pars, 1), torch.cat(deps, 1), 16)
-    idx = torch.arange(16)
-    assert bool((t.parents[:, 1:] < idx[1:]).all())
-    assert torch.equal(t.depth[:, 1:], t.depth.gather(1, t.parents)[:, 1:] + 1)
+                             torch.cat(pars, 1), torch.cat(deps, 1), n_verify)
+    assert t.tokens.shape == (B, n_verify)
+    idx = torch.arange(n_verify)
+    assert bool((t.parents[:, 1:] < idx[1:]).all())  # parents precede children
+    assert torch.equal(t.depth[:, 1:], t.depth.gather(1, t.parents)[:, 1:] + 1)  # at their parent's depth + 1
+    return t
+
+
+def test_select_is_ancestor_closed_and_ordered():
+    gen = torch.Generator().manual_seed(0)
+    selected_tree(5, 3, 4, 12, lambda n: -torch.rand(5, n, 3, generator=gen) * 3, gen)
+
+
+@pytest.mark.parametrize("extreme", [-3e4, float("-inf")])
+def test_select_stays_ancestor_closed_for_a_diverged_heads_scores(extreme):
+    """Draft log-probs of a diverged head (-3e4, or -inf): a child scored parent + log q - SCORE_EPS tied its parent
+    once |score| passed ~2e4 (float32's spacing there exceeds SCORE_EPS) or at -inf, and top-k could keep the child
+    without its parent, which ``_select`` then hung under the root at the wrong depth."""
+    gen = torch.Generator().manual_seed(1)
+    selected_tree(4, 3, 6, 16, lambda n: torch.where(torch.rand(4, n, 3, generator=gen) < 0.2, 0.0, extreme), gen)
 
 
 def test_chain_is_k1_tree():
