@@ -1,5 +1,5 @@
 """The trainer's recomputed old log-probs (``train.mu`` > 1, ``mini_batches`` > 1, ``recompute_old_logprobs``):
-the loss forward's own path (autograd on, detached; ``Trainer._logprobs_nograd`` since session 58) against the
+the loss forward's own path (autograd on, detached; ``Trainer._logprobs_detached`` since session 58) against the
 no-grad path it took before (prepacked linears and kernels, which ignore autocast), on SmolLM2 rollouts at the
 default precision. Reports how far each is from the loss forward's log-probs (a first pass's ratios are 1 only
 when they agree) and their times, alternating in one process.
@@ -47,7 +47,7 @@ def main() -> None:
         with torch.no_grad(), tr._autocast():
             return tr._forward(tr.model, b, rows)[0].float()
 
-    paths = {"loss_path": lambda: tr._logprobs_nograd(tr.model, b, rows), "no_grad_path": no_grad_path}
+    paths = {"loss_path": lambda: tr._logprobs_detached(tr.model, b, rows), "no_grad_path": no_grad_path}
     with tr._autocast():
         loss_lp = tr._forward(tr.model, b, rows)[0].float().detach()  # what the loss's first pass sees
     gap = {}

@@ -491,7 +491,7 @@ class Trainer:
         tc = self.cfg.train
         return tc.recompute_old_logprobs or tc.mu > 1 or tc.mini_batches > 1
 
-    def _logprobs_nograd(self, model, batch: Batch, rows: torch.Tensor) -> torch.Tensor:
+    def _logprobs_detached(self, model, batch: Batch, rows: torch.Tensor) -> torch.Tensor:
         """Log-probs of ``rows`` with no backward. The policy's take the loss forward's own path (autograd on,
         the result detached), so a first pass's ratios are 1: the no-grad path's prepacked linears and kernels
         do not follow autocast, and under bf16 they were off the loss's by bf16 noise (mean |dlogp| 0.035 on
@@ -534,11 +534,11 @@ class Trainer:
         old = batch.old_lp
         if self._needs_old_forward() and all_rows.numel():
             old = batch.old_lp.clone()
-            old[all_rows] = self._logprobs_nograd(self.model, batch, all_rows)
+            old[all_rows] = self._logprobs_detached(self.model, batch, all_rows)
         ref = None
         if self.ref is not None and all_rows.numel():
             ref = torch.zeros_like(batch.old_lp)
-            ref[all_rows] = self._logprobs_nograd(self.ref, batch, all_rows)
+            ref[all_rows] = self._logprobs_detached(self.ref, batch, all_rows)
         m["timing/logprob"] = time.perf_counter() - t
         t = time.perf_counter()
         groups = torch.arange(len(rollouts) // G).tensor_split(cfg.train.mini_batches)  # exactly this many
