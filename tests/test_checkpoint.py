@@ -124,6 +124,30 @@ def test_a_drafter_state_keeps_its_tensors_and_a_checkpoint_without_one_loads(tm
     assert info.step == 1 and d.loaded is None
 
 
+def test_each_rank_restores_its_own_drafter_state_only_when_the_world_is_the_same():
+    t = torch.arange
+    # a combined drafter's keys: the head and the rollout store are shared, the buffer and the streams are not
+    shared = {"draft/head.fc.weight": t(2.0), "reuse/reuse.ids": t(3)}
+    parts = [{"draft/buffer.0.tokens": t(4) + 10 * r, "draft/learner.rng": t(2) + r, "reuse/reuse.rng": t(1) + r,
+              "reuse/reuse.last_cut": t(1.0) + r} for r in range(3)]
+    rank0 = {**shared, **parts[0]}
+    assert all(map(ckpt.is_rank_local, parts[0])) and not any(map(ckpt.is_rank_local, shared))
+    saved = ckpt.with_ranks(rank0, parts)
+    assert set(saved) == set(shared) | {f"rank{r}/{k}" for r in range(3) for k in parts[0]}
+    for r in range(3):
+        mine, world = ckpt.for_rank(saved, r, 3)
+        assert world == 3 and set(mine) == set(rank0)
+        assert all(torch.equal(mine[k], v) for k, v in {**shared, **parts[r]}.items())
+    # another number of processes: the shared state only, and the world that wrote the rest
+    mine, world = ckpt.for_rank(saved, 1, 2)
+    assert world == 3 and set(mine) == set(shared)
+    # a single process's file (or a data-parallel one from before ranks were saved) is a world of 1
+    assert ckpt.for_rank(rank0, 0, 1) == (rank0, 1)
+    mine, world = ckpt.for_rank(rank0, 0, 2)
+    assert world == 1 and set(mine) == set(shared)
+    assert ckpt.for_rank(shared, 0, 2) == (shared, None)
+
+
 def test_saving_a_step_again_replaces_it_and_leaves_no_old_copy(tmp_path):
     first, _, _ = _parts(0)
     second, _, _ = _parts(5)

@@ -207,12 +207,23 @@ def _run_worker(rank, init_file, out):
     with torch.no_grad():  # rank-dependent starting heads: the trainer must share rank 0's
         for q in drafter.head.parameters():
             q.add_(0.5 * rank)
-    ot = Trainer(ocfg, model, prompts(), None, target_fraction, decode, eos_ids=[0], drafter=drafter, dist=d)
+    ot = Trainer(ocfg, model, prompts(), None, target_fraction, decode, eos_ids=[0], drafter=drafter, dist=d,
+                 run_dir=f"{out}/online")
     start = {k: v.clone() for k, v in drafter.head.state_dict().items()}
-    om = [ot.train_step() for _ in range(2)]
+    om = [ot.train_step()]
+    ot.save()
+    om.append(ot.train_step())
     res["online_start"], res["online_head"] = start, {k: v.clone() for k, v in drafter.head.state_dict().items()}
     res["online_updates"] = drafter.learner.updates
     res["online_loss"] = [m.get("draft/loss") for m in om]
+    # a resume from step 1 takes step 2's update from this rank's own buffer of step 1, as the run did
+    redrafter = build_spec_drafter(ocfg, tiny_model(5), prompts().ids, [0], log=None)
+    again = Trainer(ocfg, redrafter.policy, prompts(), None, target_fraction, decode, eos_ids=[0], drafter=redrafter,
+                    dist=d)
+    again.resume(f"{out}/online/step_000001")
+    res["online_resumed_loss"] = again.train_step().get("draft/loss")
+    res["online_resumed_equal"] = all(torch.equal(v, redrafter.head.state_dict()[k])
+                                      for k, v in res["online_head"].items())
     torch.save(res, f"{out}/run{rank}.pt")
     _leave()
 
@@ -246,6 +257,9 @@ def test_distributed_fit_checkpoints_resume_and_shared_reuse_store(tmp_path):
         assert torch.equal(v, r1["online_head"][k]) and torch.equal(r0["online_start"][k], r1["online_start"][k]), k
     assert not torch.equal(r0["online_head"]["fc.weight"], r0["online_start"]["fc.weight"])
     assert all(x is not None for x in r0["online_loss"] + r1["online_loss"])
+    # ... and a resume under data parallel replays it: every rank's buffer is in the checkpoint
+    assert r0["online_resumed_loss"] == r0["online_loss"][1] and r1["online_resumed_loss"] == r1["online_loss"][1]
+    assert r0["online_resumed_equal"] and r1["online_resumed_equal"]
 
 
 def test_data_parallel_refuses_what_it_cannot_split():

@@ -218,10 +218,9 @@ class OnlineLearner:
         if state:
             base = self.opt.state_dict()
             self.opt.load_state_dict({"state": state, "param_groups": base["param_groups"]})
-        # the buffer: this process's own rollouts. With data parallel only rank 0's are checkpointed, so every
-        # rank starts from an empty buffer there (as a checkpoint written before the buffer was saved does)
+        # the buffer: this process's own rollouts (with data parallel, this rank's: checkpoint.for_rank picks them)
         slots = sorted({int(k.split(".")[1]) for k in sd if k.startswith("buffer.")})
-        if self.grad_sync is None and slots:
+        if slots:
             self.buffer.clear()
             for i in slots:
                 lens, prompt = sd[f"buffer.{i}.lens"].tolist(), sd[f"buffer.{i}.prompt"].tolist()

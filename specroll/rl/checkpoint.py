@@ -79,6 +79,45 @@ def restore_rng(state: dict, extra: dict[str, torch.Generator] | None = None) ->
             g.set_state(state[f"gen/{name}"])
 
 
+# Drafter state that differs between data-parallel ranks: each rank's own rollouts (an online head's buffer) and
+# random streams / staging. Everything else in a drafter's state (head weights, AdamW moments, counters, the
+# rollout store every rank shares) is the same on every rank. Matched on the key's last '/' part.
+RANK_LOCAL = ("buffer.", "learner.rng", "reuse.rng", "reuse.last_cut")
+_RANK_KEY = re.compile(r"^rank(\d+)/(.+)$")
+
+
+def is_rank_local(key: str) -> bool:
+    return key.rsplit("/", 1)[-1].startswith(RANK_LOCAL)
+
+
+def with_ranks(sd: dict[str, torch.Tensor], parts: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    """A drafter state of every rank for one file: the shared keys once (``sd``'s) and rank r's own keys
+    (``parts[r]``, its ``is_rank_local`` ones) as ``rank{r}/key``."""
+    out = {k: v for k, v in sd.items() if not is_rank_local(k)}
+    out.update({f"rank{r}/{k}": v for r, part in enumerate(parts) for k, v in part.items()})
+    return out
+
+
+def for_rank(sd: dict[str, torch.Tensor], rank: int, world: int) -> tuple[dict[str, torch.Tensor], int | None]:
+    """The drafter state rank ``rank`` of ``world`` restores from a file ``with_ranks`` (or a single process)
+    wrote, and the number of processes that wrote its rank-local state (``None``: it has none). Saved by another
+    number of processes, the rank-local state is left out: each rank starts it afresh."""
+    saved: dict[int, dict[str, torch.Tensor]] = {}
+    single, shared = {}, {}
+    for k, v in sd.items():
+        m = _RANK_KEY.match(k)
+        if m:
+            saved.setdefault(int(m.group(1)), {})[m.group(2)] = v
+        else:
+            (single if is_rank_local(k) else shared)[k] = v
+    if not saved and single:  # a single process's file (or one from before every rank's state was saved)
+        saved = {0: single}
+    saved_world = max(saved) + 1 if saved else None
+    if saved_world == world:
+        shared.update(saved.get(rank, {}))
+    return shared, saved_world
+
+
 def save_checkpoint(out_dir: str | Path, step: int, *, model, optimizer, scheduler, state: dict,
                     config_yaml: str, rng: dict, drafter=None, keep_last: int = 2) -> Path:
     """Write checkpoint ``step`` atomically into ``out_dir`` and prune to the last ``keep_last``.

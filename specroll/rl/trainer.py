@@ -23,8 +23,9 @@ and only rank 0 writes them and the checkpoints.
 Departures: rows whose advantage is exactly 0 (zero-variance groups, ``None`` rewards) are not
 forwarded when beta = 0 -- their loss and gradient are exactly zero -- so ``actor/entropy`` and
 ``actor/clip_ratio`` describe the rows that were trained on. Rollout randomness is a pure function
-of (seed, step), and the data order of (seed, epoch), so a resumed run replays exactly (all but an online
-draft head's data under data parallel: only rank 0 writes checkpoints, so every rank's buffer restarts empty).
+of (seed, step), and the data order of (seed, epoch), so a resumed run replays exactly; under data parallel
+the checkpoint holds every rank's own drafter state (``checkpoint.with_ranks``: an online head's buffer), which a
+resume with another number of processes starts afresh.
 """
 
 from __future__ import annotations
@@ -274,6 +275,28 @@ def _share_online_head(drafter, dist: Dist) -> None:
     if learner is not None:
         dist.broadcast_params(eagle.head)
         learner.grad_sync = dist.mean_grads
+
+
+class _State:
+    """A drafter state already taken (``Trainer.save`` under data parallel), for ``checkpoint.save_checkpoint``."""
+
+    def __init__(self, sd: dict):
+        self.sd = sd
+
+    def state_dict(self) -> dict:
+        return self.sd
+
+
+class _RankView:
+    """``drafter`` restoring this rank's part of a checkpoint's drafter state (``checkpoint.for_rank``);
+    ``saved_world``: how many processes wrote the rank-local part (``None``: none)."""
+
+    def __init__(self, drafter, dist: Dist):
+        self.drafter, self.dist, self.saved_world = drafter, dist, None
+
+    def load_state_dict(self, sd: dict) -> None:
+        mine, self.saved_world = ckpt.for_rank(sd, self.dist.rank, self.dist.world)
+        self.drafter.load_state_dict(mine)
 
 
 def lr_lambda(warmup: int, total: int, cosine: bool, min_ratio: float) -> Callable[[int], float]:
@@ -663,6 +686,11 @@ class Trainer:
         back on resume (``checkpoint.restore_row``)."""
         if self.run_dir is None:
             raise ValueError("the trainer has no run directory to save into")
+        drafter = self.drafter
+        if self.dist.active and hasattr(drafter, "state_dict"):  # every rank's own part (its buffer) goes in too
+            sd = drafter.state_dict()
+            parts = self.dist.gather({k: v for k, v in sd.items() if ckpt.is_rank_local(k)})
+            drafter = _State(ckpt.with_ranks(sd, parts))
         if not self.dist.main:
             self.dist.barrier()
             return None
@@ -679,14 +707,19 @@ class Trainer:
             return ckpt.save_checkpoint(
                 self.run_dir, self.step, model=self.model, optimizer=self.opt, scheduler=self.sched, state=state,
                 config_yaml=yaml.safe_dump(self.cfg.to_dict(), sort_keys=False), rng=ckpt.rng_state(),
-                drafter=self.drafter, keep_last=self.cfg.train.keep_last)
+                drafter=drafter, keep_last=self.cfg.train.keep_last)
         finally:
             self.dist.barrier()
 
     def resume(self, path: str | Path) -> int:
         """Restore everything from a checkpoint directory; returns the step it was taken at."""
+        drafter = _RankView(self.drafter, self.dist) if hasattr(self.drafter, "load_state_dict") else None
         info, rng = ckpt.load_training_state(path, model=self.model, optimizer=self.opt, scheduler=self.sched,
-                                             drafter=self.drafter)
+                                             drafter=drafter)
+        if drafter is not None and drafter.saved_world not in (None, self.dist.world):
+            self._say(f"resume: the checkpoint holds the per-process drafter state (online draft-head buffer, "
+                      f"acceptance streams) of {drafter.saved_world} process(es) and this run has {self.dist.world}: "
+                      "it starts afresh on every process")
         ckpt.restore_rng(rng)
         self._apply_optimizer_config()
         self.step = info.step
