@@ -262,6 +262,50 @@ def test_distributed_fit_checkpoints_resume_and_shared_reuse_store(tmp_path):
     assert r0["online_resumed_equal"] and r1["online_resumed_equal"]
 
 
+def _rank1_scores_nothing(prompts, completions, **cols):
+    """Scores every sample on rank 0 and none on rank 1."""
+    return [None] * len(completions) if tdist.get_rank() == 1 else target_fraction(prompts, completions)
+
+
+def _scores_nothing(prompts, completions, **cols):
+    return [None] * len(completions)
+
+
+def _reward_stop_worker(rank, init_file, out):
+    from specroll.rl.rewards import GIVE_UP_AFTER, Reward, RewardError
+
+    d = _join(rank, init_file)
+    res = {}
+    cfg = make_cfg(f"train.steps={GIVE_UP_AFTER + 1}", "rollout.max_new_tokens=2")
+    for name, f in (("one_rank", _rank1_scores_nothing), ("no_rank", _scores_nothing)):
+        for kind, reward in (("plain", f), ("Reward", Reward({"f": f}, [1.0]))):
+            tr = Trainer(cfg, tiny_model(0), prompts(), None, reward, decode, eos_ids=[0], dist=d)
+            try:
+                tr.fit()
+                res[name, kind] = (tr.step, None)
+            except RewardError as e:
+                res[name, kind] = (tr.step, str(e))
+    torch.save(res, f"{out}/stop{rank}.pt")
+    _leave()
+
+
+def test_the_stop_for_a_reward_that_gives_nothing_is_decided_over_every_rank(tmp_path):
+    """A reward that scores nothing on one rank's rows but does on the other's is no reason to stop (one process
+    would see the values); one that scores nothing anywhere stops every rank at the same step, in one line."""
+    from specroll.rl.rewards import GIVE_UP_AFTER
+
+    _spawn(_reward_stop_worker, str(tmp_path / "init"), str(tmp_path))
+    ranks = [torch.load(tmp_path / f"stop{r}.pt", weights_only=False) for r in range(WORLD)]
+    for res in ranks:
+        for kind, _name in (("plain", "_rank1_scores_nothing"), ("Reward", "f")):
+            assert res["one_rank", kind] == (GIVE_UP_AFTER + 1, None), kind
+        for kind, name in (("plain", "_scores_nothing"), ("Reward", "f")):
+            step, err = res["no_rank", kind]
+            assert step == GIVE_UP_AFTER - 1, kind  # in the step of the 8th call, on both ranks
+            assert err.startswith(f"reward {name!r} returned None/NaN for every sample on each of its first "
+                                  f"{GIVE_UP_AFTER * WORLD} calls"), err
+
+
 def test_data_parallel_refuses_what_it_cannot_split():
     with pytest.raises(ValueError, match="multiple of 2"):
         from specroll.rl.trainer import _check_data_parallel

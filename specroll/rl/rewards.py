@@ -735,16 +735,21 @@ class Reward:
         self.n_calls = {k: 0 for k in funcs}
         self.n_empty = {k: 0 for k in funcs}  # calls that gave no value: raised, or None/NaN for every sample
         self.last_error: dict[str, str] = {}
+        # the stop after GIVE_UP_AFTER calls that gave nothing; data parallel turns it off and decides it over
+        # every process's calls instead (Trainer.train_step), so that no process stops alone on its own rows
+        self.stop_early = True
 
-    def check_ever_succeeded(self, counts: dict[str, tuple[int, ...]] | None = None) -> None:
+    def check_ever_succeeded(self, counts: dict[str, tuple[int, ...]] | None = None, *,
+                             giving_up: bool = False) -> None:
         """At the end of a run: a ``RewardError`` if a function gave no value on every one of its calls (it raised,
         or returned None/NaN for every sample). A run shorter than ``GIVE_UP_AFTER`` calls never reached that
         stop, and ended as if it had trained. ``counts``: {name: (calls, failures, empty)} summed over the
-        processes of data parallel (default: this process's); a pair (calls, failures) counts only raises."""
+        processes of data parallel (default: this process's); a pair (calls, failures) counts only raises.
+        ``giving_up``: the check of a run in progress (``check_gave_values``)."""
         for name in self.funcs:
             c = (counts or {}).get(name, (self.n_calls[name], self.n_failures[name], self.n_empty[name]))
             calls, fails, empty = (*c, c[1]) if len(c) == 2 else c
-            check_gave_values(name, calls, fails, empty, self.last_error.get(name))
+            check_gave_values(name, calls, fails, empty, self.last_error.get(name), giving_up=giving_up)
 
     @property
     def names(self) -> list[str]:
@@ -794,7 +799,7 @@ class Reward:
         """Count a call of ``name`` that gave no value; its ``GIVE_UP_AFTER``-th call that still gave none, like
         every one before it, stops the run."""
         self.n_empty[name] += 1
-        if self.n_calls[name] == GIVE_UP_AFTER:
+        if self.stop_early and self.n_calls[name] == GIVE_UP_AFTER:
             check_gave_values(name, GIVE_UP_AFTER, self.n_failures[name], self.n_empty[name],
                               self.last_error.get(name), giving_up=True)
 

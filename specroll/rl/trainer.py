@@ -364,6 +364,9 @@ class Trainer:
         # a plain reward function's calls, and those that gave no value (all None/NaN): _call_reward; a ``Reward``
         # counts its own functions'
         self._plain_calls = self._plain_empty = 0
+        self._scored = 0  # training steps scored by this process: data parallel's GIVE_UP_AFTER check (train_step)
+        if dist.active and hasattr(reward, "stop_early"):
+            reward.stop_early = False  # decided over every process's calls instead
         # the data files' fingerprints when the run started (data.data_fingerprints; run.py sets them), kept in
         # every checkpoint's state.json: a resume or an eval of it checks the files against them
         self.data_files: dict | None = None
@@ -413,6 +416,9 @@ class Trainer:
             m["timing/draft_update"] = time.perf_counter() - t
         t = time.perf_counter()
         rewards, per_func = self.score(prompts, rollouts)
+        self._scored += 1
+        if self.dist.active and self._scored == GIVE_UP_AFTER:  # every process decides together, on every row
+            self._check_reward(giving_up=True)
         m["timing/reward"] = time.perf_counter() - t
         m.update(self._rollout_metrics(self.dist.gather(self._rollout_summary(rollouts, rewards, per_func))))
         lr = self.sched.get_last_lr()[0]  # the rate of this step's (first) optimizer step, read before it
@@ -439,7 +445,7 @@ class Trainer:
         if not hasattr(self.reward, "check_ever_succeeded"):
             self._plain_calls += 1
             self._plain_empty += bool(torch.isnan(totals).all())
-            if self._plain_calls == GIVE_UP_AFTER:
+            if self._plain_calls == GIVE_UP_AFTER and not self.dist.active:  # else: train_step, over every process
                 check_gave_values(reward_name(self.reward), GIVE_UP_AFTER, 0, self._plain_empty, giving_up=True)
         return totals, per
 
@@ -796,16 +802,18 @@ class Trainer:
             self._check_reward()
         return self.metrics
 
-    def _check_reward(self) -> None:
+    def _check_reward(self, giving_up: bool = False) -> None:
         """A ``RewardError`` if a reward function gave no value on every one of its calls (it raised, or returned
-        None/NaN for every sample), counted over every process (each scores its own rows): a short run never
-        reaches ``rewards.GIVE_UP_AFTER``."""
+        None/NaN for every sample), counted over every process (each scores its own rows): at the end of a run,
+        which may be too short to reach ``rewards.GIVE_UP_AFTER``, and with data parallel at that call
+        (``giving_up``), where one process alone does not stop."""
         r = self.reward
         if not hasattr(r, "check_ever_succeeded"):  # a plain function: _call_reward's counts
             n = self.dist.sum_(torch.tensor([float(self._plain_calls), float(self._plain_empty)], dtype=torch.float64))
-            check_gave_values(reward_name(r), int(n[0]), 0, int(n[1]))
+            check_gave_values(reward_name(r), int(n[0]), 0, int(n[1]), giving_up=giving_up)
             return
         names = list(r.n_calls)
         counts = (r.n_calls, r.n_failures, r.n_empty)
         n = self.dist.sum_(torch.tensor([float(c[k]) for k in names for c in counts], dtype=torch.float64))
-        r.check_ever_succeeded({k: tuple(int(x) for x in n[3 * i:3 * i + 3]) for i, k in enumerate(names)})
+        r.check_ever_succeeded({k: tuple(int(x) for x in n[3 * i:3 * i + 3]) for i, k in enumerate(names)},
+                               giving_up=giving_up)
