@@ -137,6 +137,47 @@ def test_read_metrics_refuses_a_line_that_is_not_an_object(tmp_path, row):
         read_metrics(tmp_path)
 
 
+@pytest.mark.parametrize("row, says", [
+    ('{"reward/mean": 0.5}', '"step" is null'), ('{"step": "1"}', '"step" is "1"'), ('{"step": 1.5}', '"step" is 1.5'),
+    ('{"step": -1}', '"step" is -1'), ('{"step": true}', '"step" is true'),
+])
+def test_read_metrics_refuses_a_row_without_a_step_number(tmp_path, row, says):
+    (tmp_path / "metrics.jsonl").write_text(f'{{"step": 1}}\n{row}\n')
+    with pytest.raises(ValueError) as e:
+        read_metrics(tmp_path)
+    assert str(e.value) == (f"{tmp_path / 'metrics.jsonl'}:2: {says}, not a step number (0, 1, ...); fix or delete "
+                            "the line")
+
+
+def test_read_metrics_refuses_a_value_it_must_plot_that_is_not_a_number_or_null(tmp_path):
+    (tmp_path / "metrics.jsonl").write_text('{"step": 2.0, "reward/mean": null, "eval/n": 3}\n'
+                                            '{"step": 3, "reward/mean": "0.7", "note": "x"}\n')
+    with pytest.raises(ValueError, match=r"metrics\.jsonl:2: 'reward/mean' is \"0\.7\", not a number or null; fix or "
+                                         r"delete the line$"):
+        read_metrics(tmp_path, numbers=("timing/", "reward/mean"))
+    rows = read_metrics(tmp_path, numbers=("timing/", "eval/"))  # a note may be text (MetricsWriter writes any)
+    assert rows[0] == {"step": 2, "reward/mean": None, "eval/n": 3} and isinstance(rows[0]["step"], int)
+    assert rows[1]["reward/mean"] == "0.7"
+
+
+def test_report_draws_each_step_once_in_step_order(tmp_path, monkeypatch):
+    """A hand-joined metrics file may repeat steps or hold them out of order: each step is one point, the last
+    row written for it."""
+    from specroll.bench import common
+    from specroll.cli import main
+
+    rows = [{"step": 1, "reward/mean": 0.1}, {"step": 2, "reward/mean": 0.2, "eval/accuracy": 0.5},
+            {"step": 4, "reward/mean": 0.4}, {"step": 2, "reward/mean": 0.25, "eval/accuracy": 0.6},
+            {"step": 3, "reward/mean": 0.3}]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    figs = []
+    monkeypatch.setattr(common, "save_figure", lambda fig, out, **kw: figs.append(fig))
+    assert main(["report", str(tmp_path)]) == 0
+    reward, acc = (figs[0].axes[i].lines[0] for i in (0, 1))
+    assert list(reward.get_xdata()) == [1, 2, 3, 4] and list(reward.get_ydata()) == [0.1, 0.25, 0.3, 0.4]
+    assert list(acc.get_xdata()) == [2] and list(acc.get_ydata()) == [0.6]
+
+
 # --- step_line -------------------------------------------------------------------------------------
 
 

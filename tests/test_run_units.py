@@ -415,6 +415,32 @@ def test_eval_json_goes_into_a_new_folder(tmp_path, monkeypatch, capsys):
     assert "eval tiny-llama: accuracy 0.500 on 2 problems" in " ".join(capsys.readouterr().out.split())
 
 
+def test_eval_of_nothing_scored_says_so_and_writes_valid_json(tmp_path, monkeypatch, capsys):
+    """A reward that scores no sample gives NaN figures: the line says why, and --json holds null (as
+    metrics.jsonl does), not NaN, which strict JSON parsers refuse."""
+    nan = float("nan")
+    m = {"eval/accuracy": nan, "eval/reward_mean": nan, "eval/n": 2, "eval/completion_len": 3.0, "timing/eval": 0.0}
+    monkeypatch.setattr(run.Trainer, "evaluate", lambda self: dict(m))
+    out = tmp_path / "m.json"
+    assert main(["eval", "--model", "tiny-llama", "data.n_eval=2", "--json", str(out)]) == 0
+    assert json.loads(out.read_text(), parse_constant=lambda c: pytest.fail(f"{c} in --json")) == {
+        "model": "tiny-llama", **m, "eval/accuracy": None, "eval/reward_mean": None}
+    said = " ".join(capsys.readouterr().out.split())
+    assert "accuracy nan on 2 problems" in said and "no problem was scored: the reward gave None/NaN for each" in said
+
+
+def test_eval_of_a_capped_eval_file_says_how_many_of_its_rows_it_scores(tmp_path, monkeypatch, capsys):
+    rows = tmp_path / "ev.jsonl"
+    rows.write_text("".join(json.dumps({"question": f"{i}+1?", "answer": str(i + 1)}) + "\n" for i in range(5)))
+    m = {"eval/accuracy": 0.5, "eval/n": 3, "eval/completion_len": 3.0, "timing/eval": 0.0}
+    monkeypatch.setattr(run.Trainer, "evaluate", lambda self: dict(m))
+    assert main(["eval", "--model", "tiny-llama", f"data.eval_path={rows}", "data.n_eval=3"]) == 0
+    said = " ".join(capsys.readouterr().out.split())
+    assert f"{rows}: scoring its first 3 of 5 problems (data.n_eval=3; data.n_eval=0 scores them all)" in said
+    assert main(["eval", "--model", "tiny-llama", f"data.eval_path={rows}", "data.n_eval=0"]) == 0
+    assert "scoring its first" not in capsys.readouterr().out
+
+
 def test_eval_of_a_checkpoint_names_the_checkpoint_and_loads_its_weights(tmp_path, monkeypatch, capsys):
     ck = _checkpoint(tmp_path / "run", 1, "model:\n  name: tiny-llama\n")
     m = {"eval/accuracy": 0.25, "eval/n": 2, "eval/completion_len": 3.0, "timing/eval": 0.0}

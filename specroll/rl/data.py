@@ -541,11 +541,14 @@ def _holdout(examples: list[dict], cfg: DataConfig, path) -> tuple[list[dict], l
 
 class Examples(list):
     """A list of examples that knows where it came from, for ``build_prompts``' messages: ``split`` ("eval"
-    or None), ``held_out`` (rows held out of ``data.path``), ``source`` (the file, or None: the built-in task)."""
+    or None), ``held_out`` (rows held out of ``data.path``), ``source`` (the file, or None: the built-in task),
+    ``total`` (how many examples there were before a cap such as ``data.n_eval`` took these)."""
 
-    def __init__(self, items, split: str | None = None, held_out: bool = False, source: str | None = None):
+    def __init__(self, items, split: str | None = None, held_out: bool = False, source: str | None = None,
+                 total: int | None = None):
         super().__init__(items)
         self.split, self.held_out, self.source = split, held_out, source
+        self.total = len(self) if total is None else total
 
 
 def _file_splits(cfg: DataConfig, answers: bool = True, advice: Advice = TRAIN_ADVICE, one_answer: bool = False
@@ -574,7 +577,7 @@ def load_examples(cfg: DataConfig, split: str, answers: bool = True, advice: Adv
         ev = _convert(read_rows(cfg.eval_path, cfg.skip_bad_rows, advice), cfg.eval_path, cfg, answers, advice,
                       one_answer)
         # n_eval caps an eval file (0 = all of it)
-        return Examples(ev[: cfg.n_eval] if cfg.n_eval else ev, "eval", source=cfg.eval_path)
+        return Examples(ev[: cfg.n_eval] if cfg.n_eval else ev, "eval", source=cfg.eval_path, total=len(ev))
     if cfg.task == "arithmetic":
         if split == "eval":
             return Examples(arithmetic(split, cfg.n_eval, cfg.level, cfg.seed), "eval")

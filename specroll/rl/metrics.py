@@ -85,8 +85,10 @@ def json_value(v):
     return v
 
 
-def read_metrics(run_dir: str | Path) -> list[dict]:
-    """The rows of ``<run_dir>/metrics.jsonl``. A damaged line is a ``ValueError`` naming the file and line; a
+def read_metrics(run_dir: str | Path, numbers: tuple[str, ...] = ()) -> list[dict]:
+    """The rows of ``<run_dir>/metrics.jsonl``. A damaged line (not a JSON object, no step number, a value of a
+    key starting with one of ``numbers`` that is not a number or null) is a ``ValueError`` naming the file and
+    line; a
     partial last line (a run killed while writing it: no newline after it) is skipped with a warning."""
     p = Path(run_dir) / "metrics.jsonl"
     if not p.is_file():
@@ -112,8 +114,21 @@ def read_metrics(run_dir: str | Path) -> list[dict]:
             raise ValueError(f"{p}:{i}: not valid JSON ({e.msg} at column {e.colno}); fix or delete the line") from None
         if not isinstance(row, dict):
             raise ValueError(f"{p}:{i}: not a JSON object; fix or delete the line")
-        rows.append(row)
+        step = row.get("step")
+        if not _is_number(step) or not float(step).is_integer() or step < 0:
+            raise ValueError(f"{p}:{i}: \"step\" is {json.dumps(step)}, not a step number (0, 1, ...); fix or delete "
+                             "the line")
+        bad = next((k for k, v in row.items() if k.startswith(numbers) and v is not None and not _is_number(v)),
+                   None) if numbers else None
+        if bad is not None:
+            raise ValueError(f"{p}:{i}: {bad!r} is {json.dumps(row[bad])[:40]}, not a number or null; fix or delete "
+                             "the line")
+        rows.append({**row, "step": int(step)})
     return rows
+
+
+def _is_number(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
 
 
 def step_line(step: int, total: int, m: dict) -> str:

@@ -708,6 +708,9 @@ def eval_cli(args) -> int:
     if not examples:
         raise CliError(f"data.n_eval={cfg.data.n_eval} selects no eval problems: set data.n_eval >= 1 (e.g. "
                        "data.n_eval=64)" if cfg.data.n_eval < 1 else "the eval split is empty")
+    if getattr(examples, "total", 0) > len(examples):  # data.eval_path capped by data.n_eval
+        console.print(f"{examples.source}: scoring its first {len(examples)} of {examples.total} problems "
+                      f"(data.n_eval={cfg.data.n_eval}; data.n_eval=0 scores them all)")
     model, tok, eos = load_policy(cfg, ck if args.checkpoint else None)
     reward = build_reward(cfg.reward)
     ev = prompt_set(examples, tok, cfg.data, "eval", console.print)
@@ -721,13 +724,18 @@ def eval_cli(args) -> int:
     what = ck if args.checkpoint else cfg.model.name  # the checkpoint itself (a run directory's latest step)
     # without the accuracy reward, eval/accuracy is the mean total reward (it may exceed 1): named as what it is
     score = "accuracy" if "accuracy" in cfg.reward.funcs else "mean reward (reward.funcs has no accuracy)"
+    unscored = "" if math.isfinite(m["eval/accuracy"]) else "; no problem was scored: the reward gave None/NaN for each"
     console.print(f"eval {what}: {score} {m['eval/accuracy']:.3f} on {m['eval/n']} problems "
-                  f"(T={args.temperature}, mean length {m['eval/completion_len']:.1f} tokens, {m['timing/eval']:.1f}s)")
+                  f"(T={args.temperature}, mean length {m['eval/completion_len']:.1f} tokens, {m['timing/eval']:.1f}s)"
+                  f"{unscored}")
     if args.json:
         import json
 
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps({"model": str(what), **m}, indent=2))
+        from .metrics import json_value
+
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)  # NaN (nothing scored) is null, as in metrics.jsonl
+        Path(args.json).write_text(json.dumps({"model": str(what), **{k: json_value(v) for k, v in m.items()}},
+                                              indent=2, allow_nan=False))
     return 0
 
 
@@ -769,9 +777,11 @@ def report_cli(args) -> int:
         raise CliError(f"--out {out}: cannot write a .{out.suffix[1:]} figure; use one of "
                        f"{', '.join('.' + k for k in sorted(kinds))} (e.g. {out.with_suffix('.png')})")
     check_output(out, "--out")
-    rows = read_metrics(args.run_dir)
-    steps = [r for r in rows if "reward/mean" in r]
-    evals = [r for r in rows if r.get("eval/accuracy") is not None]
+    rows = read_metrics(args.run_dir, numbers=("reward/mean", "eval/accuracy", "timing/"))  # what it plots
+    # one point per step, the last row written for it (a hand-joined file may repeat steps), in step order
+    last = lambda rs: sorted({r["step"]: r for r in rs}.values(), key=lambda r: r["step"])  # noqa: E731
+    steps = last(r for r in rows if "reward/mean" in r)
+    evals = last(r for r in rows if r.get("eval/accuracy") is not None)
     if not steps and not evals:
         raise CliError(f"{Path(args.run_dir) / 'metrics.jsonl'} has no training step (reward/mean) or eval "
                        f"(eval/accuracy) rows yet ({len(rows)} row(s) in all): nothing to plot")
