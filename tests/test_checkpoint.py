@@ -126,10 +126,10 @@ def test_a_drafter_state_keeps_its_tensors_and_a_checkpoint_without_one_loads(tm
 
 def test_each_rank_restores_its_own_drafter_state_only_when_the_world_is_the_same():
     t = torch.arange
-    # a combined drafter's keys: the head and the rollout store are shared, the buffer and the streams are not
-    shared = {"draft/head.fc.weight": t(2.0), "reuse/reuse.ids": t(3)}
+    # a combined drafter's keys: the head and its optimizer are shared; the buffer, the store and streams are not
+    shared = {"draft/head.fc.weight": t(2.0), "draft/opt.0.exp_avg": t(3.0), "draft/learner.counters": t(2)}
     parts = [{"draft/buffer.0.tokens": t(4) + 10 * r, "draft/learner.rng": t(2) + r, "reuse/reuse.rng": t(1) + r,
-              "reuse/reuse.last_cut": t(1.0) + r} for r in range(3)]
+              "reuse/reuse.ids": t(3) + r, "reuse/reuse.last_cut": t(1.0) + r} for r in range(3)]
     rank0 = {**shared, **parts[0]}
     assert all(map(ckpt.is_rank_local, parts[0])) and not any(map(ckpt.is_rank_local, shared))
     saved = ckpt.with_ranks(rank0, parts)
@@ -138,13 +138,14 @@ def test_each_rank_restores_its_own_drafter_state_only_when_the_world_is_the_sam
         mine, world = ckpt.for_rank(saved, r, 3)
         assert world == 3 and set(mine) == set(rank0)
         assert all(torch.equal(mine[k], v) for k, v in {**shared, **parts[r]}.items())
-    # another number of processes: the shared state only, and the world that wrote the rest
-    mine, world = ckpt.for_rank(saved, 1, 2)
-    assert world == 3 and set(mine) == set(shared)
+    # another number of processes: rank r continues from saved rank r mod 3, and says how many saved it
+    for r, of in ((1, 1), (4, 1), (5, 2)):
+        mine, world = ckpt.for_rank(saved, r, 6)
+        assert world == 3 and all(torch.equal(mine[k], v) for k, v in {**shared, **parts[of]}.items()), r
     # a single process's file (or a data-parallel one from before ranks were saved) is a world of 1
     assert ckpt.for_rank(rank0, 0, 1) == (rank0, 1)
-    mine, world = ckpt.for_rank(rank0, 0, 2)
-    assert world == 1 and set(mine) == set(shared)
+    mine, world = ckpt.for_rank(rank0, 1, 2)
+    assert world == 1 and all(torch.equal(mine[k], v) for k, v in rank0.items())
     assert ckpt.for_rank(shared, 0, 2) == (shared, None)
 
 

@@ -199,6 +199,36 @@ def _run_worker(rank, init_file, out):
     res["reuse_ratio"] = [m["spec/reuse_ratio"] for m in ms]
     res["tokens"] = [m["rollout/tokens_generated"] for m in ms]
     res["completion_tokens"] = [m["rollout/completion_len_mean"] * 4 * G for m in ms]  # both ranks' 4 x G rows
+    # partial reuse: each rank's counts behind its rates, and the logged rates (of both ranks' rows)
+    model = tiny_model(0)
+    drafter = build_spec_drafter(make_cfg("reuse.mode=lenient", "reuse.lenience=2"), model, prompts().ids, [0],
+                                 log=lambda *a: None)
+    counts, own = [], drafter.metrics
+    drafter.metrics = lambda reset=True: (counts.append(drafter.counts()), own(reset))[1]
+    rt = Trainer(make_cfg("reuse.mode=lenient", "reuse.lenience=2"), model, prompts(), None, target_fraction, decode,
+                 eos_ids=[0], drafter=drafter, dist=d)
+    res["partial"] = [rt.train_step() for _ in range(4)]
+    res["partial_counts"] = counts
+    # a store that holds 1.5 steps of rows: each rank evicts its own step-1 rows first (it put them first), so the
+    # stores differ, and a resume must give each rank its own
+    scfg = make_cfg("reuse.mode=lenient", "reuse.lenience=2", "reuse.store_mb=0.003")
+
+    def bounded():
+        model = tiny_model(0)
+        dr = build_spec_drafter(scfg, model, prompts().ids, [0], log=lambda *a: None)
+        return Trainer(scfg, model, prompts(), None, target_fraction, decode, eos_ids=[0], drafter=dr, dist=d,
+                       run_dir=f"{out}/bounded")
+
+    bt = bounded()
+    ms = [bt.train_step() for _ in range(2)]
+    bt.save()
+    res["bounded_store"] = sorted(map(tuple, reuse_of(bt.drafter).store.state_dict()["reuse.keys"].tolist()))
+    ms += [bt.train_step() for _ in range(2)]
+    again = bounded()
+    again.resume(f"{out}/bounded/step_000002")
+    keys = ("spec/reuse_ratio", "spec/avg_cut_idx", "reward/mean", "actor/loss", "rollout/tokens_generated")
+    res["bounded"] = [{k: m.get(k) for k in keys} for m in ms[2:]]
+    res["bounded_resumed"] = [{k: m.get(k) for k in keys} for m in (again.train_step(), again.train_step())]
     # the draft head learning online: one head for both ranks, trained on both ranks' rollouts
     ocfg = make_cfg("draft.head=random", "draft.online=true", "draft.vocab=16", "draft.plan=static",
                     "draft.n_verify=6", "draft.k=2", "draft.depth=3", "draft.lr=1e-2", "draft.update_steps=2")
@@ -251,6 +281,24 @@ def test_distributed_fit_checkpoints_resume_and_shared_reuse_store(tmp_path):
     # the reuse drafter's token count covers both ranks, like the rest of the step metrics
     assert r0["tokens"][0] == r1["tokens"][0] == pytest.approx(r0["completion_tokens"][0])
     assert r0["tokens"][0] > 0
+    # the reuse rates are of both ranks' rows (they were the mean of each rank's rate)
+    from specroll.drafters.reuse import ReuseDrafter
+
+    assert r0["partial_counts"][3]["reused_tokens"] > 0  # epoch 2 reused something
+    differ = False
+    for i in range(4):
+        c0, c1 = r0["partial_counts"][i], r1["partial_counts"][i]
+        want = ReuseDrafter.ratios({k: c0[k] + c1[k] for k in c0})
+        mean = {k: (a + b) / 2 for (k, a), b in zip(ReuseDrafter.ratios(c0).items(), ReuseDrafter.ratios(c1).values())}
+        differ |= any(abs(mean[k] - v) > 1e-9 for k, v in want.items())
+        for res in (r0, r1):
+            assert {k: res["partial"][i][k] for k in want} == pytest.approx(want), i
+    assert differ  # so the check above tells the two apart
+    # a full store: the ranks' stores differ, and a resume replays steps 3 and 4 of both
+    assert r0["bounded_store"] != r1["bounded_store"]
+    assert r0["bounded"][0]["spec/reuse_ratio"] > 0
+    for res in (r0, r1):
+        assert res["bounded_resumed"] == res["bounded"]
     # online head: the same start and the same learned head on both ranks, and it did learn
     assert r0["online_updates"] == r1["online_updates"] == 4
     for k, v in r0["online_head"].items():

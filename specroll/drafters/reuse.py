@@ -569,13 +569,22 @@ class ReuseDrafter:
         return dict.fromkeys(["reused_tokens", "rows_skipped", "rows_drafted", "cut_sum", "rows",
                               "completion_tokens", "timing/verify"], 0)
 
+    def counts(self) -> dict[str, int]:
+        """The counts ``metrics`` divides (since its last reset): summed over data-parallel ranks, they give the
+        ratios of every rank's rows (``ratios``)."""
+        return {k: v for k, v in self._m.items() if not k.startswith("timing/")}
+
+    @staticmethod
+    def ratios(c: dict) -> dict[str, float]:
+        return {"spec/reuse_ratio": c["reused_tokens"] / max(1, c["completion_tokens"]),
+                "spec/skip_ratio": c["rows_skipped"] / max(1, c["rows"]),
+                "spec/avg_cut_idx": c["cut_sum"] / max(1, c["rows_drafted"])}
+
     def metrics(self, reset: bool = True) -> dict[str, float]:
         """Reuse figures accumulated over the ``generate`` calls since the last reset."""
         m = self._m
         out = {
-            "spec/reuse_ratio": m["reused_tokens"] / max(1, m["completion_tokens"]),
-            "spec/skip_ratio": m["rows_skipped"] / max(1, m["rows"]),
-            "spec/avg_cut_idx": m["cut_sum"] / max(1, m["rows_drafted"]),
+            **self.ratios(m),
             "rollout/tokens_generated": float(m["completion_tokens"] - m["reused_tokens"]),
             "timing/verify": float(m["timing/verify"]),
         }

@@ -79,10 +79,11 @@ def restore_rng(state: dict, extra: dict[str, torch.Generator] | None = None) ->
             g.set_state(state[f"gen/{name}"])
 
 
-# Drafter state that differs between data-parallel ranks: each rank's own rollouts (an online head's buffer) and
-# random streams / staging. Everything else in a drafter's state (head weights, AdamW moments, counters, the
-# rollout store every rank shares) is the same on every rank. Matched on the key's last '/' part.
-RANK_LOCAL = ("buffer.", "learner.rng", "reuse.rng", "reuse.last_cut")
+# Drafter state that differs between data-parallel ranks: an online head's buffer of the rank's own rollouts and
+# its generator, and the rollout store (every rank keeps every rank's completions, but once it is full each rank
+# evicts by its own look-ups) with its coin stream and staging. The rest (head weights, AdamW moments, counters)
+# is the same on every rank. Matched on the key's last '/' part.
+RANK_LOCAL = ("buffer.", "learner.rng", "reuse.")
 _RANK_KEY = re.compile(r"^rank(\d+)/(.+)$")
 
 
@@ -100,8 +101,9 @@ def with_ranks(sd: dict[str, torch.Tensor], parts: list[dict[str, torch.Tensor]]
 
 def for_rank(sd: dict[str, torch.Tensor], rank: int, world: int) -> tuple[dict[str, torch.Tensor], int | None]:
     """The drafter state rank ``rank`` of ``world`` restores from a file ``with_ranks`` (or a single process)
-    wrote, and the number of processes that wrote its rank-local state (``None``: it has none). Saved by another
-    number of processes, the rank-local state is left out: each rank starts it afresh."""
+    wrote, and the number of processes N that wrote its rank-local state (``None``: it has none). Saved by
+    another number of processes, rank r takes saved rank r mod N's (every store holds every rank's completions;
+    a buffer then serves more ranks, or some are left out): a good continuation, not an exact replay."""
     saved: dict[int, dict[str, torch.Tensor]] = {}
     single, shared = {}, {}
     for k, v in sd.items():
@@ -113,8 +115,8 @@ def for_rank(sd: dict[str, torch.Tensor], rank: int, world: int) -> tuple[dict[s
     if not saved and single:  # a single process's file (or one from before every rank's state was saved)
         saved = {0: single}
     saved_world = max(saved) + 1 if saved else None
-    if saved_world == world:
-        shared.update(saved.get(rank, {}))
+    if saved_world is not None:
+        shared.update(saved.get(rank % saved_world, {}))
     return shared, saved_world
 
 

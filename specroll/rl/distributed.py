@@ -63,6 +63,15 @@ class Dist:
         dist.all_gather_object(out, obj)
         return out
 
+    def gather_main(self, obj) -> list | None:
+        """``obj`` of every rank, in rank order, on rank 0 (None on the others): for large objects only rank 0
+        needs, e.g. each rank's drafter state for a checkpoint."""
+        if not self.active:
+            return [obj]
+        out: list | None = [None] * self.world if self.main else None
+        dist.gather_object(obj, out, dst=0)
+        return out
+
     def sum_(self, t: torch.Tensor) -> torch.Tensor:
         """``t`` summed over the ranks, in place."""
         if self.active:

@@ -24,8 +24,8 @@ Departures: rows whose advantage is exactly 0 (zero-variance groups, ``None`` re
 forwarded when beta = 0 -- their loss and gradient are exactly zero -- so ``actor/entropy`` and
 ``actor/clip_ratio`` describe the rows that were trained on. Rollout randomness is a pure function
 of (seed, step), and the data order of (seed, epoch), so a resumed run replays exactly; under data parallel
-the checkpoint holds every rank's own drafter state (``checkpoint.with_ranks``: an online head's buffer), which a
-resume with another number of processes starts afresh.
+the checkpoint holds every rank's own drafter state (``checkpoint.with_ranks``: its rollout store, an online
+head's buffer; a resume with another number of processes continues from them but does not replay exactly).
 """
 
 from __future__ import annotations
@@ -420,7 +420,8 @@ class Trainer:
         if self.dist.active and self._scored == GIVE_UP_AFTER:  # every process decides together, on every row
             self._check_reward(giving_up=True)
         m["timing/reward"] = time.perf_counter() - t
-        m.update(self._rollout_metrics(self.dist.gather(self._rollout_summary(rollouts, rewards, per_func))))
+        m.update(self._rollout_metrics(self.dist.gather(self._rollout_summary(rollouts, rewards, per_func,
+                                                                              self._reuse_counts()))))
         lr = self.sched.get_last_lr()[0]  # the rate of this step's (first) optimizer step, read before it
         m.update(self.update(rollouts, rewards))
         self.step += 1
@@ -463,13 +464,21 @@ class Trainer:
                 for prompt_ids, index, ids, logprobs in rows:
                     reuse.store.put(prompt_ids, index, ids, logprobs, self.step)
 
+    def _reuse_counts(self) -> dict | None:
+        """The reuse drafter's counts of this step (``ReuseDrafter.counts``), or None without one."""
+        from ..drafters.build import reuse_of
+
+        reuse = reuse_of(self.drafter)
+        return reuse.counts() if reuse is not None and reuse.mode != "off" else None
+
     @staticmethod
-    def _rollout_summary(rollouts: list[Rollout], rewards: torch.Tensor, per_func: dict) -> dict:
+    def _rollout_summary(rollouts: list[Rollout], rewards: torch.Tensor, per_func: dict,
+                         reuse: dict | None = None) -> dict:
         """What the step metrics need of one rank's rollouts (small: gathered across ranks)."""
         return {"rewards": rewards, "lens": torch.tensor([len(r.completion_ids) for r in rollouts], dtype=torch.float),
                 "truncated": sum(r.finish_reason == "length" for r in rollouts),
                 "reused": sum(r.n_reused for r in rollouts), "drafted": sum(r.n_drafted for r in rollouts),
-                "accepted": sum(r.n_accepted for r in rollouts), "per_func": per_func}
+                "accepted": sum(r.n_accepted for r in rollouts), "per_func": per_func, "reuse": reuse}
 
     def _rollout_metrics(self, parts: list[dict]) -> dict:
         """Step metrics over every rank's ``_rollout_summary`` (rank order: groups stay contiguous).
@@ -503,6 +512,11 @@ class Trainer:
                     dm = _across_ranks(self.dist.gather(dm))
                 for k, v in dm.items():
                     m[k if "/" in k else f"spec/{k}"] = v
+            counts = [p["reuse"] for p in parts if p.get("reuse") is not None]
+            if counts and self.dist.active:  # the ranks' mean rates weigh each rank alike: these are of every row
+                from ..drafters.reuse import ReuseDrafter
+
+                m.update(ReuseDrafter.ratios({k: sum(c[k] for c in counts) for k in counts[0]}))
         return m
 
     # -- the update ---------------------------------------------------------------------------
@@ -695,8 +709,8 @@ class Trainer:
         drafter = self.drafter
         if self.dist.active and hasattr(drafter, "state_dict"):  # every rank's own part (its buffer) goes in too
             sd = drafter.state_dict()
-            parts = self.dist.gather({k: v for k, v in sd.items() if ckpt.is_rank_local(k)})
-            drafter = _State(ckpt.with_ranks(sd, parts))
+            parts = self.dist.gather_main({k: v for k, v in sd.items() if ckpt.is_rank_local(k)})
+            drafter = _State(ckpt.with_ranks(sd, parts)) if parts is not None else None
         if not self.dist.main:
             self.dist.barrier()
             return None
@@ -723,9 +737,9 @@ class Trainer:
         info, rng = ckpt.load_training_state(path, model=self.model, optimizer=self.opt, scheduler=self.sched,
                                              drafter=drafter)
         if drafter is not None and drafter.saved_world not in (None, self.dist.world):
-            self._say(f"resume: the checkpoint holds the per-process drafter state (online draft-head buffer, "
-                      f"acceptance streams) of {drafter.saved_world} process(es) and this run has {self.dist.world}: "
-                      "it starts afresh on every process")
+            self._say(f"resume: the checkpoint holds the per-process drafter state (rollout store, online head's "
+                      f"buffer) of {drafter.saved_world} process(es) and this run has {self.dist.world}: process r "
+                      f"continues from saved process r mod {drafter.saved_world}'s, so the run does not replay exactly")
         ckpt.restore_rng(rng)
         self._apply_optimizer_config()
         self.step = info.step
