@@ -879,3 +879,18 @@ def test_top_k_and_top_p_ties_follow_hf_warpers():
         got = torch.isfinite(processed_logprobs(x, SamplingParams(**kw)))
         want = torch.isfinite(warp(None, x[None].clone())[0])
         assert int(got.sum()) == int(want.sum()), (kw, got, want)
+
+
+def test_generate_works_in_and_out_of_inference_mode_in_either_order():
+    """The engine keeps its KV cache across calls: made inside ``torch.inference_mode()`` its tensors were inference
+    tensors, and every later call outside that mode failed at the cache's reset ("Inplace update to inference tensor
+    outside InferenceMode is not allowed")."""
+    _, model = tiny_hf("llama", seed=1)
+    want = [naive_greedy(model, p, 4) for p in PROMPTS[:2]]
+    params = SamplingParams(temperature=0, max_new_tokens=4)
+    for first_inside in (True, False):
+        eng = Engine(model, eos_ids=[], dtype=torch.float32)
+        for inside in (first_inside, not first_inside, first_inside):
+            with torch.inference_mode(inside):
+                outs = eng.generate(PROMPTS[:2], params, n=2)
+            assert [o.completion_ids.tolist() for o in outs[::2]] == want

@@ -119,9 +119,12 @@ class KVCache:
     def __init__(self, n_layers: int, max_batch: int, n_kv: int, max_len: int, head_dim: int,
                  dtype: torch.dtype = torch.float32):
         shape = (n_layers, max_batch, n_kv, max_len, head_dim)
-        self.k = torch.zeros(shape, dtype=dtype)
-        self.v = torch.zeros(shape, dtype=dtype)
-        self.lens = torch.zeros(max_batch, dtype=torch.long)
+        # normal tensors even when made under ``torch.inference_mode()``: an engine keeps its cache across calls, and
+        # an inference tensor refuses the in-place writes of every later call made outside that mode
+        with torch.inference_mode(False):
+            self.k = torch.zeros(shape, dtype=dtype)
+            self.v = torch.zeros(shape, dtype=dtype)
+            self.lens = torch.zeros(max_batch, dtype=torch.long)
         self.batch = 0
         self.max_len = max_len
         self._span = 0  # slots visible in the current forward
