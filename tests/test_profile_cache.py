@@ -142,8 +142,8 @@ def test_profile_force_replaces_a_damaged_profile(home, capsys, no_debug, damage
 
     assert main(ARGV + ["--force"]) == 0
     out = capsys.readouterr().out
-    (note,) = [ln for ln in out.splitlines() if path in ln and "replac" in ln]
-    assert note.startswith("--force: ")
+    (note,) = [ln for ln in out.splitlines() if ln.startswith("--force: ")]
+    assert note.startswith(f"--force: {path} is no usable profile (") and note.endswith("replace it")
     assert profiler.load_profile("tiny-llama", "float32")["mode"] == "full"
 
 

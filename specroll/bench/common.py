@@ -97,14 +97,29 @@ def alternating_medians(run, sides: dict, repeats: int) -> dict:
     return {k: statistics.median(v) for k, v in ts.items()}
 
 
+def finite_json(data):
+    """``data`` as JSON can hold it: every NaN or infinity, at any depth, null (``metrics.json_value``)."""
+    from ..rl.metrics import json_value
+
+    if isinstance(data, dict):
+        return {k: finite_json(v) for k, v in data.items()}
+    if isinstance(data, (list, tuple)):
+        return [finite_json(v) for v in data]
+    return json_value(data)
+
+
 def write_json(path: str | Path, data: dict) -> None:
+    """``data`` (NaN and infinities as null: valid JSON) into ``path``, atomically: through a temporary file of
+    this process's own beside it, so two processes writing one file (ranks caching one profile) never rename each
+    other's and a reader sees the old file or the new one, never a part."""
     path = Path(path)
+    text = json.dumps(finite_json(data), indent=2, allow_nan=False)
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(path.suffix + ".tmp")
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     try:
-        tmp.write_text(json.dumps(data, indent=2))
+        tmp.write_text(text)
         os.replace(tmp, path)
-    except OSError:  # a full disk, or ``path`` a directory: no stray .tmp left beside it
+    except BaseException:  # a full disk, ``path`` a directory, an interrupt: no stray temporary file left beside it
         tmp.unlink(missing_ok=True)
         raise
 

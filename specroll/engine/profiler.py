@@ -149,23 +149,87 @@ def profile_path(model: str, dtype, fp: dict | None = None) -> Path:
     return profiles_dir() / f"{profile_key(model, dtype, fp)}.json"
 
 
+class BadProfile(ValueError):
+    """A file at a profile's cache path that is no usable profile; the message names the file, what is wrong with
+    it (``reason``) and the fix."""
+
+    def __init__(self, path: Path, reason: str, fix: str):
+        super().__init__(f"{path}: {reason}; {fix}")
+        self.path, self.reason = path, reason
+
+
+_NUMBER = (int, float)
+FIELDS = {"model": str, "dtype": str, "fingerprint": dict, "delta": _NUMBER, "context": int, "batches": list,
+          "c_peak_by_batch": dict, "knee": dict, "points": list}
+KNEE_FIELDS = {"single_token_ms": _NUMBER, "c_peak_ms": _NUMBER, "ratio": _NUMBER}
+POINT_FIELDS = {"batch": int, "total_tokens": int, "latency_s": _NUMBER, "median_s": _NUMBER}
+
+
+def _malformed(data: dict) -> str | None:
+    """The first field this module reads from a profile (``describe``, ``plot_profile``, the --delta re-summary)
+    that ``data`` lacks or holds with another type, e.g. "points[0].latency_s"; None if every one is there."""
+    def bad(d: dict, fields: dict, at: str = "") -> str | None:
+        return next((at + k for k, t in fields.items() if isinstance(d.get(k), bool) or not isinstance(d.get(k), t)),
+                    None)
+
+    found = bad(data, FIELDS) or bad(data["knee"], KNEE_FIELDS, "knee.")
+    if found or not data["points"]:
+        return found or "points"
+    for i, p in enumerate(data["points"]):
+        found = bad(p, POINT_FIELDS, f"points[{i}].") if isinstance(p, dict) else f"points[{i}]"
+        if found:
+            return found
+    return None
+
+
 def load_profile(model: str, dtype, fp: dict | None = None) -> dict | None:
-    """The cached profile for this (model, dtype, machine, torch), or None."""
+    """The cached profile for this (model, dtype, machine, torch), or None if there is none.
+
+    A file at the cache path that cannot be used is refused (``BadProfile``, a ValueError: one line naming the file
+    and the fix, delete it or rerun `specroll profile ... --force`), never used as is nor silently measured over:
+    unreadable, not JSON, not a JSON object, a field this module reads missing or of another type, points the knee
+    rule cannot read, or one recording another model, dtype or machine fingerprint (torch version included) than the
+    one asked for. The cache path is a hash of exactly those, so such a file was edited or copied there by hand: a
+    C_peak from it would size every draft tree for another model or machine, and replacing it unasked would lose
+    whatever the user meant by it."""
+    from ..config import absolute_path
+
+    fp = fp or fingerprint()
     path = profile_path(model, dtype, fp)
     again = f"`specroll profile --model {model} --dtype {dtype_name(dtype)} --force`"
+    fix = f"delete it or rerun {again}"
     if not path.is_file():
         return None
     try:
         data = json.loads(path.read_text())
-    except (OSError, json.JSONDecodeError) as e:
-        raise ValueError(f"{path}: unreadable profile ({e}); delete it or rerun {again}") from e
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise BadProfile(path, f"unreadable profile ({e})", fix) from e
+    if not isinstance(data, dict):
+        raise BadProfile(path, f"a JSON {type(data).__name__}, not an object, so not a specroll profile", fix)
     if data.get("format") != FORMAT or not isinstance(data.get("c_peak"), int) or data["c_peak"] < 1:
-        raise ValueError(f"{path}: field 'format'/'c_peak' is not a specroll profile; delete it or rerun {again}")
-    knee = data.get("knee")
-    if isinstance(knee, dict) and knee.get("base_tokens", 1) != 1:  # measured without batch 1 (before `check_batches`)
-        batches = ",".join(map(str, data.get("batches") or []))
-        raise ValueError(f"{path}: measured without a single-token baseline (--batches {batches} lacks 1), so its "
-                         f"C_peak is no per-row budget; rerun {again}")
+        raise BadProfile(path, "field 'format'/'c_peak' is not a specroll profile", fix)
+    field = _malformed(data)
+    if field:
+        raise BadProfile(path, f"field {field!r} is missing or malformed, so this is not a specroll profile", fix)
+    try:  # what --delta recomputes from the points (and the figure draws): refused here, not in the middle
+        summarise(data["points"], data["delta"])
+    except ValueError as e:
+        raise BadProfile(path, f"field 'points' does not hold a latency curve ({e}), so this is not a specroll "
+                         "profile", fix) from None
+    if absolute_path("model", "name", data["model"]) != absolute_path("model", "name", str(model)):  # as the key does
+        raise BadProfile(path, f"its model is {data['model']!r}, not {str(model)!r}: another model's profile", fix)
+    if data["dtype"] != dtype_name(dtype):
+        raise BadProfile(path, f"its dtype is {data['dtype']!r}, not {dtype_name(dtype)!r}: another dtype's profile",
+                         fix)
+    other = next((k for k in sorted({*fp, *data["fingerprint"]}) if data["fingerprint"].get(k) != fp.get(k)), None)
+    if other is not None:
+        raise BadProfile(path, f"its fingerprint.{other} is {data['fingerprint'].get(other)!r} but here it is "
+                         f"{fp.get(other)!r}: measured on another machine or torch", fix)
+    knee = data["knee"]
+    if knee.get("base_tokens", 1) != 1:  # measured without batch 1 (before `check_batches`)
+        batches = ",".join(map(str, data["batches"]))
+        raise BadProfile(path, f"measured without a single-token baseline (--batches {batches} lacks 1), so its "
+                         "C_peak is no per-row budget", f"rerun {again}")
     return data
 
 
@@ -291,7 +355,12 @@ def run_profile(model_name: str, dtype, engine=None, max_tokens: int = 512, batc
     fp = fingerprint()
     t0 = time.perf_counter()
     points = measure(engine, max_tokens, batches, context, repeats, log=log)
-    return {"format": FORMAT, "model": str(model_name), "dtype": d, "fingerprint": fp, "mode": mode,
+    from ..config import absolute_path
+
+    # a local model by its absolute path (as its cache key names it), so ``load_profile`` run from another directory
+    # knows it as the same model
+    model = absolute_path("model", "name", str(model_name))
+    return {"format": FORMAT, "model": model, "dtype": d, "fingerprint": fp, "mode": mode,
             "rule": "largest total tokens with lower-envelope latency <= (1 + delta) x single-token latency",
             "delta": delta, "context": context, "max_tokens": max_tokens, "batches": list(batches),
             "repeats": repeats, **summarise(points, delta), "points": points,
@@ -454,7 +523,11 @@ def cli(args) -> int:
             print(f"--delta {args.delta:g} applied to the cached points (the profile had --delta "
                   f"{cached.get('delta')}; updated, no re-measuring)")
     else:
-        before = load_profile(args.model, args.dtype) if args.force else None
+        before = None
+        try:
+            before = load_profile(args.model, args.dtype) if args.force else None
+        except BadProfile as e:  # what its error told the user to do: replaced, not refused again
+            print(f"--force: {e.path} is no usable profile ({e.reason}); measuring a new one to replace it")
         engine = _load_engine(args.model, args.dtype)
         check_positions(args.context, args.max_tokens, engine.model.cfg.max_position)
         result = run_profile(args.model, args.dtype, engine, max_tokens=args.max_tokens, batches=batches,
@@ -479,5 +552,5 @@ def cli(args) -> int:
     return 0
 
 
-__all__ = ["VerifyPoint", "adaptive_planner", "find_c_peak", "fingerprint", "get_c_peak", "load_profile", "lower_envelope", "measure", "plot_profile",
+__all__ = ["BadProfile", "VerifyPoint", "adaptive_planner", "find_c_peak", "fingerprint", "get_c_peak", "load_profile", "lower_envelope", "measure", "plot_profile",
            "profile_key", "profile_path", "run_profile", "save_profile", "time_verify", "token_grid"]
