@@ -505,7 +505,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"specroll: error: {_os_message(e) if isinstance(e, OSError) else e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
-        print("specroll: interrupted", file=sys.stderr)
+        if not os.environ.get("SPECROLL_LAUNCHER_PID"):  # a `--nproc` worker: its launcher says what stopped the run
+            print("specroll: interrupted", file=sys.stderr)
         return 130
     return int(rc or 0)
 

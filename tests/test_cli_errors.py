@@ -556,3 +556,20 @@ def test_eval_checkpoint_splits_the_runs_file_as_the_runs_reward_did(tmp_path, c
     assert 0 < leaked < 4
     line = cli_error(capsys, ["eval", "--checkpoint", str(ck), "reward.funcs=[format]"])
     assert f", {leaked} of the 4 eval problems are ones the run trained on" in line, line
+
+
+def test_ctrl_c_is_one_line_and_a_nproc_worker_leaves_it_to_its_launcher(capsys, monkeypatch):
+    """Ctrl-C reaches every process of `--nproc N`: each worker said "interrupted" before the launcher's line."""
+    from specroll.cli import main
+    from specroll.rl import run
+
+    def interrupted(args):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(run, "report_cli", interrupted)
+    monkeypatch.delenv("SPECROLL_LAUNCHER_PID", raising=False)
+    assert main(["report", "r"]) == 130
+    assert capsys.readouterr().err == "specroll: interrupted\n"
+    monkeypatch.setenv("SPECROLL_LAUNCHER_PID", "1")
+    assert main(["report", "r"]) == 130
+    assert capsys.readouterr() == ("", "")

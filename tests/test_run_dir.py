@@ -280,7 +280,7 @@ def test_report_output_and_empty_runs(tmp_path, capsys, monkeypatch):
     assert main(["report", str(out), "--out", str(tmp_path / "c.txt")]) == 2
     err = one_line_error(capsys)
     assert "c.txt" in err and ".png" in err and not (tmp_path / "c.txt").exists()
-    for text in ("", '{"foo": 1}\n'):
+    for text in ("", '{"step": 1, "foo": 1}\n'):
         (out / "metrics.jsonl").write_text(text)
         assert main(["report", str(out)]) == 2
         err = one_line_error(capsys)
@@ -378,11 +378,17 @@ def test_failed_resume_into_a_new_out_leaves_no_directory(tmp_path, capsys, monk
     before = snapshot(out)
     capsys.readouterr()
     new = tmp_path / "deeper" / "new"
-    # already at train.steps: refused after the checkpoint loads, with nothing written
+    # already at train.steps: refused before the model loads, with nothing written
     assert main(["train", "--resume", str(out / "step_000001"), "--out", str(new)]) == 2
     err = one_line_error(capsys)
     assert "already at step 1" in err and "train.steps=" in err
     assert not (tmp_path / "deeper").exists() and snapshot(out) == before  # nor the parent it made
+    # with --nproc: one line from the launcher, before any process starts (each process said it, after loading)
+    from torch.distributed.launcher import api
+
+    monkeypatch.setattr(api, "elastic_launch", lambda *a, **k: pytest.fail("launched"))
+    assert main(["train", "--nproc", "2", "--resume", "latest", "--out", str(out)]) == 2
+    assert one_line_error(capsys) == err and snapshot(out) == before
     # an existing empty --out stays (the user made it)
     new.mkdir(parents=True)
     assert main(["train", "--resume", str(out / "step_000001"), "--out", str(new)]) == 2

@@ -213,6 +213,18 @@ def _from_start(ck: Path) -> bool:
     return not (ck / "state.json").is_file()
 
 
+def _check_not_done(ck: Path, cfg) -> None:
+    """A resume from checkpoint ``ck`` has steps left to train (a ``CliError`` if not)."""
+    from ..cli import CliError
+
+    if _from_start(ck):
+        return
+    step = ckpt.read_state(ck).step
+    if step >= cfg.train.steps:
+        raise CliError(f"{ck} is already at step {step} >= train.steps={cfg.train.steps}; "
+                       f"raise it (e.g. train.steps={step + 10}) to continue")
+
+
 def _claim_run_dir(out: str | None, how: str, config_yaml: str) -> tuple[Path, Path | None, RunLock]:
     """The run directory of a fresh run, locked (``RunLock``) and claimed by writing its ``config.yaml``
     (exclusive create, so two runs never share one). Returns (directory, the outermost directory created for
@@ -363,6 +375,7 @@ def _launch(args, nproc: int) -> int:
     _, ck, cfg = _run_config(args)
     _check_splittable(cfg, nproc)  # one error line here rather than one per process
     if ck is not None:
+        _check_not_done(ck, cfg)
         for note in _check_resume_split(ck, cfg):
             print(f"specroll: warning: {note}", file=sys.stderr)
         kept = _keep_precision(ck)  # before the probe below, which hands its decision to the workers
@@ -525,6 +538,7 @@ def _train_in(args, d, held: list) -> int:
     created = None  # the outermost directory this command creates for the run, if any
     if resume:
         _, ck, cfg = _run_config(args, given)
+        _check_not_done(ck, cfg)  # before anything is made or loaded (--nproc's launcher checks it before it starts)
         notes = _check_resume_split(ck, cfg)
         kept = _keep_precision(ck)
         if os.environ.get("SPECROLL_LAUNCHER_PID"):
@@ -573,9 +587,6 @@ def _train_in(args, d, held: list) -> int:
             step = trainer.resume(ck)
             console.print(f"resumed from {ck} at step {step}")
         if resume:
-            if step >= cfg.train.steps:
-                raise CliError(f"{ck} is already at step {step} >= train.steps={cfg.train.steps}; "
-                               f"raise it (e.g. train.steps={step + 10}) to continue")
             if d.main:
                 if run_dir.resolve() == ck.parent.resolve():
                     aside = ckpt.set_aside_later(run_dir, step)
