@@ -345,7 +345,7 @@ def test_the_stop_for_a_reward_that_gives_nothing_is_decided_over_every_rank(tmp
     _spawn(_reward_stop_worker, str(tmp_path / "init"), str(tmp_path))
     ranks = [torch.load(tmp_path / f"stop{r}.pt", weights_only=False) for r in range(WORLD)]
     for res in ranks:
-        for kind, _name in (("plain", "_rank1_scores_nothing"), ("Reward", "f")):
+        for kind in ("plain", "Reward"):
             assert res["one_rank", kind] == (GIVE_UP_AFTER + 1, None), kind
         for kind, name in (("plain", "_scores_nothing"), ("Reward", "f")):
             step, err = res["no_rank", kind]
