@@ -343,7 +343,7 @@ def test_the_stop_for_a_reward_that_gives_nothing_is_decided_over_every_rank(tmp
     from specroll.rl.rewards import GIVE_UP_AFTER
 
     _spawn(_reward_stop_worker, str(tmp_path / "init"), str(tmp_path))
-    ranks = [torch.load(tmp_path / f"stop{r}.pt", weights_only=False) for r in range(WORLD)]
+    ranks = [torch.load(tmp_path / f"stop{r}.pt", weights_only=True) for r in range(WORLD)]
     for res in ranks:
         for kind in ("plain", "Reward"):
             assert res["one_rank", kind] == (GIVE_UP_AFTER + 1, None), kind
