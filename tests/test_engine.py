@@ -894,3 +894,27 @@ def test_generate_works_in_and_out_of_inference_mode_in_either_order():
             with torch.inference_mode(inside):
                 outs = eng.generate(PROMPTS[:2], params, n=2)
             assert [o.completion_ids.tolist() for o in outs[::2]] == want
+
+
+@pytest.mark.parametrize("field, value, says", [
+    ("top_p", 0.0, "SamplingParams.top_p must be in (0, 1], got 0.0"),  # was the last token id every step, NaN lps
+    ("temperature", -1.0, "SamplingParams.temperature must be a finite number >= 0"),  # was a raw RuntimeError
+    ("min_new_tokens", 9, "SamplingParams.min_new_tokens must be in [0, max_new_tokens], got 9"),
+])
+def test_sampling_params_set_after_construction_are_checked_by_generate(field, value, says):
+    _, model = tiny_hf("llama")
+    eng = Engine(model, eos_ids=[], dtype=torch.float32)
+    params = SamplingParams(temperature=0.7, top_p=0.9, max_new_tokens=3)
+    setattr(params, field, value)
+    with pytest.raises(ValueError, match=re.escape(says)):
+        eng.generate([[5, 6]], params)
+
+
+def test_sampling_params_set_to_good_values_after_construction_still_generate():
+    """Fields stay assignable (benchmarks force lengths with ``params.min_new_tokens = ...``)."""
+    _, model = tiny_hf("llama")
+    params = SamplingParams(temperature=0, max_new_tokens=3)
+    params.min_new_tokens = 3
+    params.stop_ids = [naive_greedy(model, [5, 6], 1)[0]]  # the first token would stop the row but for min_new_tokens
+    (out,) = Engine(model, eos_ids=[], dtype=torch.float32).generate([[5, 6]], params)
+    assert out.completion_ids.tolist() == naive_greedy(model, [5, 6], 3) and params.stop_ids == tuple(params.stop_ids)

@@ -346,6 +346,7 @@ class Engine:
             raise ValueError(f"n must be an int >= 1 (completions per prompt), got {n!r}")
         if not isinstance(params, SamplingParams):
             raise ValueError(f"params must be a SamplingParams, got {type(params).__name__}")
+        params.validate()  # a field set after construction (p.top_p = 0.0) sampled garbage or failed in a kernel
         extra = drafter.max_tokens_per_step() if drafter is not None else 1
         prompts = self._check_prompts(prompts, params)
         P, R, M = len(prompts), len(prompts) * n, params.max_new_tokens

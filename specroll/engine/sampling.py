@@ -41,6 +41,11 @@ class SamplingParams:
     min_new_tokens: int = 0  # stop ids are ignored before this many tokens (benchmarks force lengths)
 
     def __post_init__(self):
+        self.validate()
+
+    def validate(self) -> None:
+        """Check every field (a ValueError naming the first bad one) and normalise ``stop_ids`` to a tuple of ints.
+        Run at construction and again by ``Engine.generate``: the fields may be reassigned in between."""
         if (isinstance(self.temperature, bool) or not isinstance(self.temperature, (int, float))
                 or not math.isfinite(self.temperature) or self.temperature < 0):
             raise ValueError(f"SamplingParams.temperature must be a finite number >= 0 (0 = greedy), "
