@@ -918,3 +918,20 @@ def test_sampling_params_set_to_good_values_after_construction_still_generate():
     params.stop_ids = [naive_greedy(model, [5, 6], 1)[0]]  # the first token would stop the row but for min_new_tokens
     (out,) = Engine(model, eos_ids=[], dtype=torch.float32).generate([[5, 6]], params)
     assert out.completion_ids.tolist() == naive_greedy(model, [5, 6], 3) and params.stop_ids == tuple(params.stop_ids)
+
+
+def test_sampling_params_take_any_real_number_not_a_bool():
+    """numpy's float32 was refused while its float64 (a float subclass) was taken."""
+    np = pytest.importorskip("numpy")
+    _, model = tiny_hf("llama")
+    eng = Engine(model, eos_ids=[], dtype=torch.float32)
+    got = SamplingParams(temperature=np.float32(0.7), top_p=np.float32(0.9), max_new_tokens=4, seed=3)
+    want = SamplingParams(temperature=float(np.float32(0.7)), top_p=float(np.float32(0.9)), max_new_tokens=4, seed=3)
+    assert got == want and type(got.temperature) is float and type(got.top_p) is float
+    assert ([o.completion_ids.tolist() for o in eng.generate(PROMPTS, got, n=2)]
+            == [o.completion_ids.tolist() for o in eng.generate(PROMPTS, want, n=2)])
+    for bad in (np.bool_(True), True):
+        with pytest.raises(ValueError, match="SamplingParams.temperature must be a finite number >= 0"):
+            SamplingParams(temperature=bad)
+        with pytest.raises(ValueError, match=re.escape("SamplingParams.top_p must be in (0, 1]")):
+            SamplingParams(top_p=bad)

@@ -46,15 +46,16 @@ class SamplingParams:
     def validate(self) -> None:
         """Check every field (a ValueError naming the first bad one) and normalise ``stop_ids`` to a tuple of ints.
         Run at construction and again by ``Engine.generate``: the fields may be reassigned in between."""
-        if (isinstance(self.temperature, bool) or not isinstance(self.temperature, (int, float))
+        if (isinstance(self.temperature, bool) or not isinstance(self.temperature, numbers.Real)  # numpy's float32 too
                 or not math.isfinite(self.temperature) or self.temperature < 0):
             raise ValueError(f"SamplingParams.temperature must be a finite number >= 0 (0 = greedy), "
                              f"got {self.temperature!r}")
         if 0 < self.temperature < MIN_TEMPERATURE:  # logits / T overflow to inf, then NaN log-probs
             raise ValueError(f"SamplingParams.temperature must be 0 (greedy) or at least {MIN_TEMPERATURE:g}, got "
                              f"{self.temperature!r}")
-        if isinstance(self.top_p, bool) or not isinstance(self.top_p, (int, float)) or not (0.0 < self.top_p <= 1.0):
+        if isinstance(self.top_p, bool) or not isinstance(self.top_p, numbers.Real) or not (0.0 < self.top_p <= 1.0):
             raise ValueError(f"SamplingParams.top_p must be in (0, 1], got {self.top_p!r}")
+        self.temperature, self.top_p = float(self.temperature), float(self.top_p)
         if not is_int(self.top_k) or self.top_k < 0:
             raise ValueError(f"SamplingParams.top_k must be an int >= 0 (0 = off), got {self.top_k!r}")
         if not is_int(self.max_new_tokens) or self.max_new_tokens < 1:
