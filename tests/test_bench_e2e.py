@@ -27,6 +27,7 @@ def test_bench_e2e_spec_modes_rows_ratios_and_figure(tmp_path, capsys):
     rows = res["rows"]
     assert [(r["system"], r["spec"]) for r in rows] == [("specroll", m) for m in e2e.SPEC_MODES]
     assert res["config"]["steps"] == 2 and res["config"]["spec"] == list(e2e.SPEC_MODES)
+    assert res["config"]["lenience"] == "inf"  # not null (JSON has no infinity), which says "not used"
     off = rows[0]
     for r in rows:
         assert {"step_s_median", "tokens_per_step", "phases", "reward_mean_per_step", "speedup_vs_off",

@@ -835,9 +835,12 @@ def test_load_profile_refuses_files_that_are_no_profile(tmp_path, monkeypatch):
     fp = {"cpu": "X", "cores": 2, "torch_threads": 2, "torch": "2.13.0"}
     monkeypatch.setattr(profiler, "profiles_dir", lambda: tmp_path)
     path = profiler.profile_path("m", "float32", fp)
-    path.write_text(json.dumps({"format": profiler.FORMAT, "c_peak": 8}))
+    pts = _points(1, [1, 2, 4, 8], [1.0] * 4)
+    good = {"format": profiler.FORMAT, "model": "m", "dtype": "float32", "fingerprint": fp, "delta": 0.5,
+            "context": 4, "batches": [1], **profiler.summarise(pts), "points": pts}
+    path.write_text(json.dumps(good))
     assert profiler.load_profile("m", "float32", fp)["c_peak"] == 8
-    for bad in ({"format": profiler.FORMAT, "c_peak": 0}, {"format": "other/1", "c_peak": 8}, {"c_peak": 8}):
+    for bad in ({**good, "c_peak": 0}, {**good, "format": "other/1"}, {k: v for k, v in good.items() if k != "format"}):
         path.write_text(json.dumps(bad))
         with pytest.raises(ValueError, match="field 'format'/'c_peak' is not a specroll profile"):
             profiler.load_profile("m", "float32", fp)

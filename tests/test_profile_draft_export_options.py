@@ -132,13 +132,16 @@ def test_a_cached_profile_without_a_batch_1_baseline_is_not_used(tmp_path, monke
     """Profiles cached before --batches had to hold 1 read C_peak off a B-row curve: not a per-row budget."""
     monkeypatch.setattr(profiler, "profiles_dir", lambda: tmp_path)
     path = profiler.profile_path("tiny-llama", "float32")
-    bad = {"format": profiler.FORMAT, "mode": "full", "c_peak": 4, "batches": [4, 16],
-           "knee": {"base_tokens": 4, "single_token_ms": 0.15, "c_peak_ms": 0.15, "ratio": 1.0}}
+    pts = [{"batch": 4, "tokens_per_row": 1, "total_tokens": 4, "latency_s": 1.5e-4, "median_s": 1.5e-4}]
+    bad = {"format": profiler.FORMAT, "model": "tiny-llama", "dtype": "float32", "fingerprint": profiler.fingerprint(),
+           "mode": "full", "delta": 0.5, "context": 4, "batches": [4, 16], **profiler.summarise(pts), "points": pts}
+    assert (bad["c_peak"], bad["knee"]["base_tokens"]) == (4, 4)
     profiler.save_profile(bad, path)
     with pytest.raises(ValueError, match=r"--batches 4,16 lacks 1\), so its C_peak is no per-row budget; rerun "
                                          r"`specroll profile --model tiny-llama --dtype float32 --force`$"):
         profiler.get_c_peak("tiny-llama", "float32", profile_if_missing=False)
-    profiler.save_profile({**bad, "batches": [1], "knee": {**bad["knee"], "base_tokens": 1}}, path)
+    profiler.save_profile({**bad, "batches": [1], "points": [{**pts[0], "batch": 1, "tokens_per_row": 4}],
+                           "knee": {**bad["knee"], "base_tokens": 1}}, path)
     assert profiler.get_c_peak("tiny-llama", "float32", profile_if_missing=False) == 4
 
 

@@ -439,7 +439,8 @@ def run_bench(args) -> dict:
                             "spec": specs if used["spec"] else None,
                             "draft": option(args, "draft") if used["draft"] else None,
                             "reuse_mode": option(args, "reuse_mode") if used["reuse_mode"] else None,
-                            "lenience": lenience if used["lenience"] else None,
+                            # JSON has no infinity (write_json would make it null, as for an unused option)
+                            "lenience": ("inf" if lenience == math.inf else lenience) if used["lenience"] else None,
                             "overrides": list(getattr(args, "overrides", [])), "systems": wanted,
                             "trl_reuse": getattr(args, "trl_reuse", None) or "off"},
                  "machine": machine_info(), "rows": []}

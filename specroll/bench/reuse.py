@@ -9,7 +9,7 @@ the store records its completions, then the model, optimizer, scheduler and roll
 snapshotted and every setting continues from that snapshot. Its row is repeated per setting
 with ``"shared": true``.
 
-Writes ``{"rows": [{"mode", "lenience", "epoch", "tokens_generated", "rollout_s", "reward_mean", "reward_se",
+Writes ``{"rows": [{"mode", "lenience" (a number, "inf", or null for the other modes), "epoch", "tokens_generated", "rollout_s", "reward_mean", "reward_se",
 "reuse_ratio", "skip_ratio", ...}], "config": ..., "machine": ...}``. ``tokens_generated`` counts
 tokens sampled by the model (completion tokens minus reused ones); ``rollout_s`` is the wall time of
 ``Engine.generate`` summed over the epoch's steps, verification included (``rollout_cpu_s``: the same
@@ -209,9 +209,10 @@ def run(args, say=print) -> dict:
         say(f"{mode}" + ("" if lam is None else f" l={lam:g}"))
         d = ReuseDrafter(mode=mode, lenience=lam if lam is not None else 1.0, seed=args.seed + 1)
         _restore(tr, snap, d)
-        rows.append({"mode": mode, "lenience": lam, **first, "shared": True})
+        named = "inf" if lam == math.inf else lam  # JSON has no infinity (write_json would make it null)
+        rows.append({"mode": mode, "lenience": named, **first, "shared": True})
         for r in _run_epochs(tr, range(2, args.epochs + 1), spe, rows_per_step, say):
-            rows.append({"mode": mode, "lenience": lam, **r, "shared": False})
+            rows.append({"mode": mode, "lenience": named, **r, "shared": False})
     return {"benchmark": "reuse", "rows": rows, "summary": summarize(rows, args.epochs),
             "config": cfg.to_dict(), "args": {**{k: v for k, v in vars(args).items() if k != "func"},
                                               "lenience": LENIENCE if args.lenience is None and "lenient" in modes
@@ -261,7 +262,7 @@ def cli(args) -> int:
     res = run(args)
     write_json(args.out, res)
     for s in res["summary"]:
-        lam = "" if s["lenience"] is None else f" l={s['lenience']:g}"
+        lam = "" if s["lenience"] is None else f" l={float(s['lenience']):g}"
         print(f"epoch {s['epoch']} {s['mode']}{lam}: tokens {s['tokens_vs_off']:.2f}x off, "
               f"rollout time {s['rollout_time_vs_off']:.2f}x off, reward {s['reward_minus_off']:+.3f} vs off "
               f"(s.e. {s['reward_minus_off_se']:.3f})")
