@@ -90,6 +90,14 @@ def cli(args) -> int:
     if getattr(args, "draft", None):
         drafter = build_drafter(args, model, engine, name, tok)
     ids = [encode_chat(tok, p, args.system, args.raw) for p in prompts_text]
+    limit, templated = model.cfg.max_position, not args.raw and getattr(tok, "chat_template", None)
+    for t, src in zip(ids, where):  # the engine's own errors would name "prompt 0" and max_new_tokens
+        if not t:
+            raise CliError(f"{src} tokenizes to no tokens at all; give some text")
+        if len(t) + args.max_new_tokens > limit:
+            raise CliError(f"{src} is {len(t)} tokens{' with the chat template' if templated else ''}; with "
+                           f"--max-new-tokens {args.max_new_tokens} that is {len(t) + args.max_new_tokens}, over the "
+                           f"model's context of {limit} tokens: shorten it or lower --max-new-tokens")
     t = time.perf_counter()
     try:
         outs = engine.generate(ids, params, n=args.n, drafter=drafter)

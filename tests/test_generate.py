@@ -174,3 +174,21 @@ def test_generate_that_cannot_allocate_names_the_longest_row(llama, capsys, monk
                               "--max-new-tokens", "4", "--raw"])
     assert line == (f"specroll: error: not enough memory for 6 rows (2 prompts x -n 3) of up to {longest + 4} tokens "
                     "each; lower -n or --max-new-tokens")
+
+
+def test_an_over_long_or_empty_prompt_is_named_as_given_with_the_cli_option(llama, capsys, monkeypatch):
+    """The engine's errors named it by its 0-based index ("prompt 1") and the library's max_new_tokens."""
+    import io
+
+    _, tok, _ = llama
+    long = "word " * 1500
+    n = len(tok(long).input_ids)
+    line = cli_error(capsys, ["generate", "--model", "tiny-llama", "--prompt", "hi", "--prompt", long, "--raw",
+                              "--max-new-tokens", "100"])
+    assert line == (f"specroll: error: --prompt 2 is {n} tokens; with --max-new-tokens 100 that is {n + 100}, over "
+                    "the model's context of 2048 tokens: shorten it or lower --max-new-tokens")
+    monkeypatch.setattr("sys.stdin", io.StringIO(f"a\n\nb\n{long}\n"))
+    line = cli_error(capsys, ["generate", "--model", "tiny-llama", "--max-new-tokens", "100"])
+    assert line.startswith("specroll: error: standard input line 4 is ") and " tokens with the chat template; " in line
+    assert cli_error(capsys, ["generate", "--model", "tiny-llama", "--prompt", "hi", "--prompt", "", "--raw"]) == (
+        "specroll: error: --prompt 2 tokenizes to no tokens at all; give some text")
