@@ -509,3 +509,45 @@ def test_report_out_whose_folder_cannot_be_made_is_refused_before_plotting(tmp_p
     assert cli_error(capsys, ["report", str(d), "--out", f"{f}/sub/c.png"]) == \
         f"specroll: error: --out {f}/sub/c.png: cannot create its folder, {f} is a file; pick another path"
     assert f.read_text() == "keep me\n"
+
+
+def test_under_data_parallel_only_rank_0_reads_or_measures_c_peak(monkeypatch):
+    """Every rank quick-profiled at once on first use (timing forwards that compete for the same cores, and
+    writing one cache file): rank 0 does it alone while the others wait, then they read its cache."""
+    from specroll.engine import profiler
+
+    calls = []
+
+    class FakeDist:
+        def __init__(self, rank, answer=True):
+            self.main, self.sent, self.answer = rank == 0, [], answer
+
+        def gather(self, obj):
+            self.sent.append(obj)
+            return [obj if self.main else self.answer, None]
+
+    def c_peak(name, dtype, engine=None, log=None):
+        calls.append(name)
+        return 12
+
+    cfg = load_config(overrides=["model.name=tiny-llama", "model.rollout_dtype=float32"])
+    from helpers import tiny_decoder
+
+    model = tiny_decoder(32, 0)
+    monkeypatch.setattr(profiler, "get_c_peak", c_peak)
+    for rank in (1, 0):
+        d = FakeDist(rank)
+        run._c_peak_on_rank_0(cfg, model, d, print)
+        assert d.sent == ([True] if rank == 0 else [None])
+    assert calls == ["tiny-llama"]  # rank 0's call only
+    with pytest.raises(RuntimeError, match="rank 0 could not read or measure C_peak"):
+        run._c_peak_on_rank_0(cfg, model, FakeDist(1, answer=False), print)
+
+    def broken(*a, **k):
+        raise ValueError("damaged profile")
+
+    monkeypatch.setattr(profiler, "get_c_peak", broken)
+    d = FakeDist(0)
+    with pytest.raises(ValueError, match="damaged profile"):
+        run._c_peak_on_rank_0(cfg, model, d, print)
+    assert d.sent == [False]  # the other ranks are released before rank 0 reports

@@ -70,10 +70,31 @@ def build_trainer(cfg: Config, run_dir: str | Path | None, console=None, drafter
     if drafter is None:
         from ..drafters.build import build_spec_drafter
 
+        if dist is not None and dist.active and cfg.draft.head and cfg.draft.plan != "static":
+            _c_peak_on_rank_0(cfg, model, dist, say)
         # None unless reuse.mode is lenient / exact or draft.head is set (see drafters/build.py)
         drafter = build_spec_drafter(cfg, model, train_set.ids, eos, log=say, tokenizer=tok)
     return Trainer(cfg, model, train_set, eval_set, reward, decode, eos, drafter=drafter, run_dir=run_dir,
                    console=console, dist=dist)
+
+
+def _c_peak_on_rank_0(cfg: Config, model, dist, say) -> None:
+    """Data parallel with an adaptive or tuned plan: rank 0 alone reads this machine's C_peak or, on first use, measures
+    and caches it (every rank measuring at once would time forwards competing for the same cores, and write one
+    file); the other ranks wait for it here, then read the cache (``drafters.build.make_plan``)."""
+    from ..engine.engine import Engine
+    from ..engine.profiler import get_c_peak
+
+    if dist.main:
+        dtype = torch_dtype(cfg.model.rollout_dtype)
+        try:
+            get_c_peak(cfg.model.name, dtype, engine=Engine(model, dtype=dtype), log=say)
+        except BaseException:
+            dist.gather(False)  # release the other ranks before rank 0 reports the error
+            raise
+        dist.gather(True)
+    elif not dist.gather(None)[0]:
+        raise RuntimeError("rank 0 could not read or measure C_peak (its error says why)")
 
 
 def save_draft_head(trainer: Trainer, cfg: Config, run_dir: Path, say=print) -> Path | None:
