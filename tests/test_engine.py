@@ -935,3 +935,30 @@ def test_sampling_params_take_any_real_number_not_a_bool():
             SamplingParams(temperature=bad)
         with pytest.raises(ValueError, match=re.escape("SamplingParams.top_p must be in (0, 1]")):
             SamplingParams(top_p=bad)
+
+
+def test_a_kv_cache_the_memory_cannot_hold_is_refused_before_it_is_allocated(monkeypatch):
+    """The allocator granted a cache bigger than the free memory (overcommit) and writing its zeros got the process
+    killed by the OOM killer without a word (`specroll generate -n 3000000`); now one line, before allocating."""
+    _, model = tiny_hf("llama")
+    cfg, M, n = model.cfg, 4, 8
+    eng = Engine(model, eos_ids=[], dtype=torch.float32)
+    S = 7 + M + 1  # the longest prompt, the new tokens and one slot of a vanilla step
+    kv = 2 * cfg.num_layers * cfg.num_kv_heads * S * cfg.head_dim * 4
+    need = len(PROMPTS) * n * (kv + 4 * cfg.vocab_size + 4 * cfg.hidden_size + 16 * M)
+    params = SamplingParams(temperature=0, max_new_tokens=M)
+    monkeypatch.setattr(engine_mod.KVCache, "for_model", lambda *a: pytest.fail("allocated a cache too big"))
+    monkeypatch.setattr(engine_mod, "available_memory", lambda: need - 1, raising=False)
+    with pytest.raises(torch.OutOfMemoryError, match=re.escape(
+            f"not enough memory: can't allocate the KV cache and buffers of 24 rows of up to {S} tokens")):
+        eng.generate(PROMPTS, params, n=n)
+    monkeypatch.undo()
+    for avail in (need, None):  # enough, or unknown (no /proc/meminfo): generated
+        monkeypatch.setattr(engine_mod, "available_memory", lambda a=avail: a)
+        eng = Engine(model, eos_ids=[], dtype=torch.float32)
+        assert [o.completion_ids.tolist() for o in eng.generate(PROMPTS, params, n=n)[::n]] == [
+            naive_greedy(model, p, M) for p in PROMPTS]
+    monkeypatch.setattr(engine_mod, "available_memory", lambda: 0)  # the cache it has is reused: nothing new to hold
+    assert len(eng.generate(PROMPTS, params, n=n)) == 24
+    monkeypatch.setattr(engine_mod, "available_memory", lambda: need)  # a bigger one may take the old one's memory
+    assert len(eng.generate(PROMPTS, params, n=n + 1)) == 27

@@ -192,3 +192,18 @@ def test_an_over_long_or_empty_prompt_is_named_as_given_with_the_cli_option(llam
     assert line.startswith("specroll: error: standard input line 4 is ") and " tokens with the chat template; " in line
     assert cli_error(capsys, ["generate", "--model", "tiny-llama", "--prompt", "hi", "--prompt", "", "--raw"]) == (
         "specroll: error: --prompt 2 tokenizes to no tokens at all; give some text")
+
+
+def test_rows_the_memory_cannot_hold_are_refused_in_one_line_before_allocating(llama, capsys, monkeypatch):
+    """-n 3000000 got the process killed by the OOM killer without a word (a cache the allocator grants but the
+    machine cannot hold); checked here against a small stand-in figure for the free memory, never at full size."""
+    from specroll.engine import engine as engine_mod
+
+    _, tok, _ = llama
+    monkeypatch.setattr(engine_mod, "available_memory", lambda: 2 ** 20, raising=False)
+    monkeypatch.setattr(engine_mod.KVCache, "for_model", lambda *a: pytest.fail("allocated a cache too big"))
+    n = len(tok("hi").input_ids)
+    line = cli_error(capsys, ["generate", "--model", "tiny-llama", "--prompt", "hi", "--raw", "-n", "1000",
+                              "--max-new-tokens", "3"])
+    assert line == (f"specroll: error: not enough memory for 1000 rows (1 prompts x -n 1000) of up to {n + 3} tokens "
+                    "each; lower -n or --max-new-tokens")

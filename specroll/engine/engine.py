@@ -83,6 +83,18 @@ def _token_ids(p, i: int) -> torch.Tensor:
     return torch.tensor(p, dtype=torch.long)
 
 
+def available_memory() -> int | None:
+    """Bytes the OS can hand out without swapping (Linux: MemAvailable of /proc/meminfo); None where unknown."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
 class Engine:
     """Batched KV-cache generation over a ``Decoder``.
 
@@ -152,13 +164,35 @@ class Engine:
         self._cache: KVCache | None = None
 
     # -- helpers ------------------------------------------------------------------------------
-    def _get_cache(self, batch: int, length: int) -> KVCache:
+    def _get_cache(self, batch: int, length: int, max_new: int = 0) -> KVCache:
+        """The engine's KV cache, reset to ``batch`` rows of up to ``length`` slots: the last one if it is big
+        enough, else a new one. A new one is first checked against the memory available (``check_memory``)."""
         c = self._cache
         if c is None or c.max_batch < batch or c.max_len < length or c.k.dtype != self.kv_dtype:
+            self.check_memory(batch, length, max_new, freed=0 if c is None else 2 * c.k.nbytes)
+            self._cache = c = None  # the old one's memory is the new one's
             c = KVCache.for_model(self.model.cfg, batch, length, self.kv_dtype)
             self._cache = c
         c.reset(batch)
         return c
+
+    def check_memory(self, rows: int, length: int, max_new: int, freed: int = 0) -> None:
+        """Refuse (``torch.OutOfMemoryError``, one line) a rollout of ``rows`` rows of up to ``length`` tokens whose
+        KV cache and per-row buffers (next-token logits and hidden states, ``max_new`` tokens and log-probs) alone
+        need more than the memory available (``available_memory``, plus ``freed`` bytes about to be released).
+        Else a cache that the allocator grants but the machine cannot hold gets the process killed, without a word,
+        when its zeros are written. A lower bound (no forward's temporaries), so it refuses only what cannot fit."""
+        avail = available_memory()
+        if avail is None:
+            return
+        cfg = self.model.cfg
+        per_row = (2 * cfg.num_layers * cfg.num_kv_heads * length * cfg.head_dim * self.kv_dtype.itemsize
+                   + 4 * cfg.vocab_size + cfg.hidden_size * self.act_dtype.itemsize + 16 * max_new)
+        if rows * per_row > avail + freed:
+            raise getattr(torch, "OutOfMemoryError", RuntimeError)(
+                f"not enough memory: can't allocate the KV cache and buffers of {rows} rows of up to {length} tokens "
+                f"({rows * per_row / 2 ** 30:.1f} GiB), {(avail + freed) / 2 ** 30:.1f} GiB available; generate fewer "
+                "rows or tokens at once")
 
     def forward(self, cache: KVCache, ids: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
                 mask: torch.Tensor) -> torch.Tensor:
@@ -352,7 +386,7 @@ class Engine:
         P, R, M = len(prompts), len(prompts) * n, params.max_new_tokens
         if P == 0:
             return []
-        cache = self._get_cache(R, max(len(p) for p in prompts) + M + extra)
+        cache = self._get_cache(R, max(len(p) for p in prompts) + M + extra, M)
         cache.reset(P)
         prompt_hidden = [] if getattr(drafter, "wants_prompt_hidden", False) else None
         hidden, logits = self.prefill(cache, prompts, prompt_hidden)
