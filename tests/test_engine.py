@@ -962,3 +962,20 @@ def test_a_kv_cache_the_memory_cannot_hold_is_refused_before_it_is_allocated(mon
     assert len(eng.generate(PROMPTS, params, n=n)) == 24
     monkeypatch.setattr(engine_mod, "available_memory", lambda: need)  # a bigger one may take the old one's memory
     assert len(eng.generate(PROMPTS, params, n=n + 1)) == 27
+
+
+def test_eos_ids_may_be_any_iterable_of_ints_a_1d_tensor_or_one_int():
+    """A set or None was a raw TypeError and a tensor of ids a raw ValueError ("only one element tensors ...")."""
+    np = pytest.importorskip("numpy")
+    _, model = tiny_hf("llama")
+    first = naive_greedy(model, PROMPTS[0], 1)[0]
+    params = SamplingParams(temperature=0, max_new_tokens=4)
+    for eos in ({first, 3}, torch.tensor([3, first]), torch.tensor(first), np.array([first]), iter([first]), first):
+        (out,) = Engine(model, eos_ids=eos, dtype=torch.float32).generate(PROMPTS[:1], params)
+        assert out.completion_ids.tolist() == [first] and out.finish_reason == "stop", eos
+    says = "eos_ids must be token ids: an int, an iterable of ints or a 1-D integer tensor (() for none), got "
+    for bad, what in [(None, "NoneType None"), ("2", "str '2'"), ([2, 3.0], "list [2, 3.0]"), (True, "bool True"),
+                      (torch.tensor([[2, 3]]), "a tensor of shape (1, 2) and dtype torch.int64"),
+                      (torch.tensor([2.0]), "a tensor of shape (1,) and dtype torch.float32")]:
+        with pytest.raises(ValueError, match=re.escape(says + what)):
+            Engine(model, eos_ids=bad)

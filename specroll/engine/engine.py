@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import numbers
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -83,6 +83,25 @@ def _token_ids(p, i: int) -> torch.Tensor:
     return torch.tensor(p, dtype=torch.long)
 
 
+def _eos_ids(eos_ids) -> tuple[int, ...]:
+    """``Engine``'s ``eos_ids`` as a tuple of ints: one int, an iterable of ints (a list, a set, a numpy array) or
+    an integer tensor of at most one dimension. Anything else is a one-line ValueError."""
+    tensor, ids = isinstance(eos_ids, torch.Tensor), None
+    if tensor and eos_ids.dim() <= 1 and not (eos_ids.is_floating_point() or eos_ids.is_complex()
+                                              or eos_ids.dtype == torch.bool):
+        ids = eos_ids.reshape(-1).tolist()
+    elif is_int(eos_ids):
+        ids = [eos_ids]
+    elif not tensor and isinstance(eos_ids, Iterable) and not isinstance(eos_ids, (str, bytes)):
+        ids = list(eos_ids)
+    if ids is None or not all(is_int(e) for e in ids):
+        what = (f"a tensor of shape {tuple(eos_ids.shape)} and dtype {eos_ids.dtype}" if tensor
+                else f"{type(eos_ids).__name__} {' '.join(repr(eos_ids).split()):.40}")  # (one line: an array's repr)
+        raise ValueError(f"eos_ids must be token ids: an int, an iterable of ints or a 1-D integer tensor (() for "
+                         f"none), got {what}")
+    return tuple(int(e) for e in ids)
+
+
 def available_memory() -> int | None:
     """Bytes the OS can hand out without swapping (Linux: MemAvailable of /proc/meminfo); None where unknown."""
     try:
@@ -133,7 +152,7 @@ class Engine:
 
     def __init__(self, model: Decoder, eos_ids=(), dtype: torch.dtype | None = None, prefill_chunk: int = 4096):
         self.model = model
-        self.eos_ids = tuple(int(e) for e in (eos_ids if isinstance(eos_ids, (list, tuple)) else [eos_ids]))
+        self.eos_ids = _eos_ids(eos_ids)
         bad = [e for e in self.eos_ids if not 0 <= e < model.cfg.vocab_size]
         if bad:  # never sampled, so it would never end a row
             raise ValueError(f"eos_ids {bad} are outside the model's vocabulary [0, {model.cfg.vocab_size})")
