@@ -494,6 +494,15 @@ def _os_message(e: OSError) -> str:
     return f"{both}: {e.strerror}"
 
 
+_FEWER = "; generate fewer rows or tokens at once (train: rollout.G, train.prompts_per_step, rollout.max_new_tokens)"
+
+
+def _out_of_memory(e: RuntimeError) -> bool:
+    torch = sys.modules.get("torch")
+    oom = getattr(torch, "OutOfMemoryError", None) if torch is not None else None
+    return (oom is not None and isinstance(e, oom)) or "can't allocate memory" in str(e)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = expand_paths(build_parser().parse_args(argv))
     try:
@@ -503,6 +512,11 @@ def main(argv: list[str] | None = None) -> int:
             raise
         # one line, whatever the class (README and `specroll --help`: SPECROLL_DEBUG=1 shows the traceback)
         print(f"specroll: error: {_os_message(e) if isinstance(e, OSError) else e}", file=sys.stderr)
+        return 2
+    except RuntimeError as e:  # torch's: the engine's memory check, or the allocator refusing a tensor
+        if debug() or not _out_of_memory(e):
+            raise
+        print(f"specroll: error: {str(e).splitlines()[0]}{'' if 'fewer' in str(e) else _FEWER}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         if not os.environ.get("SPECROLL_LAUNCHER_PID"):  # a `--nproc` worker: its launcher says what stopped the run

@@ -9,6 +9,7 @@ import json
 import re
 
 import pytest
+import torch
 from helpers import cli_error
 
 from specroll.cli import CliError, main
@@ -573,3 +574,30 @@ def test_ctrl_c_is_one_line_and_a_nproc_worker_leaves_it_to_its_launcher(capsys,
     monkeypatch.setenv("SPECROLL_LAUNCHER_PID", "1")
     assert main(["report", "r"]) == 130
     assert capsys.readouterr() == ("", "")
+
+
+def test_running_out_of_memory_is_one_line_with_what_to_lower(capsys, monkeypatch):
+    """`train` with rows the memory cannot hold printed the engine's (or the allocator's) error as a traceback."""
+    from specroll.cli import main
+    from specroll.rl import run
+
+    def raising(e):
+        def report_cli(args):
+            raise e
+        return report_cli
+
+    monkeypatch.delenv("SPECROLL_DEBUG", raising=False)
+    monkeypatch.setattr(run, "report_cli", raising(torch.OutOfMemoryError(
+        "not enough memory: can't allocate ... 9.0 GiB; generate fewer rows or tokens at once")))
+    assert cli_error(capsys, ["report", "r"]) == \
+        "specroll: error: not enough memory: can't allocate ... 9.0 GiB; generate fewer rows or tokens at once"
+    monkeypatch.setattr(run, "report_cli", raising(RuntimeError(
+        "[enforce fail at alloc_cpu.cpp:118] data. DefaultCPUAllocator: can't allocate memory: you tried to allocate "
+        "9663676416 bytes. Error code 12 (Cannot allocate memory)\nmore")))
+    line = cli_error(capsys, ["report", "r"])
+    assert line.startswith("specroll: error: [enforce fail") and line.endswith(
+        "Cannot allocate memory); generate fewer rows or tokens at once (train: rollout.G, train.prompts_per_step, "
+        "rollout.max_new_tokens)")
+    monkeypatch.setattr(run, "report_cli", raising(RuntimeError("a bug")))
+    with pytest.raises(RuntimeError, match="a bug"):  # any other error keeps its traceback
+        main(["report", "r"])
