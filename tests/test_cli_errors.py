@@ -188,10 +188,12 @@ def test_draft_depth_and_prompt_length_are_checked_against_the_context(tmp_path,
     assert line == f"specroll: error: --draft-depth must be below the model's context of {limit} tokens, got {limit}"
     # drafts past the context's end are never kept, so only the prompt and the new tokens count
     line = cli_error(capsys, [*argv, "4", "--max-new-tokens", str(limit)])
-    assert f"; with max_new_tokens={limit} it exceeds the model's context of {limit} tokens" in line
+    says = (f"specroll: error: --prompt 1 is 2 tokens; with --max-new-tokens {limit} that is {limit + 2}, over the "
+            f"model's context of {limit} tokens: shorten it or lower --max-new-tokens")
+    assert line == says
     line = cli_error(capsys, ["generate", "--model", "tiny-llama", "--prompt", "hi", "--raw", "--max-new-tokens",
                               str(limit)])
-    assert f"; with max_new_tokens={limit} it exceeds the model's context of {limit} tokens" in line
+    assert line == says
 
 
 # --- files the commands read ------------------------------------------------------------------------
