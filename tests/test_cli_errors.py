@@ -603,3 +603,14 @@ def test_running_out_of_memory_is_one_line_with_what_to_lower(capsys, monkeypatc
     monkeypatch.setattr(run, "report_cli", raising(RuntimeError("a bug")))
     with pytest.raises(RuntimeError, match="a bug"):  # any other error keeps its traceback
         main(["report", "r"])
+
+
+def test_draft_train_that_diverges_saves_nothing(tmp_path, capsys):
+    """A diverged head (NaN weights) was saved and then drafted tokens that verification kept (NaN comparisons
+    are false), biasing every sample drawn with it."""
+    out = tmp_path / "head"
+    line = cli_error(capsys, ["draft", "train", "--model", "tiny-llama", "--prompts", "4", "-n", "1",
+                              "--max-new-tokens", "8", "--steps", "5", "--batch", "2", "--lr", "1e30", "--out", str(out)])
+    assert line.startswith("specroll: error: training diverged: the head's ") and line.endswith(
+        f"holds NaN or infinite values (last loss nan); nothing was saved to --out {out}: lower --lr and train again")
+    assert not out.exists()

@@ -181,6 +181,15 @@ def _shrink_fc(f: Path) -> None:
     save_file(sd, str(f))
 
 
+def _nan_fc(f: Path) -> None:
+    """A diverged head: its drafts pass verification's tests (NaN comparisons are false) and bias the samples."""
+    from safetensors.torch import load_file, save_file
+
+    sd = load_file(str(f))
+    sd["fc.weight"][0, 0] = float("nan")
+    save_file(sd, str(f))
+
+
 HEAD_DAMAGE = {  # file -> (damage, expected text after "<file>: ")
     "truncated weights": ("draft_head.safetensors", truncate, "not a complete safetensors file (invalid header length)"),
     "open brace": ("draft_head.json", lambda f: f.write_text("{"), "not valid JSON"),
@@ -190,6 +199,7 @@ HEAD_DAMAGE = {  # file -> (damage, expected text after "<file>: ")
                           lambda f: f.write_text(json.dumps({"format": "specroll-eagle-head/1", "policy": {}})),
                           "field 'policy' has missing ["),
     "wrong shapes": ("draft_head.safetensors", _shrink_fc, "does not match draft_head.json (fc.weight is [32, 10]"),
+    "NaN weights": ("draft_head.safetensors", _nan_fc, "tensor 'fc.weight' holds NaN or infinite values"),
 }
 
 

@@ -58,6 +58,7 @@ from .eagle import (
     head_for,
     head_meta,
     load_head_as,
+    non_finite,
     save_head,
     tokenizer_fingerprint,
 )
@@ -845,6 +846,11 @@ def cli(args) -> int:
                          note=lambda msg: print(msg, flush=True), data_cache=args.data_cache,
                          setup={"model": args.model, "data": args.data},
                          extra_data=extra)
+    bad = non_finite(head.state_dict())
+    if bad:
+        raise CliError(f"training diverged: the head's {bad} holds NaN or infinite values (last loss "
+                       f"{info.get('final', {}).get('loss', float('nan')):.4g}); nothing was saved to --out {args.out}: "
+                       "lower --lr and train again")
     meta = {"model": args.model, "tokenizer": tokenizer_fingerprint(tok), "prompts": len(prompts), **info,
             "config": asdict(cfg),
             **({"init": str(args.init)} if args.init else {})}

@@ -242,8 +242,16 @@ def _read_head_weights(w_file: Path, cfg_file: Path, cfg: DecoderConfig) -> Draf
     if missing or unexpected or shapes:
         parts = ([f"missing {missing[:3]}"] if missing else []) + ([f"unexpected {unexpected[:3]}"] if unexpected else [])
         raise _head_error(w_file, f"does not match {cfg_file.name} ({'; '.join(parts + shapes[:1])})")
+    bad = non_finite(sd)
+    if bad:  # NaN drafts pass verification's tests (a NaN comparison is false): they would bias the samples
+        raise _head_error(w_file, f"tensor {bad!r} holds NaN or infinite values (its training diverged)")
     head.load_state_dict(sd)
     return head
+
+
+def non_finite(tensors: dict[str, torch.Tensor]) -> str | None:
+    """The name of the first floating-point tensor holding a NaN or an infinity, else None."""
+    return next((k for k, v in tensors.items() if v.is_floating_point() and not bool(torch.isfinite(v).all())), None)
 
 
 def tokenizer_fingerprint(tokenizer) -> str:
