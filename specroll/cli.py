@@ -519,7 +519,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"specroll: error: {str(e).splitlines()[0]}{'' if 'fewer' in str(e) else _FEWER}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
-        if not os.environ.get("SPECROLL_LAUNCHER_PID"):  # a `--nproc` worker: its launcher says what stopped the run
+        # a `--nproc` worker (its launcher set this to its own pid, which it keeps): the launcher says what stopped the run
+        if os.environ.get("SPECROLL_LAUNCHER_PID", str(os.getpid())) == str(os.getpid()):
             print("specroll: interrupted", file=sys.stderr)
         return 130
     return int(rc or 0)

@@ -6,6 +6,7 @@ metrics.jsonl names its line, and SPECROLL_DEBUG=0 means off."""
 from __future__ import annotations
 
 import json
+import os
 import re
 
 import pytest
@@ -573,7 +574,10 @@ def test_ctrl_c_is_one_line_and_a_nproc_worker_leaves_it_to_its_launcher(capsys,
     monkeypatch.delenv("SPECROLL_LAUNCHER_PID", raising=False)
     assert main(["report", "r"]) == 130
     assert capsys.readouterr().err == "specroll: interrupted\n"
-    monkeypatch.setenv("SPECROLL_LAUNCHER_PID", "1")
+    monkeypatch.setenv("SPECROLL_LAUNCHER_PID", str(os.getpid()))  # the launcher itself (it sets it to its own pid)
+    assert main(["report", "r"]) == 130
+    assert capsys.readouterr().err == "specroll: interrupted\n"
+    monkeypatch.setenv("SPECROLL_LAUNCHER_PID", str(os.getpid() + 1))  # a worker
     assert main(["report", "r"]) == 130
     assert capsys.readouterr() == ("", "")
 
