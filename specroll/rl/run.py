@@ -761,13 +761,9 @@ def eval_cli(args) -> int:
                   f"(T={args.temperature}, mean length {m['eval/completion_len']:.1f} tokens, {m['timing/eval']:.1f}s)"
                   f"{unscored}")
     if args.json:
-        import json
+        from ..bench.common import write_json
 
-        from .metrics import json_value
-
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)  # NaN (nothing scored) is null, as in metrics.jsonl
-        Path(args.json).write_text(json.dumps({"model": str(what), **{k: json_value(v) for k, v in m.items()}},
-                                              indent=2, allow_nan=False))
+        write_json(args.json, {"model": str(what), **m})  # NaN (nothing scored) as null, as in metrics.jsonl
     return 0
 
 
